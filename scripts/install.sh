@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install everything the project needs on a fresh Debian 12 machine, idempotently:
+# the system packages (apt), a virtualenv at .venv with the project and its test tools,
+# and the compiled C core. Safe to run again; does nothing that is already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  build-essential pkg-config clang            # C core, BPF programs
+  libzstd-dev libxxhash-dev libssl-dev        # chunk compression, hashing
+  libfuse3-dev fuse3                          # lazy layer file server
+  libseccomp-dev libcap-dev libbpf-dev        # confinement
+  erofs-utils                                 # fsck.erofs / mkfs.erofs: cross-checks, benchmark baseline
+  mmdebstrap                                  # real Debian rootfs for tests and the main job
+  xfsprogs attr zstd busybox-static bubblewrap util-linux
+  python3-venv
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "install.sh: apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip setuptools wheel cffi >/dev/null
+# Editable install: builds layerfs._native (the C core) in place through cffi.
+.venv/bin/python -m pip install -q -e '.[test]'
+.venv/bin/python -c 'import layerfs.native' # fails loudly if the C core did not build
