@@ -1,0 +1,181 @@
+"""The contract between the daemon and a sandbox backend.
+
+The daemon owns state (the sandbox state machine, admission, images, layer mounts); a backend
+owns mechanism (namespaces, cgroups, overlay, sbx-init). Backends raise only
+:mod:`edged.errors` exceptions (``NotFound``, ``InvalidState``, ``BadRequest``,
+``BackendError``...), so the API maps them to responses in one place.
+
+Units: CPU in cores, memory and disk in bytes, times in seconds (float).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Limits of one sandbox.
+
+    ``cpus``: CPU quota in cores (cgroup cfs quota/period; the weight is derived from it).
+    ``memory_bytes``: memory limit. ``swap_bytes``: extra swap allowed beyond memory.
+    ``pids``: max tasks. ``disk_bytes``: size limit of the writable upper layer.
+    """
+
+    cpus: float = 1.0
+    memory_bytes: int = 512 << 20
+    swap_bytes: int = 0
+    pids: int = 1024
+    disk_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a backend needs to create one sandbox.
+
+    ``id``: matches ``[a-z0-9][a-z0-9_.-]{0,62}`` (checked by the daemon).
+    ``lowers``: host paths of read-only layer mounts (EROFS mountpoints or plain directories),
+    BOTTOM FIRST (base, workspace, toolkit). ``env``: default environment of every exec.
+    ``network``: only ``"none"`` for now: an empty netns with loopback up.
+    """
+
+    id: str
+    lowers: tuple[str, ...]
+    resources: Resources
+    env: Mapping[str, str]
+    hostname: str
+    network: str = "none"
+
+
+@dataclass(frozen=True)
+class ExecSpec:
+    """One command to run in a sandbox.
+
+    ``env`` is already merged over the sandbox env by the daemon. ``uid``/``gid`` are inside
+    the sandbox's user namespace. ``stdin`` False means stdin is /dev/null. ``timeout_s``: wall
+    time before the whole process tree is killed. ``output_limit``: total stdout+stderr bytes
+    before the tree is killed. ``pty``: run on a pseudo-terminal (stdout carries both streams).
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    cwd: str = "/"
+    uid: int = 0
+    gid: int = 0
+    stdin: bool = False
+    timeout_s: float | None = None
+    output_limit: int | None = None
+    pty: bool = False
+
+
+@dataclass(frozen=True)
+class ExecEnd:
+    """How an exec ended.
+
+    ``reason``: ``"exited" | "signalled" | "timeout" | "oom" | "output_limit" | "killed"``.
+    ``exit_code``: set when reason is ``exited``; ``signal``: the killing signal number when
+    one was delivered. ``duration_s``: wall time. ``peak_memory_bytes``: when known.
+    """
+
+    reason: str
+    exit_code: int | None
+    signal: int | None
+    duration_s: float
+    peak_memory_bytes: int | None
+
+
+class ExecHandle(Protocol):
+    """A running exec. ``exec_id`` is unique within its sandbox."""
+
+    exec_id: int
+
+    def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
+        """``("stdout", bytes)`` / ``("stderr", bytes)`` chunks in order, then exactly one
+        :class:`ExecEnd`. Backpressure: not consuming stops the process's output (pipe
+        fills)."""
+        ...
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Write to the process's stdin (only if ``ExecSpec.stdin``)."""
+        ...
+
+    async def close_stdin(self) -> None:
+        """Close the process's stdin (EOF)."""
+        ...
+
+    async def signal(self, sig: int) -> None:
+        """Send signal number ``sig`` to the exec's process (group)."""
+        ...
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Resize the pseudo-terminal (pty execs only)."""
+        ...
+
+
+class Backend(Protocol):
+    """One kind of sandbox (``name``: ``"container"``, ...). All methods raise
+    :mod:`edged.errors` exceptions; ``NotFound`` for an unknown sandbox id."""
+
+    name: str
+
+    async def probe(self) -> dict[str, object]:
+        """Features found on this host (cgroup v1/v2, userns, idmapped mounts...)."""
+        ...
+
+    async def create(self, spec: SandboxSpec) -> None:
+        """Create and start a sandbox; returns when sbx-init is ready for exec."""
+        ...
+
+    async def exec(self, sandbox_id: str, spec: ExecSpec) -> ExecHandle:
+        """Start a command in a running sandbox."""
+        ...
+
+    async def pause(self, sandbox_id: str) -> None:
+        """Freeze every task of the sandbox (cgroup freezer)."""
+        ...
+
+    async def resume(self, sandbox_id: str) -> None:
+        """Thaw a paused sandbox."""
+        ...
+
+    async def destroy(self, sandbox_id: str) -> None:
+        """Kill everything, remove mounts, cgroups and the upper dir. Idempotent."""
+        ...
+
+    async def stats(self, sandbox_id: str) -> dict[str, int]:
+        """Current usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
+        ...
+
+    async def put_file(
+        self,
+        sandbox_id: str,
+        path: str,
+        data: AsyncIterator[bytes],
+        mode: int = 0o644,
+        uid: int = 0,
+        gid: int = 0,
+    ) -> int:
+        """Write ``data`` to ``path`` resolved strictly inside the sandbox root (never
+        following a symlink out; ``BadRequest`` if it escapes). Returns bytes written."""
+        ...
+
+    async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """Open the file at ``path`` resolved strictly inside the sandbox root
+        (``BadRequest`` if it escapes, ``NotFound`` if absent) and return an iterator of its
+        chunks (await the call, then ``async for``). The daemon also accepts an async
+        generator method (the call returns the iterator directly)."""
+        ...
+
+    async def list_existing(self) -> list[str]:
+        """Ids of sandboxes found on the host (restart recovery)."""
+        ...
+
+    async def adopt(self, sandbox_id: str) -> None:
+        """Re-attach to a live sandbox after a daemon restart."""
+        ...
+
+    async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
+        """Remove half-made or orphaned sandboxes not in ``keep``; returns the ids removed."""
+        ...
