@@ -1,0 +1,681 @@
+"""The content-addressed chunk store for layers.
+
+A layer (one EROFS image, named ``sha256:<hex>`` of its bytes) is kept as fixed-size chunks,
+each named by the sha256 of its uncompressed bytes and zstd-compressed at rest, plus a
+:class:`~layerfs.manifest.Manifest`. A chunk already present is never written again, so the
+same bytes in several layers (or the same block of zeros many times) are stored once.
+
+Layout on disk (version 1)::
+
+    ROOT/layout-version         "1\\n"; an unknown value is refused, never misread
+    ROOT/lock                   flock(2) target (see Concurrency)
+    ROOT/chunks/XX/<hex>        zstd frame of one chunk, XX = first two hex digits
+    ROOT/manifests/<hex>.json   canonical JSON manifest of layer sha256:<hex>
+    ROOT/tmp/                   files being written; anything here at gc time is stale
+
+Atomicity. Every file is written to ``tmp/`` (same filesystem), fsynced, renamed into place,
+and its directory fsynced before anything that depends on it is written. A layer's chunks
+are all durable before its manifest is renamed into place, so a manifest that exists is
+complete; a chunk file exists only whole under its own digest, and every read re-hashes it,
+so a torn or rotted chunk is caught, never served. A crash mid-add leaves at worst temp files
+and chunks that no manifest references; :meth:`Store.gc` removes both.
+
+Concurrency. Writers (:meth:`add_image`, :meth:`remove`, a build's :meth:`session`) take a
+shared ``flock`` on ``ROOT/lock`` for their whole run; :meth:`gc` takes it exclusive. So any
+number of adds run together (two adds racing on one chunk both rename identical bytes to the
+same name, which is harmless), while gc never sees the window in which an add has written or
+deduplicated against a chunk but not yet written the manifest that references it; and
+everything in ``tmp/`` when gc holds the lock belongs to a dead writer. A process must not
+call gc while it holds a session on the same store (it would wait on itself). Readers take
+no lock: a chunk may disappear under a reader only if its last manifest was removed, which
+the reader then reports as a missing chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import IO, Any, BinaryIO, TypeVar
+
+import zstandard
+
+from layerfs.errors import CorruptError, NotFoundError, StoreError
+from layerfs.manifest import (
+    MAX_CHUNK_SIZE,
+    ChunkRef,
+    InvalidArgumentError,
+    Manifest,
+    check_chunk_size,
+    check_digest,
+    check_kind,
+    utc_now_rfc3339,
+)
+
+LAYOUT_VERSION = "1"
+DEFAULT_ROOT = "/var/lib/edged/layers"
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_LEVEL = 3
+_STORE_DIRS = ("chunks", "manifests", "tmp")
+
+Progress = Callable[[int, int], None]
+"""Progress callback: ``(bytes_done, bytes_total)``."""
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def default_root() -> str:
+    """The store root: ``$LAYERFS_STORE`` if set, else ``/var/lib/edged/layers``."""
+    return os.environ.get("LAYERFS_STORE") or DEFAULT_ROOT
+
+
+@dataclass(frozen=True, slots=True)
+class AddResult:
+    """What :meth:`Store.ingest` did: the manifest, how many chunks (and compressed bytes)
+    it newly wrote, how many it found already stored, and the wall time in seconds."""
+
+    manifest: Manifest
+    new_chunks: int
+    new_bytes: int
+    reused_chunks: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """Result of :meth:`Store.verify`.
+
+    ``bad_chunks`` maps a chunk digest to why it failed (missing, unreadable, digest
+    mismatch); ``bad_layers`` maps a layer digest to why it failed (a bad chunk, a whole-image
+    digest mismatch, a corrupt manifest). ``ok`` is True when both are empty.
+    """
+
+    layers_checked: int = 0
+    chunks_checked: int = 0
+    bytes_checked: int = 0
+    bad_chunks: dict[str, str] = field(default_factory=dict)
+    bad_layers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_chunks and not self.bad_layers
+
+
+@dataclass(slots=True)
+class GcReport:
+    """Result of :meth:`Store.gc`: chunks kept (referenced) and removed (unreferenced),
+    bytes freed, stale temp files removed. With ``dry_run`` nothing was removed and the
+    figures say what would have been."""
+
+    dry_run: bool = False
+    chunks_kept: int = 0
+    chunks_removed: int = 0
+    bytes_freed: int = 0
+    temp_removed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Bytes and counts actually on disk: distinct chunk files and their compressed bytes,
+    and manifests."""
+
+    chunks: int
+    chunk_bytes: int
+    layers: int
+
+
+def _ordered_map(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T],
+                 window: int) -> Iterator[R]:
+    """``map`` over a pool, results in input order, at most ``window`` items in flight (so
+    memory stays bounded whatever the length of ``items``)."""
+    pending: deque[Future[R]] = deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+        for f in pending:
+            with contextlib.suppress(BaseException):
+                f.result()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+class Store:
+    """A chunk store rooted at ``root`` (default :func:`default_root`).
+
+    ``create``: make the layout if ``root`` does not exist or is empty; without it a
+    missing store raises :class:`NotFoundError`. ``chunk_size`` (bytes, power of two, 4 KiB
+    to 64 MiB) and ``level`` (zstd level) apply to images added later; ``workers`` threads
+    hash and compress chunks (hashlib and zstandard release the GIL).
+
+    Raises :class:`StoreError` if ``root`` is not a layerfs store or has a layout version
+    this code does not know.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, create: bool = True,
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, level: int = DEFAULT_LEVEL,
+                 workers: int | None = None) -> None:
+        self.root = os.path.abspath(os.fspath(root) if root is not None else default_root())
+        self.chunk_size = check_chunk_size(chunk_size)
+        if not -7 <= level <= 22:
+            raise InvalidArgumentError(f"zstd level {level} is out of range (-7..22)")
+        self.level = level
+        self.workers = max(1, workers if workers is not None else min(4, os.cpu_count() or 1))
+        self._tls = threading.local()
+        self._open_layout(create)
+
+    # -- layout -------------------------------------------------------------------------
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def _open_layout(self, create: bool) -> None:
+        vfile = self._path("layout-version")
+        try:
+            with open(vfile, "rb") as f:
+                raw = f.read(64)
+        except FileNotFoundError:
+            raw = None
+        except OSError as exc:
+            raise StoreError(exc.errno, f"store {self.root}: {exc.strerror}") from None
+        if raw is not None:
+            version = raw.decode("ascii", "replace").strip()
+            if version != LAYOUT_VERSION:
+                raise StoreError(
+                    f"store {self.root}: layout version {version!r} is not one this layerfs "
+                    f"knows ({LAYOUT_VERSION}); refusing to use it")
+            return
+        try:
+            present = set(os.listdir(self.root))
+        except FileNotFoundError:
+            present = None
+        except NotADirectoryError:
+            raise StoreError(f"store {self.root}: not a directory") from None
+        if present is None and not create:
+            raise NotFoundError(f"no layer store at {self.root}")
+        # A half-made layout (a crash or a concurrent first use) holds only our own names.
+        if present and not present <= {*_STORE_DIRS, "lock"}:
+            raise StoreError(
+                f"store {self.root}: not a layerfs store (no layout-version file, and the "
+                f"directory holds other files); refusing to use it")
+        if not create:
+            raise NotFoundError(f"no layer store at {self.root} (layout not initialised)")
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            for d in _STORE_DIRS:
+                os.makedirs(self._path(d), exist_ok=True)
+            for i in range(256):
+                os.makedirs(self._path("chunks", f"{i:02x}"), exist_ok=True)
+                # Fanout directories exist up front: adding a chunk never creates a
+                # directory, so the only directory to fsync for it is its fanout dir.
+            for i in range(256):
+                _fsync_dir(self._path("chunks", f"{i:02x}"))
+            for d in _STORE_DIRS:
+                _fsync_dir(self._path(d))
+            self._atomic_write(self.root, "layout-version", (LAYOUT_VERSION + "\n").encode())
+        except OSError as exc:
+            raise StoreError(exc.errno, f"store {self.root}: creating layout: "
+                                        f"{exc.strerror}") from None
+
+    # -- locking ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _lock(self, mode: int) -> Iterator[None]:
+        fd = os.open(self._path("lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[str]:
+        """Hold the shared (writer) lock and yield a private temp directory inside the store.
+
+        A build writes its image there, then calls :meth:`add_image`; gc waits until the
+        session ends, and the directory (with anything left in it) is removed on exit.
+        """
+        with self._lock(fcntl.LOCK_SH):
+            d = tempfile.mkdtemp(prefix="session.", dir=self._path("tmp"))
+            try:
+                yield d
+            finally:
+                _rmtree(d)
+
+    # -- small file helpers -------------------------------------------------------------
+
+    def _atomic_write(self, directory: str, name: str, data: bytes) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=self._path("tmp"))
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(directory, name))
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        _fsync_dir(directory)
+
+    def _chunk_path(self, hexd: str) -> str:
+        return self._path("chunks", hexd[:2], hexd)
+
+    def _manifest_path(self, digest: str) -> str:
+        return self._path("manifests", check_digest(digest)[7:] + ".json")
+
+    def _cctx(self) -> Any:
+        c = getattr(self._tls, "cctx", None)
+        if c is None:
+            c = self._tls.cctx = zstandard.ZstdCompressor(level=self.level,
+                                                          write_content_size=True)
+        return c
+
+    def _dctx(self) -> Any:
+        d = getattr(self._tls, "dctx", None)
+        if d is None:
+            d = self._tls.dctx = zstandard.ZstdDecompressor()
+        return d
+
+    # -- chunks ---------------------------------------------------------------------------
+
+    def _put_chunk(self, data: bytes) -> tuple[str, int, bool]:
+        """Store one chunk; returns (digest, stored bytes, newly written)."""
+        hexd = hashlib.sha256(data).hexdigest()
+        path = self._chunk_path(hexd)
+        try:
+            return "sha256:" + hexd, os.stat(path).st_size, False
+        except FileNotFoundError:
+            pass
+        comp = self._cctx().compress(data)
+        fd, tmp = tempfile.mkstemp(prefix="chunk.", dir=self._path("tmp"))
+        try:
+            try:
+                _write_all(fd, comp)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        return "sha256:" + hexd, len(comp), True
+
+    def _decode_chunk(self, digest: str, comp: bytes, where: str) -> bytes:
+        try:
+            data: bytes = self._dctx().decompress(comp, max_output_size=MAX_CHUNK_SIZE)
+        except zstandard.ZstdError as exc:
+            raise CorruptError(f"{where}: chunk {digest} does not decompress ({exc})") from None
+        if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            raise CorruptError(f"{where}: chunk {digest} does not match its digest")
+        return data
+
+    def _load_chunk(self, digest: str, where: str) -> bytes:
+        path = self._chunk_path(digest[7:])
+        try:
+            with open(path, "rb") as f:
+                comp = f.read()
+        except FileNotFoundError:
+            raise CorruptError(f"{where}: chunk {digest} is missing") from None
+        except OSError as exc:
+            raise StoreError(exc.errno, f"{where}: reading chunk {digest}: "
+                                        f"{exc.strerror}") from None
+        return self._decode_chunk(digest, comp, where)
+
+    def read_chunk(self, digest: str) -> bytes:
+        """The uncompressed bytes of chunk ``digest``, re-hashed before they are returned.
+
+        Raises :class:`NotFoundError` if the store does not hold it, :class:`CorruptError`
+        if its file does not decompress or does not match its digest.
+        """
+        check_digest(digest)
+        if not os.path.exists(self._chunk_path(digest[7:])):
+            raise NotFoundError(f"chunk {digest} is not in store {self.root}")
+        return self._load_chunk(digest, f"store {self.root}")
+
+    # -- layers ---------------------------------------------------------------------------
+
+    def add_image(self, path: str | os.PathLike[str], *, kind: str, source: str,
+                  chunk_size: int | None = None, progress: Progress | None = None) -> Manifest:
+        """Add the EROFS image at ``path`` as a layer of ``kind``; returns its manifest.
+
+        The image is streamed (memory is bounded by a few chunks per worker, whatever the
+        image size). ``source`` is free text recorded in the manifest. If the layer is
+        already stored its existing manifest is returned and any missing chunk restored.
+        Raises :class:`StoreError` on I/O failure (``errno.ENOSPC`` for a full disk),
+        leaving no manifest; see the module docstring for what a failure leaves behind.
+        """
+        return self.ingest(path, kind=kind, source=source, chunk_size=chunk_size,
+                           progress=progress).manifest
+
+    def ingest(self, path: str | os.PathLike[str], *, kind: str, source: str,
+               chunk_size: int | None = None, progress: Progress | None = None) -> AddResult:
+        """Like :meth:`add_image`, returning also what was written (an :class:`AddResult`)."""
+        check_kind(kind)
+        csize = check_chunk_size(chunk_size if chunk_size is not None else self.chunk_size)
+        path = os.fspath(path)
+        where = f"store {self.root}: adding {path}"
+        t0 = time.monotonic()
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - closed in the finally below
+        except OSError as exc:
+            raise StoreError(exc.errno, f"{where}: {exc.strerror}") from None
+        with self._lock(fcntl.LOCK_SH), f:
+            total = os.fstat(f.fileno()).st_size
+            whole = hashlib.sha256()
+            refs: list[ChunkRef] = []
+            seen: set[str] = set()
+            new_chunks = new_bytes = reused = done = 0
+
+            def chunks() -> Iterator[bytes]:
+                nonlocal done
+                while True:
+                    block = f.read(csize)
+                    if not block:
+                        return
+                    whole.update(block)
+                    done += len(block)
+                    yield block
+
+            try:
+                with ThreadPoolExecutor(self.workers, thread_name_prefix="lfs-add") as pool:
+                    for cdig, stored, new in _ordered_map(pool, self._put_chunk, chunks(),
+                                                          self.workers * 2):
+                        # Two workers may both write one chunk (zeros, say) that is new
+                        # to the store; it is new once.
+                        if new and cdig not in seen:
+                            new_chunks += 1
+                            new_bytes += stored
+                        else:
+                            reused += 1
+                        seen.add(cdig)
+                        refs.append(ChunkRef(cdig, stored))
+                        if progress is not None:
+                            progress(done, total)
+                # Chunks are renamed into place; make the renames durable before the
+                # manifest that points at them can be.
+                for d in sorted({r.digest[7:9] for r in refs}):
+                    _fsync_dir(self._path("chunks", d))
+                digest = "sha256:" + whole.hexdigest()
+                m = Manifest(digest=digest, size=done, chunk_size=csize, chunks=tuple(refs),
+                             kind=kind, source=source, created=utc_now_rfc3339())
+                try:
+                    existing = self.manifest(digest)
+                except (NotFoundError, CorruptError):
+                    existing = None
+                if existing is not None and existing.chunk_size == csize:
+                    m = existing
+                else:
+                    self._atomic_write(self._path("manifests"), digest[7:] + ".json",
+                                       m.to_json())
+            except OSError as exc:
+                if isinstance(exc, StoreError):
+                    raise
+                what = exc.strerror or str(exc)
+                if exc.errno == errno.ENOSPC:
+                    what = "no space left on device; the layer was not added"
+                raise StoreError(exc.errno, f"{where}: {what}") from None
+        return AddResult(m, new_chunks, new_bytes, reused, time.monotonic() - t0)
+
+    def manifest(self, digest: str) -> Manifest:
+        """The manifest of layer ``digest``.
+
+        Raises :class:`NotFoundError` if it is not stored, :class:`CorruptError` if the
+        stored manifest is damaged or names another layer.
+        """
+        path = self._manifest_path(digest)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise NotFoundError(f"layer {digest} is not in store {self.root}") from None
+        except OSError as exc:
+            raise StoreError(exc.errno, f"reading manifest {path}: {exc.strerror}") from None
+        m = Manifest.from_json(data, where=f"manifest {path}")
+        if m.digest != digest:
+            raise CorruptError(f"manifest {path}: names layer {m.digest}, not {digest}")
+        return m
+
+    def digests(self) -> list[str]:
+        """Digests of every stored layer, sorted."""
+        out = []
+        for name in os.listdir(self._path("manifests")):
+            if name.endswith(".json") and len(name) == 69:
+                out.append("sha256:" + name[:64])
+        return sorted(out)
+
+    def layers(self) -> list[Manifest]:
+        """Manifests of every stored layer, oldest first (then by digest).
+
+        Raises :class:`CorruptError` if a manifest is damaged.
+        """
+        ms = []
+        for d in self.digests():
+            try:
+                ms.append(self.manifest(d))
+            except NotFoundError:  # removed while we listed
+                continue
+        return sorted(ms, key=lambda m: (m.created, m.digest))
+
+    def resolve(self, ref: str) -> str:
+        """Full digest of the one stored layer whose digest starts with ``ref`` (with or
+        without ``sha256:``, at least 4 hex digits). Raises :class:`NotFoundError` for no
+        match and :class:`InvalidArgumentError` for an ambiguous or malformed prefix."""
+        hexp = ref[7:] if ref.startswith("sha256:") else ref
+        if len(hexp) < 4 or any(c not in "0123456789abcdef" for c in hexp):
+            raise InvalidArgumentError(f"{ref!r} is not a layer digest or digest prefix")
+        hits = [d for d in self.digests() if d[7:].startswith(hexp)]
+        if not hits:
+            raise NotFoundError(f"layer {ref} is not in store {self.root}")
+        if len(hits) > 1:
+            raise InvalidArgumentError(f"{ref!r} is ambiguous: matches {len(hits)} layers")
+        return hits[0]
+
+    def remove(self, digest: str) -> None:
+        """Forget layer ``digest`` (its manifest). Its chunks stay until :meth:`gc`, since
+        other layers may share them. Raises :class:`NotFoundError` if not stored."""
+        path = self._manifest_path(digest)
+        with self._lock(fcntl.LOCK_SH):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                raise NotFoundError(f"layer {digest} is not in store {self.root}") from None
+            _fsync_dir(self._path("manifests"))
+
+    def _iter_layer(self, m: Manifest, pool: ThreadPoolExecutor,
+                    where: str) -> Iterator[tuple[ChunkRef, bytes]]:
+        def load(ref: ChunkRef) -> tuple[ChunkRef, bytes]:
+            return ref, self._load_chunk(ref.digest, where)
+        return _ordered_map(pool, load, m.chunks, self.workers * 2)
+
+    def export(self, digest: str, out: str | os.PathLike[str] | BinaryIO | IO[bytes],
+               *, progress: Progress | None = None) -> Manifest:
+        """Reassemble layer ``digest`` into ``out`` (a path, replaced atomically, or a
+        binary file object), checking every chunk's digest and the whole image's digest.
+
+        Raises :class:`NotFoundError` if the layer is not stored and :class:`CorruptError`
+        if a chunk or the whole is wrong; a path ``out`` is then left untouched.
+        """
+        m = self.manifest(digest)
+        if isinstance(out, (str, os.PathLike)):
+            dest = os.path.abspath(os.fspath(out))
+            fd, tmp = tempfile.mkstemp(prefix=".export.", dir=os.path.dirname(dest))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    self._export_to(m, f, progress)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, dest)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                raise
+            _fsync_dir(os.path.dirname(dest))
+        else:
+            self._export_to(m, out, progress)
+        return m
+
+    def _export_to(self, m: Manifest, f: IO[bytes], progress: Progress | None) -> None:
+        where = f"layer {m.digest}"
+        whole = hashlib.sha256()
+        done = 0
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="lfs-export") as pool:
+            for i, (ref, data) in enumerate(self._iter_layer(m, pool, where)):
+                if len(data) != m.chunk_length(i):
+                    raise CorruptError(f"{where}: chunk {i} ({ref.digest}) has {len(data)} "
+                                       f"bytes, the manifest says {m.chunk_length(i)}")
+                whole.update(data)
+                f.write(data)
+                done += len(data)
+                if progress is not None:
+                    progress(done, m.size)
+        if "sha256:" + whole.hexdigest() != m.digest:
+            raise CorruptError(f"{where}: reassembled image does not match the layer digest")
+
+    def verify(self, digest: str | None = None, *,
+               progress: Progress | None = None) -> VerifyReport:
+        """Re-hash every chunk of layer ``digest`` (or of every layer) and each whole image.
+
+        Never raises for damage: the report names each bad chunk and bad layer. Raises
+        :class:`NotFoundError` if a named layer is not stored.
+        """
+        rep = VerifyReport()
+        digests = [digest] if digest is not None else self.digests()
+        if digest is not None:
+            self.manifest(digest)  # NotFoundError before any work
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="lfs-verify") as pool:
+            for d in digests:
+                try:
+                    m = self.manifest(d)
+                except NotFoundError:
+                    continue
+                except CorruptError as exc:
+                    rep.bad_layers[d] = str(exc)
+                    continue
+                rep.layers_checked += 1
+                whole = hashlib.sha256()
+                broken = None
+                check = functools.partial(self._check_chunk, m)
+                for ref, res in _ordered_map(pool, check, enumerate(m.chunks),
+                                             self.workers * 2):
+                    rep.chunks_checked += 1
+                    if isinstance(res, str):
+                        rep.bad_chunks[ref.digest] = res
+                        broken = broken or f"chunk {ref.digest} {res}"
+                        continue
+                    rep.bytes_checked += len(res)
+                    whole.update(res)
+                    if progress is not None:
+                        progress(rep.bytes_checked, 0)
+                if broken is not None:
+                    rep.bad_layers[d] = broken
+                elif "sha256:" + whole.hexdigest() != d:
+                    rep.bad_layers[d] = "reassembled image does not match the layer digest"
+        return rep
+
+    def _check_chunk(self, m: Manifest, item: tuple[int, ChunkRef]) -> tuple[ChunkRef, bytes | str]:
+        i, ref = item
+        try:
+            data = self._load_chunk(ref.digest, "verify")
+        except StoreError as exc:  # CorruptError included
+            return ref, str(exc).removeprefix(f"verify: chunk {ref.digest} ")
+        if len(data) != m.chunk_length(i):
+            return ref, f"has {len(data)} bytes, want {m.chunk_length(i)}"
+        return ref, data
+
+    def usage(self) -> Usage:
+        """Distinct chunk files and their bytes on disk, and the number of layers."""
+        n = total = 0
+        for path in self._chunk_files():
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(path).st_size
+                n += 1
+        return Usage(n, total, len(self.digests()))
+
+    def _chunk_files(self) -> Iterator[str]:
+        base = self._path("chunks")
+        for sub in sorted(os.listdir(base)):
+            d = os.path.join(base, sub)
+            if not os.path.isdir(d):
+                continue
+            for name in os.listdir(d):
+                yield os.path.join(d, name)
+
+    def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Remove chunks that no manifest references and stale temp files.
+
+        Takes the store lock exclusively, so it waits for running adds and builds to
+        finish. Raises :class:`CorruptError` (removing nothing) if any manifest is damaged,
+        since the chunks it references cannot be known.
+        """
+        rep = GcReport(dry_run=dry_run)
+        with self._lock(fcntl.LOCK_EX):
+            live: set[str] = set()
+            for d in self.digests():
+                for ref in self.manifest(d).chunks:
+                    live.add(ref.digest[7:])
+            touched: set[str] = set()
+            for path in self._chunk_files():
+                name = os.path.basename(path)
+                if name in live:
+                    rep.chunks_kept += 1
+                    continue
+                try:
+                    size = os.stat(path).st_size
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    continue
+                rep.chunks_removed += 1
+                rep.bytes_freed += size
+                touched.add(os.path.dirname(path))
+            tmp = self._path("tmp")
+            for name in os.listdir(tmp):
+                rep.temp_removed += 1
+                if not dry_run:
+                    _rmtree(os.path.join(tmp, name))
+            if not dry_run:
+                for d in sorted(touched):
+                    _fsync_dir(d)
+        return rep
+
+
+def _rmtree(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
