@@ -9,6 +9,8 @@ to build in place for development.
 from __future__ import annotations
 
 import pathlib
+import shlex
+import subprocess
 
 from cffi import FFI
 
@@ -20,6 +22,16 @@ ffibuilder = FFI()
 for cdef in sorted((CSRC / "cdef").glob("*.cdef")):
     ffibuilder.cdef(cdef.read_text())
 
+
+def _pkg_config(*args: str) -> list[str]:
+    return shlex.split(subprocess.run(["pkg-config", *args], check=True,
+                                      capture_output=True, text=True).stdout)
+
+
+# libfuse3 (low-level API) for the lazy layer file server, csrc/lib/lazy.c.
+_FUSE_CFLAGS = _pkg_config("--cflags", "fuse3")
+_FUSE_LIBS = [f[2:] for f in _pkg_config("--libs", "fuse3") if f.startswith("-l")]
+
 _headers = sorted((CSRC / "include").glob("lfs_*.h"))
 _sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "lib").glob("*.c"))
 
@@ -27,10 +39,10 @@ ffibuilder.set_source(
     "layerfs._native",
     "\n".join(f'#include "{h.name}"' for h in _headers),
     sources=_sources,
-    include_dirs=[str(CSRC / "include")],
+    include_dirs=[str(CSRC / "include")] + [f[2:] for f in _FUSE_CFLAGS if f.startswith("-I")],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE",
                         "-fvisibility=hidden"],
-    libraries=[],
+    libraries=_FUSE_LIBS,
 )
 
 if __name__ == "__main__":
