@@ -1,0 +1,114 @@
+/* The lazy layer file server: one FUSE mount exposing each registered layer as a
+ * read-only regular file `<hex digest>.erofs` of the layer's exact size.
+ *
+ * The kernel mounts EROFS file-backed on those files, so reads arrive here as page-cache
+ * misses.  A read whose chunks are all in the local cache is answered entirely in C (a
+ * pread of the per-chunk cache files).  A read that needs a missing chunk is parked on
+ * that chunk (no thread blocks); the chunk is queued ONCE for the Python side, which is
+ * woken through an eventfd, fetches and verifies the chunk, writes it to the cache and
+ * calls lfs_lazy_chunk_ready() (or lfs_lazy_chunk_failed()), which answers every parked
+ * read.
+ *
+ * Restart: the /dev/fuse connection is held open by a supervisor process; a new server
+ * process takes the same fd (libfuse accepts the mountpoint "/dev/fd/N"), replays a
+ * synthetic FUSE_INIT into its session (the kernel sends INIT only once per connection)
+ * and asks the kernel to requeue the requests the dead server had read but not answered
+ * (FUSE_NOTIFY_RESEND, Linux 6.9+, include/uapi/linux/fuse.h).  Inode numbers are
+ * `slot + 2`, with slots persisted by the caller, so the kernel's cached nodeids stay
+ * valid across the restart; file handles are not used for the same reason.
+ */
+#ifndef LFS_LAZY_H
+#define LFS_LAZY_H
+
+#include <stdint.h>
+
+#include "lfs_error.h"
+
+#define LFS_LAZY_MAX_LAYERS 4096 /* slots; inode = slot + 2 */
+
+enum lfs_lazy_chunk_state {
+	LFS_LAZY_MISSING = 0,  /* not cached, nobody fetching */
+	LFS_LAZY_FETCHING = 1, /* queued or being fetched; reads park on it */
+	LFS_LAZY_PRESENT = 2,  /* cached: an open fd on the chunk's cache file */
+};
+
+/* Counters of one layer since it was registered (monotonic, read without locks). */
+struct lfs_lazy_stats {
+	uint64_t reads;          /* FUSE READ requests */
+	uint64_t read_bytes;     /* bytes answered */
+	uint64_t hits;           /* reads answered at once from the cache */
+	uint64_t misses;         /* reads that had to wait for at least one chunk */
+	uint64_t fetches;        /* chunks queued for the Python side */
+	uint64_t ready;          /* chunks that became present */
+	uint64_t failed;         /* fetches reported failed (waiters got an error) */
+	uint64_t errors;         /* reads answered with an error */
+	uint32_t present;        /* chunks present now */
+	uint32_t inflight;       /* chunks FETCHING now */
+	uint32_t nchunks;        /* chunks of the layer */
+	uint32_t touched;        /* distinct chunks read since the trace was last reset */
+};
+
+struct lfs_lazy;
+
+/* A server on the FUSE connection `fuse_fd` (an open /dev/fuse fd already mounted).
+ * `resumed`: the connection was initialised by an earlier server (see restart above).
+ * Returns NULL with err set on failure. */
+struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err);
+
+/* eventfd that becomes readable when chunks are queued for fetching (and once when the
+ * FUSE loop ends). */
+int lfs_lazy_event_fd(struct lfs_lazy *lz);
+
+/* 1 once the FUSE loop has ended (the connection was unmounted or aborted). */
+int lfs_lazy_stopped(struct lfs_lazy *lz);
+
+/* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot`. */
+int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uint64_t size,
+		       uint32_t chunk_size, struct lfs_error *err);
+
+/* Forget the layer in `slot`: later lookups fail with ENOENT, reads with EIO. */
+int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err);
+
+/* Start the multi-threaded FUSE loop (at most `max_threads` workers) in the background. */
+int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *err);
+
+/* Pop one queued chunk: returns 1 and sets *slot and *index, or 0 when the queue is empty. */
+int lfs_lazy_next_fetch(struct lfs_lazy *lz, uint32_t *slot, uint32_t *index);
+
+/* MISSING -> FETCHING for a prefetch: returns 1 if the caller now owns the fetch, 0 if
+ * the chunk is present or already being fetched, -1 for a bad slot or index. */
+int lfs_lazy_chunk_claim(struct lfs_lazy *lz, uint32_t slot, uint32_t index);
+
+/* Chunk `index` of `slot` is cached, verified, in the file `path` (its exact bytes):
+ * open it, mark it present and answer every read parked on it. */
+int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 const char *path, struct lfs_error *err);
+
+/* The fetch of a chunk failed for good: answer every parked read with `errnum` and mark
+ * the chunk missing again (a later read retries). Returns the number of reads answered. */
+int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, int errnum);
+
+/* Drop a present chunk (cache eviction): returns 1 if dropped, 0 if not present or being
+ * read right now, -1 for a bad slot or index. */
+int lfs_lazy_chunk_evict(struct lfs_lazy *lz, uint32_t slot, uint32_t index);
+
+/* State (enum lfs_lazy_chunk_state) and last-access tick of one chunk; -1 if bad. */
+int lfs_lazy_chunk_info(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			uint64_t *atime);
+
+/* Counters of one layer; -1 if the slot is empty. */
+int lfs_lazy_layer_stats(struct lfs_lazy *lz, uint32_t slot, struct lfs_lazy_stats *out);
+
+/* Chunks in first-touch order since the last reset (the access trace); copies at most
+ * `max` indexes, returns how many there are.  `reset` clears the trace afterwards. */
+int lfs_lazy_trace(struct lfs_lazy *lz, uint32_t slot, uint32_t *out, uint32_t max,
+		   int reset);
+
+/* Open /dev/fuse and mount it read-only on `mountpoint` (fstype fuse.layerfs, allow_other,
+ * default_permissions). Returns the fd, which keeps the connection alive. */
+int lfs_lazy_mount(const char *mountpoint, struct lfs_error *err);
+
+/* umount2(`mountpoint`, MNT_DETACH if `detach`). */
+int lfs_lazy_umount(const char *mountpoint, int detach, struct lfs_error *err);
+
+#endif

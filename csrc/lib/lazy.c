@@ -1,0 +1,866 @@
+/* The lazy layer file server (see lfs_lazy.h for the design). */
+#define FUSE_USE_VERSION 312
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fuse.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <fuse_lowlevel.h>
+
+#include "lfs_error.h"
+#include "lfs_lazy.h"
+
+/* FUSE_NOTIFY_RESEND (protocol 7.40, Linux 6.9): requeue every request that was read
+ * from the connection but not answered.  Debian 12's linux/fuse.h is protocol 7.38. */
+#ifndef FUSE_NOTIFY_RESEND
+#define FUSE_NOTIFY_RESEND 7
+#endif
+
+/* Files are immutable (a layer is named by the hash of its bytes): cache forever. */
+#define LAZY_TIMEOUT 86400.0
+#define LAZY_ROOT_MODE (S_IFDIR | 0555)
+#define LAZY_FILE_MODE (S_IFREG | 0444)
+
+/* A READ waiting for a chunk.  It re-runs from the start when the chunk arrives (it may
+ * then park on its next missing chunk). */
+struct lazy_wait {
+	fuse_req_t req;
+	uint64_t off;
+	size_t size;
+	int waited;              /* parked at least once (a miss, not a hit) */
+	struct lazy_wait *next;
+};
+
+struct lazy_chunk {
+	uint8_t state;           /* enum lfs_lazy_chunk_state */
+	uint8_t touched;         /* in the access trace */
+	uint32_t readers;        /* reads using fd right now (eviction waits for 0) */
+	int fd;                  /* open cache file when PRESENT, else -1 */
+	uint64_t atime;          /* lz->tick at the last read */
+	struct lazy_wait *waiters;
+};
+
+struct lazy_layer {
+	char name[80];
+	uint64_t size;
+	uint32_t chunk_size;
+	uint32_t nchunks;
+	int removed;
+	pthread_mutex_t lock;    /* chunk states, waiters, trace */
+	struct lazy_chunk *chunks;
+	uint32_t *trace;         /* chunk indexes, first-touch order */
+	uint32_t ntrace;
+	struct lfs_lazy_stats st;
+};
+
+struct lazy_fetch {
+	uint32_t slot;
+	uint32_t index;
+};
+
+struct lfs_lazy {
+	struct fuse_session *se;
+	int fuse_fd;
+	int resumed;
+	int efd;
+	pthread_t loop;
+	_Atomic(struct lazy_layer *) layers[LFS_LAZY_MAX_LAYERS];
+	_Atomic uint64_t tick;
+
+	pthread_mutex_t qlock;   /* the fetch queue */
+	struct lazy_fetch *q;
+	size_t qhead, qlen, qcap;
+	unsigned max_threads;
+	_Atomic int stopped;     /* the FUSE loop ended (connection gone) */
+};
+
+static struct lazy_layer *lazy_layer(struct lfs_lazy *lz, fuse_ino_t ino)
+{
+	struct lazy_layer *l;
+
+	if (ino < 2 || ino - 2 >= LFS_LAZY_MAX_LAYERS)
+		return NULL;
+	l = atomic_load(&lz->layers[ino - 2]);
+	return l && !l->removed ? l : NULL;
+}
+
+static struct lazy_layer *lazy_slot(struct lfs_lazy *lz, uint32_t slot)
+{
+	return slot < LFS_LAZY_MAX_LAYERS ? lazy_layer(lz, (fuse_ino_t)slot + 2) : NULL;
+}
+
+static void lazy_stat(struct lfs_lazy *lz, fuse_ino_t ino, struct stat *st)
+{
+	struct lazy_layer *l;
+
+	memset(st, 0, sizeof(*st));
+	st->st_ino = ino;
+	if (ino == FUSE_ROOT_ID) {
+		st->st_mode = LAZY_ROOT_MODE;
+		st->st_nlink = 2;
+		return;
+	}
+	l = lazy_layer(lz, ino);
+	st->st_mode = LAZY_FILE_MODE;
+	st->st_nlink = 1;
+	st->st_size = (off_t)l->size;
+	st->st_blksize = 4096;
+	st->st_blocks = (blkcnt_t)((l->size + 511) / 512);
+}
+
+/* Queue a chunk for the Python side; called with the layer lock held.  Returns -1 if
+ * the queue cannot grow (ENOMEM). */
+static int lazy_enqueue(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
+{
+	uint64_t one = 1;
+
+	pthread_mutex_lock(&lz->qlock);
+	if (lz->qlen == lz->qcap) {
+		size_t ncap = lz->qcap ? lz->qcap * 2 : 64;
+		struct lazy_fetch *nq = malloc(ncap * sizeof(*nq));
+
+		if (!nq) {
+			pthread_mutex_unlock(&lz->qlock);
+			return -1;
+		}
+		for (size_t i = 0; i < lz->qlen; i++)
+			nq[i] = lz->q[(lz->qhead + i) % lz->qcap];
+		free(lz->q);
+		lz->q = nq;
+		lz->qhead = 0;
+		lz->qcap = ncap;
+	}
+	lz->q[(lz->qhead + lz->qlen) % lz->qcap] = (struct lazy_fetch){ slot, index };
+	lz->qlen++;
+	pthread_mutex_unlock(&lz->qlock);
+	/* A full eventfd counter (2^64-2) cannot happen: Python drains it. */
+	if (write(lz->efd, &one, sizeof(one)) < 0) {
+		/* EAGAIN only; the reader is already woken. */
+	}
+	return 0;
+}
+
+/* Answer `w` if every chunk it covers is present, else park it on the first missing
+ * chunk (queueing that chunk once).  Takes ownership of `w`. */
+static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
+		       struct lazy_wait *w)
+{
+	uint64_t end, off = w->off;
+	uint32_t first, last, i, n;
+	struct fuse_bufvec *bv;
+	uint64_t now;
+	int rc;
+
+	if (off >= l->size || w->size == 0) {
+		fuse_reply_buf(w->req, NULL, 0);
+		free(w);
+		return;
+	}
+	end = off + w->size;
+	if (end > l->size)
+		end = l->size;
+	first = (uint32_t)(off / l->chunk_size);
+	last = (uint32_t)((end - 1) / l->chunk_size);
+	n = last - first + 1;
+
+	now = atomic_fetch_add(&lz->tick, 1) + 1;
+	pthread_mutex_lock(&l->lock);
+	for (i = first; i <= last; i++) {
+		struct lazy_chunk *c = &l->chunks[i];
+
+		if (!c->touched) {
+			c->touched = 1;
+			l->trace[l->ntrace++] = i;
+			l->st.touched = l->ntrace;
+		}
+		if (c->state == LFS_LAZY_PRESENT)
+			continue;
+		if (c->state == LFS_LAZY_MISSING) {
+			if (lazy_enqueue(lz, slot, i) < 0) {
+				pthread_mutex_unlock(&l->lock);
+				__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
+				fuse_reply_err(w->req, ENOMEM);
+				free(w);
+				return;
+			}
+			c->state = LFS_LAZY_FETCHING;
+			l->st.fetches++;
+			l->st.inflight++;
+		}
+		if (!w->waited)
+			l->st.misses++;
+		w->waited = 1;
+		w->next = c->waiters;
+		c->waiters = w;
+		pthread_mutex_unlock(&l->lock);
+		return;
+	}
+	for (i = first; i <= last; i++) {
+		l->chunks[i].readers++;
+		l->chunks[i].atime = now;
+	}
+	if (!w->waited)
+		l->st.hits++;
+	pthread_mutex_unlock(&l->lock);
+
+	bv = calloc(1, sizeof(*bv) + n * sizeof(struct fuse_buf));
+	if (!bv) {
+		rc = ENOMEM;
+		goto out;
+	}
+	bv->count = n;
+	for (i = 0; i < n; i++) {
+		uint64_t cstart = (uint64_t)(first + i) * l->chunk_size;
+		uint64_t a = off > cstart ? off : cstart;
+		uint64_t b = end < cstart + l->chunk_size ? end : cstart + l->chunk_size;
+
+		bv->buf[i].size = b - a;
+		bv->buf[i].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
+		bv->buf[i].fd = l->chunks[first + i].fd;
+		bv->buf[i].pos = (off_t)(a - cstart);
+	}
+	rc = -fuse_reply_data(w->req, bv, FUSE_BUF_NO_SPLICE);
+	if (rc == 0) {
+		__atomic_add_fetch(&l->st.read_bytes, end - off, __ATOMIC_RELAXED);
+		w->req = NULL;
+	}
+	free(bv);
+out:
+	pthread_mutex_lock(&l->lock);
+	for (i = first; i <= last; i++)
+		l->chunks[i].readers--;
+	pthread_mutex_unlock(&l->lock);
+	if (w->req) {
+		/* fuse_reply_data fails only if the reply could not be written or built (a
+		 * short cache file); tell the reader rather than leave it waiting. */
+		__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
+		fuse_reply_err(w->req, rc > 0 ? rc : EIO);
+	}
+	free(w);
+}
+
+static void lazy_init(void *userdata, struct fuse_conn_info *conn)
+{
+	(void)userdata;
+	/* Never passthrough, never splice: the kernel refuses to stack EROFS on a
+	 * passthrough file, and our replies are small preads. */
+	conn->want &= ~(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+	conn->want |= FUSE_CAP_ASYNC_READ;
+}
+
+static void lazy_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+	struct fuse_entry_param e;
+
+	if (parent != FUSE_ROOT_ID) {
+		fuse_reply_err(req, ENOTDIR);
+		return;
+	}
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
+		struct lazy_layer *l = lazy_slot(lz, s);
+
+		if (l && strcmp(l->name, name) == 0) {
+			memset(&e, 0, sizeof(e));
+			e.ino = (fuse_ino_t)s + 2;
+			e.generation = 1;
+			e.attr_timeout = LAZY_TIMEOUT;
+			e.entry_timeout = LAZY_TIMEOUT;
+			lazy_stat(lz, e.ino, &e.attr);
+			fuse_reply_entry(req, &e);
+			return;
+		}
+	}
+	fuse_reply_err(req, ENOENT);
+}
+
+static void lazy_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+	struct stat st;
+
+	(void)fi;
+	if (ino != FUSE_ROOT_ID && !lazy_layer(lz, ino)) {
+		fuse_reply_err(req, ENOENT);
+		return;
+	}
+	lazy_stat(lz, ino, &st);
+	fuse_reply_attr(req, &st, LAZY_TIMEOUT);
+}
+
+static void lazy_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+
+	if (ino == FUSE_ROOT_ID) {
+		fuse_reply_err(req, EISDIR);
+		return;
+	}
+	if (!lazy_layer(lz, ino)) {
+		fuse_reply_err(req, ENOENT);
+		return;
+	}
+	if ((fi->flags & O_ACCMODE) != O_RDONLY) {
+		fuse_reply_err(req, EROFS);
+		return;
+	}
+	fi->keep_cache = 1;
+	fi->fh = 0; /* not used: a restarted server must understand old handles */
+	fuse_reply_open(req, fi);
+}
+
+static void lazy_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+		      struct fuse_file_info *fi)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+	struct lazy_layer *l = lazy_layer(lz, ino);
+	struct lazy_wait *w;
+
+	(void)fi;
+	if (!l) {
+		fuse_reply_err(req, EIO);
+		return;
+	}
+	w = malloc(sizeof(*w));
+	if (!w) {
+		fuse_reply_err(req, ENOMEM);
+		return;
+	}
+	*w = (struct lazy_wait){ .req = req, .off = (uint64_t)off, .size = size };
+	__atomic_add_fetch(&l->st.reads, 1, __ATOMIC_RELAXED);
+	lazy_serve(lz, (uint32_t)(ino - 2), l, w);
+}
+
+static void lazy_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
+			 struct fuse_file_info *fi)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+	char *buf;
+	size_t used = 0;
+	struct stat st;
+
+	(void)fi;
+	if (ino != FUSE_ROOT_ID) {
+		fuse_reply_err(req, ENOTDIR);
+		return;
+	}
+	buf = malloc(size);
+	if (!buf) {
+		fuse_reply_err(req, ENOMEM);
+		return;
+	}
+	/* Offsets: 1 ".", 2 "..", slot + 3 for each layer (stable across changes). */
+	memset(&st, 0, sizeof(st));
+	for (off_t pos = off; pos < (off_t)LFS_LAZY_MAX_LAYERS + 2; pos++) {
+		const char *name;
+		size_t need;
+
+		if (pos == 0 || pos == 1) {
+			name = pos == 0 ? "." : "..";
+			st.st_ino = FUSE_ROOT_ID;
+			st.st_mode = S_IFDIR;
+		} else {
+			struct lazy_layer *l = lazy_slot(lz, (uint32_t)(pos - 2));
+
+			if (!l)
+				continue;
+			name = l->name;
+			st.st_ino = (ino_t)pos;
+			st.st_mode = S_IFREG;
+		}
+		need = fuse_add_direntry(req, buf + used, size - used, name, &st, pos + 1);
+		if (need > size - used)
+			break;
+		used += need;
+	}
+	fuse_reply_buf(req, buf, used);
+	free(buf);
+}
+
+static void lazy_statfs(fuse_req_t req, fuse_ino_t ino)
+{
+	struct statvfs sv;
+
+	(void)ino;
+	memset(&sv, 0, sizeof(sv));
+	sv.f_bsize = 4096;
+	sv.f_frsize = 4096;
+	sv.f_namemax = 255;
+	fuse_reply_statfs(req, &sv);
+}
+
+static const struct fuse_lowlevel_ops lazy_ops = {
+	.init = lazy_init,
+	.lookup = lazy_lookup,
+	.getattr = lazy_getattr,
+	.open = lazy_open,
+	.read = lazy_read,
+	.readdir = lazy_readdir,
+	.statfs = lazy_statfs,
+};
+
+/* The kernel sends FUSE_INIT once per connection, and libfuse answers EIO to every
+ * request until its session has seen one.  A server taking over a live connection
+ * feeds its session this INIT; the reply goes to a request id the kernel never issued
+ * and is dropped by it (ENOENT, which libfuse does not report). */
+static void lazy_replay_init(struct lfs_lazy *lz)
+{
+	struct {
+		struct fuse_in_header h;
+		struct fuse_init_in in;
+	} msg;
+	struct fuse_buf fb;
+
+	memset(&msg, 0, sizeof(msg));
+	msg.h.len = sizeof(msg);
+	msg.h.opcode = FUSE_INIT;
+	msg.h.unique = 1ULL << 62;
+	msg.in.major = FUSE_KERNEL_VERSION;
+	msg.in.minor = FUSE_KERNEL_MINOR_VERSION;
+	msg.in.max_readahead = 128 << 10;
+	msg.in.flags = FUSE_ASYNC_READ | FUSE_BIG_WRITES | FUSE_MAX_PAGES | FUSE_INIT_EXT |
+		       FUSE_PARALLEL_DIROPS;
+	memset(&fb, 0, sizeof(fb));
+	fb.mem = &msg;
+	fb.size = sizeof(msg);
+	fuse_session_process_buf(lz->se, &fb);
+}
+
+static int lazy_notify_resend(struct lfs_lazy *lz)
+{
+	struct fuse_out_header h = {
+		.len = sizeof(h), .error = FUSE_NOTIFY_RESEND, .unique = 0,
+	};
+
+	/* EINVAL here means a kernel older than 6.9: the dead server's requests then stay
+	 * unanswered until their readers are interrupted; later reads work either way. */
+	return write(lz->fuse_fd, &h, sizeof(h)) == (ssize_t)sizeof(h) ? 0 : -errno;
+}
+
+struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err)
+{
+	char mnt[32];
+	char *argv[] = { "layerfs-lazy", NULL };
+	struct fuse_args args = FUSE_ARGS_INIT(1, argv);
+	struct lfs_lazy *lz;
+
+	if (fcntl(fuse_fd, F_GETFD) < 0) {
+		lfs_error_set(err, errno, "fuse fd %d: %s", fuse_fd, strerror(errno));
+		return NULL;
+	}
+	lz = calloc(1, sizeof(*lz));
+	if (!lz) {
+		lfs_error_set(err, ENOMEM, "allocating the lazy server");
+		return NULL;
+	}
+	pthread_mutex_init(&lz->qlock, NULL);
+	lz->fuse_fd = fuse_fd;
+	lz->resumed = resumed;
+	lz->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	if (lz->efd < 0) {
+		lfs_error_set(err, errno, "eventfd: %s", strerror(errno));
+		goto fail;
+	}
+	lz->se = fuse_session_new(&args, &lazy_ops, sizeof(lazy_ops), lz);
+	if (!lz->se) {
+		lfs_error_set(err, EIO, "fuse_session_new failed");
+		goto fail;
+	}
+	snprintf(mnt, sizeof(mnt), "/dev/fd/%d", fuse_fd);
+	if (fuse_session_mount(lz->se, mnt) != 0) {
+		lfs_error_set(err, EIO, "fuse_session_mount `%s` failed", mnt);
+		goto fail;
+	}
+	return lz;
+fail:
+	if (lz->se)
+		fuse_session_destroy(lz->se);
+	if (lz->efd >= 0)
+		close(lz->efd);
+	free(lz);
+	return NULL;
+}
+
+int lfs_lazy_event_fd(struct lfs_lazy *lz)
+{
+	return lz->efd;
+}
+
+int lfs_lazy_stopped(struct lfs_lazy *lz)
+{
+	return atomic_load(&lz->stopped);
+}
+
+int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uint64_t size,
+		       uint32_t chunk_size, struct lfs_error *err)
+{
+	struct lazy_layer *l;
+	uint64_t n;
+
+	if (slot >= LFS_LAZY_MAX_LAYERS)
+		return lfs_error_set(err, EINVAL, "layer slot %u out of range (max %u)", slot,
+				     LFS_LAZY_MAX_LAYERS - 1);
+	if (!name || !*name || strlen(name) >= sizeof(l->name) || strchr(name, '/'))
+		return lfs_error_set(err, EINVAL, "layer name `%s` is not a file name",
+				     name ? name : "");
+	if (chunk_size < 4096 || (chunk_size & (chunk_size - 1)))
+		return lfs_error_set(err, EINVAL, "layer `%s`: chunk size %u is not a power of "
+				     "two >= 4096", name, chunk_size);
+	n = (size + chunk_size - 1) / chunk_size;
+	if (n > UINT32_MAX / 2)
+		return lfs_error_set(err, EINVAL, "layer `%s`: too many chunks", name);
+	if (atomic_load(&lz->layers[slot]))
+		return lfs_error_set(err, EEXIST, "layer slot %u is taken", slot);
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
+		struct lazy_layer *o = lazy_slot(lz, s);
+
+		if (o && strcmp(o->name, name) == 0)
+			return lfs_error_set(err, EEXIST, "layer `%s` is already in slot %u",
+					     name, s);
+	}
+	l = calloc(1, sizeof(*l));
+	if (!l)
+		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating", name);
+	l->chunks = calloc(n ? n : 1, sizeof(*l->chunks));
+	l->trace = calloc(n ? n : 1, sizeof(*l->trace));
+	if (!l->chunks || !l->trace) {
+		free(l->chunks);
+		free(l->trace);
+		free(l);
+		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating %lu chunk states",
+				     name, (unsigned long)n);
+	}
+	for (uint64_t i = 0; i < n; i++)
+		l->chunks[i].fd = -1;
+	snprintf(l->name, sizeof(l->name), "%s", name);
+	l->size = size;
+	l->chunk_size = chunk_size;
+	l->nchunks = (uint32_t)n;
+	l->st.nchunks = (uint32_t)n;
+	pthread_mutex_init(&l->lock, NULL);
+	atomic_store(&lz->layers[slot], l);
+	return 0;
+}
+
+int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+
+	if (!l)
+		return lfs_error_set(err, ENOENT, "no layer in slot %u", slot);
+	pthread_mutex_lock(&l->lock);
+	l->removed = 1;
+	for (uint32_t i = 0; i < l->nchunks; i++) {
+		struct lazy_chunk *c = &l->chunks[i];
+		struct lazy_wait *w = c->waiters;
+
+		c->waiters = NULL;
+		while (w) {
+			struct lazy_wait *next = w->next;
+
+			fuse_reply_err(w->req, EIO);
+			free(w);
+			w = next;
+		}
+		if (c->fd >= 0 && c->readers == 0) {
+			close(c->fd);
+			c->fd = -1;
+			c->state = LFS_LAZY_MISSING;
+		}
+	}
+	pthread_mutex_unlock(&l->lock);
+	/* The struct stays allocated (a READ may still hold a pointer to it) and the slot
+	 * stays taken, so inode numbers are never reused for another layer. */
+	return 0;
+}
+
+static void *lazy_loop(void *arg)
+{
+	struct lfs_lazy *lz = arg;
+	struct fuse_loop_config *cfg = fuse_loop_cfg_create();
+
+	if (cfg) {
+		fuse_loop_cfg_set_max_threads(cfg, lz->max_threads);
+		fuse_loop_cfg_set_idle_threads(cfg, lz->max_threads);
+		fuse_loop_cfg_set_clone_fd(cfg, 0);
+	}
+	/* clone_fd stays off: requests read through a cloned fd are aborted when that fd
+	 * closes, while requests read through the shared fd survive our death and can be
+	 * requeued for the next server. */
+	fuse_session_loop_mt(lz->se, cfg);
+	if (cfg)
+		fuse_loop_cfg_destroy(cfg);
+	atomic_store(&lz->stopped, 1);
+	if (write(lz->efd, &(uint64_t){ 1 }, sizeof(uint64_t)) < 0) {
+		/* EAGAIN only: the Python side is woken anyway. */
+	}
+	return NULL;
+}
+
+int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *err)
+{
+	int rc;
+
+	lz->max_threads = max_threads ? max_threads : 8;
+	if (lz->resumed)
+		lazy_replay_init(lz);
+	rc = pthread_create(&lz->loop, NULL, lazy_loop, lz);
+	if (rc)
+		return lfs_error_set(err, rc, "starting the FUSE loop: %s", strerror(rc));
+	if (lz->resumed) {
+		rc = lazy_notify_resend(lz);
+		if (rc < 0)
+			fprintf(stderr, "layerfs-lazy: FUSE_NOTIFY_RESEND: %s (requests of the "
+				"previous server are not requeued)\n", strerror(-rc));
+	}
+	return 0;
+}
+
+int lfs_lazy_next_fetch(struct lfs_lazy *lz, uint32_t *slot, uint32_t *index)
+{
+	uint64_t v;
+	int got = 0;
+
+	pthread_mutex_lock(&lz->qlock);
+	if (lz->qlen) {
+		struct lazy_fetch f = lz->q[lz->qhead];
+
+		lz->qhead = (lz->qhead + 1) % lz->qcap;
+		lz->qlen--;
+		*slot = f.slot;
+		*index = f.index;
+		got = 1;
+	}
+	pthread_mutex_unlock(&lz->qlock);
+	if (!got) {
+		if (read(lz->efd, &v, sizeof(v)) < 0) {
+			/* EAGAIN: nothing was signalled since the last drain. */
+		}
+	}
+	return got;
+}
+
+int lfs_lazy_chunk_claim(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	int rc = 0;
+
+	if (!l || index >= l->nchunks)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	if (l->chunks[index].state == LFS_LAZY_MISSING) {
+		l->chunks[index].state = LFS_LAZY_FETCHING;
+		l->st.inflight++;
+		rc = 1;
+	}
+	pthread_mutex_unlock(&l->lock);
+	return rc;
+}
+
+/* Take the waiters of a chunk; called with the layer lock held. */
+static struct lazy_wait *lazy_take_waiters(struct lazy_chunk *c)
+{
+	struct lazy_wait *w = c->waiters, *rev = NULL;
+
+	c->waiters = NULL;
+	while (w) { /* oldest first */
+		struct lazy_wait *next = w->next;
+
+		w->next = rev;
+		rev = w;
+		w = next;
+	}
+	return rev;
+}
+
+int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 const char *path, struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	struct lazy_chunk *c;
+	struct lazy_wait *w;
+	uint64_t want;
+	struct stat st;
+	int fd;
+
+	if (!l || index >= l->nchunks)
+		return lfs_error_set(err, ENOENT, "no chunk %u in layer slot %u", index, slot);
+	want = index + 1 < l->nchunks ? l->chunk_size
+				      : l->size - (uint64_t)index * l->chunk_size;
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		lfs_error_set(err, errno, "open `%s`: %s", path, strerror(errno));
+		lfs_lazy_chunk_failed(lz, slot, index, EIO);
+		return -1;
+	}
+	if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
+		lfs_error_set(err, EINVAL, "`%s`: %lld bytes, chunk %u of `%s` has %llu", path,
+			      (long long)st.st_size, index, l->name, (unsigned long long)want);
+		close(fd);
+		lfs_lazy_chunk_failed(lz, slot, index, EIO);
+		return -1;
+	}
+	pthread_mutex_lock(&l->lock);
+	c = &l->chunks[index];
+	if (c->state == LFS_LAZY_PRESENT) {
+		close(fd); /* a racing prefetch got there first; same bytes */
+	} else {
+		if (c->state == LFS_LAZY_FETCHING)
+			l->st.inflight--;
+		c->fd = fd;
+		c->state = LFS_LAZY_PRESENT;
+		l->st.present++;
+		l->st.ready++;
+	}
+	w = lazy_take_waiters(c);
+	pthread_mutex_unlock(&l->lock);
+	while (w) {
+		struct lazy_wait *next = w->next;
+
+		lazy_serve(lz, slot, l, w);
+		w = next;
+	}
+	return 0;
+}
+
+int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, int errnum)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	struct lazy_chunk *c;
+	struct lazy_wait *w;
+	int n = 0;
+
+	if (!l || index >= l->nchunks)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	c = &l->chunks[index];
+	if (c->state == LFS_LAZY_FETCHING) {
+		c->state = LFS_LAZY_MISSING;
+		l->st.inflight--;
+		l->st.failed++;
+	}
+	w = lazy_take_waiters(c);
+	pthread_mutex_unlock(&l->lock);
+	while (w) {
+		struct lazy_wait *next = w->next;
+
+		fuse_reply_err(w->req, errnum > 0 ? errnum : EIO);
+		__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
+		free(w);
+		w = next;
+		n++;
+	}
+	return n;
+}
+
+int lfs_lazy_chunk_evict(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	struct lazy_chunk *c;
+	int rc = 0;
+
+	if (!l || index >= l->nchunks)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	c = &l->chunks[index];
+	if (c->state == LFS_LAZY_PRESENT && c->readers == 0) {
+		close(c->fd);
+		c->fd = -1;
+		c->state = LFS_LAZY_MISSING;
+		l->st.present--;
+		rc = 1;
+	}
+	pthread_mutex_unlock(&l->lock);
+	return rc;
+}
+
+int lfs_lazy_chunk_info(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			uint64_t *atime)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	int st;
+
+	if (!l || index >= l->nchunks)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	st = l->chunks[index].state;
+	if (atime)
+		*atime = l->chunks[index].atime;
+	pthread_mutex_unlock(&l->lock);
+	return st;
+}
+
+int lfs_lazy_layer_stats(struct lfs_lazy *lz, uint32_t slot, struct lfs_lazy_stats *out)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+
+	if (!l)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	*out = l->st;
+	out->reads = __atomic_load_n(&l->st.reads, __ATOMIC_RELAXED);
+	out->read_bytes = __atomic_load_n(&l->st.read_bytes, __ATOMIC_RELAXED);
+	out->errors = __atomic_load_n(&l->st.errors, __ATOMIC_RELAXED);
+	pthread_mutex_unlock(&l->lock);
+	return 0;
+}
+
+int lfs_lazy_trace(struct lfs_lazy *lz, uint32_t slot, uint32_t *out, uint32_t max,
+		   int reset)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	uint32_t n;
+
+	if (!l)
+		return -1;
+	pthread_mutex_lock(&l->lock);
+	n = l->ntrace;
+	if (out)
+		memcpy(out, l->trace, (n < max ? n : max) * sizeof(*out));
+	if (reset) {
+		for (uint32_t i = 0; i < l->ntrace; i++)
+			l->chunks[l->trace[i]].touched = 0;
+		l->ntrace = 0;
+		l->st.touched = 0;
+	}
+	pthread_mutex_unlock(&l->lock);
+	return (int)n;
+}
+
+int lfs_lazy_mount(const char *mountpoint, struct lfs_error *err)
+{
+	char opts[128];
+	int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+
+	if (fd < 0)
+		return lfs_error_set(err, errno, "open `/dev/fuse`: %s", strerror(errno));
+	snprintf(opts, sizeof(opts),
+		 "fd=%d,rootmode=%o,user_id=0,group_id=0,allow_other,default_permissions,"
+		 "max_read=1048576", fd, LAZY_ROOT_MODE);
+	if (mount("layerfs-lazy", mountpoint, "fuse.layerfs",
+		  MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0) {
+		int e = errno;
+
+		close(fd);
+		return lfs_error_set(err, e, "mount fuse on `%s`: %s", mountpoint, strerror(e));
+	}
+	return fd;
+}
+
+int lfs_lazy_umount(const char *mountpoint, int detach, struct lfs_error *err)
+{
+	if (umount2(mountpoint, detach ? MNT_DETACH : 0) < 0)
+		return lfs_error_set(err, errno, "umount `%s`: %s", mountpoint, strerror(errno));
+	return 0;
+}
