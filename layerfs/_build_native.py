@@ -42,7 +42,8 @@ ffibuilder.set_source(
     include_dirs=[str(CSRC / "include")] + [f[2:] for f in _FUSE_CFLAGS if f.startswith("-I")],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE",
                         "-fvisibility=hidden"],
-    libraries=_FUSE_LIBS,
+    # libseccomp compiles seccomp profiles to BPF (csrc/lib/seccomp.c).
+    libraries=[*_FUSE_LIBS, "seccomp"],
 )
 
 if __name__ == "__main__":
