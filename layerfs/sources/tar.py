@@ -1,0 +1,803 @@
+"""Tar streams as layer trees: ustar, GNU and PAX archives, plain or compressed.
+
+:func:`load_tar` reads an archive header by header (its own parser, not :mod:`tarfile`:
+tarfile takes a bad checksum or a truncated header in mid-archive for the end of the
+archive, rounds PAX times through ``float`` and decodes names) and applies each entry to a
+:class:`~layerfs.tree.Tree` with tar extraction semantics.
+
+Formats (facts from POSIX.1-2017 ``pax`` "ustar Interchange Format" and "pax Extended
+Header", GNU tar's ``tar.h`` and "GNU tar: Sparse Formats"):
+
+- ustar, V7 and GNU headers; numbers in octal or GNU base-256 (bit 7 of the first byte
+  set, bit 6 the sign, two's complement over the remaining bits); the checksum is
+  accepted as the unsigned or the signed byte sum (both exist in the wild).
+- GNU long names and long link targets (``L``/``K``), PAX local (``x``) and global
+  (``g``) headers: ``path``, ``linkpath``, ``size``, ``uid``, ``gid``, ``mtime`` (decimal
+  seconds with an optional fraction, possibly negative: ``"-1.5"`` is -1.5 s and becomes
+  exactly ``-1_500_000_000`` ns; digits beyond the ninth are floored),
+  ``SCHILY.devmajor``/``devminor``, ``SCHILY.xattr.NAME`` (raw value bytes) and
+  ``LIBARCHIVE.xattr.NAME`` (name URL-encoded, value base64). When a header carries the
+  same xattr under both keywords, the later record wins. Other keywords (``atime``,
+  ``uname``, ``comment``...) are ignored, except ``SCHILY.acl.*`` which is refused rather
+  than silently dropped.
+- Sparse files: old GNU (``S`` headers with extension blocks) and PAX 0.0, 0.1 and 1.0;
+  they become :attr:`Data.extents <layerfs.tree.Data>`.
+- Compression detected by magic: gzip, zstd (the ``zstandard`` package), xz and bzip2.
+
+Data placement: an uncompressed archive in a seekable regular file is referenced in place
+(``Data(path=<archive>, offset=<data offset>)``); otherwise file data is copied, in
+bounded chunks, to one spool file created in ``workdir`` (memory never grows with file
+size). The caller keeps ``workdir`` until the image is written.
+
+Entry rules: the last entry for a path wins (a directory over a directory only updates
+metadata); a hardlink binds to its target as it is when the link is read (chains and links
+to symlinks work; a later redefinition of the target does not move the link); names follow
+the :mod:`layerfs.tree` path rule (``../`` and ``/`` stay inside the layer; an entry under
+a symlink is refused). An archive may stop at a header boundary without the two
+end-of-archive zero blocks; a zero block ends the archive and what follows is ignored.
+
+Hostile input raises :class:`~layerfs.errors.InvalidSourceError` naming the archive and
+the entry (its path, or the byte offset of its header), and leaves nothing behind in
+``workdir``: bad checksums, truncated headers or data, numbers that are negative or out of
+range (sizes up to 2**63-1, ids up to 2**32-1, device majors up to 4095 and minors up to
+2**20-1 as in Linux's ``dev_t``), malformed PAX records, unknown entry types, empty
+symlink targets, xattr names outside the ``user.``/``trusted.``/``security.``/``system.``
+namespaces or longer than 255 bytes, ``trusted.overlay.*``/``user.overlay.*`` xattrs (they
+would steer overlayfs: whiteouts, opaque dirs and redirects come only from OCI markers, see
+:mod:`layerfs.sources.whiteout`), values over 64 KiB, and metadata headers over 8 MiB.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import bz2
+import contextlib
+import gzip
+import io
+import lzma
+import os
+import re
+import stat
+import tempfile
+import urllib.parse
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Protocol
+
+import zstandard
+
+from layerfs.errors import InvalidSourceError
+from layerfs.tree import Data, Inode, Tree, split_path
+
+BLOCK = 512
+MAX_META = 8 << 20           # one PAX/GNU metadata payload; xattr values are <= 64 KiB
+MAX_SIZE = (1 << 63) - 1     # EROFS i_size is 64-bit; Python would accept anything
+MAX_ID = (1 << 32) - 1       # EROFS extended inodes store 32-bit uid/gid
+MAX_MAJOR = (1 << 12) - 1    # Linux MINORBITS=20 leaves 12 bits of major (kdev_t.h)
+MAX_MINOR = (1 << 20) - 1
+MAX_MTIME_S = (1 << 63) - 1
+MAX_EXTENTS = 1 << 18        # bounds memory of a hostile sparse map
+XATTR_NAME_MAX = 255         # linux/limits.h
+XATTR_SIZE_MAX = 65536       # linux/limits.h
+XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.", b"system.")
+# overlayfs reads its own state (whiteouts, opaque, redirects, metacopy) from these, so an
+# archive must not smuggle them in (Documentation/filesystems/overlayfs.rst).
+OVERLAY_XATTR_PREFIXES = (b"trusted.overlay.", b"user.overlay.")
+COPY_CHUNK = 1 << 20
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_XZ_MAGIC = b"\xfd7zXZ\x00"
+_BZ2_MAGIC = b"BZh"
+
+_PAX_TIME = re.compile(rb"(-?)([0-9]{1,30})(?:\.([0-9]{0,30}))?")
+_DECIMAL = re.compile(rb"[0-9]{1,30}")
+_PAX_LEN = re.compile(rb"([0-9]{1,12}) ")
+
+# Entry types (POSIX ustar typeflag, GNU extensions).
+_REG = (b"0", b"\0", b"7")
+_HARDLINK, _SYMLINK, _CHR, _BLK, _DIR, _FIFO = b"1", b"2", b"3", b"4", b"5", b"6"
+_PAX_LOCAL, _PAX_GLOBAL, _GNU_LONGNAME, _GNU_LONGLINK = b"x", b"g", b"L", b"K"
+_GNU_SPARSE, _GNU_DUMPDIR, _GNU_VOLHDR = b"S", b"D", b"V"
+
+
+def _round_up(n: int) -> int:
+    return (n + BLOCK - 1) & ~(BLOCK - 1)
+
+
+class _Fail(Exception):
+    """A problem with the current entry; load_tar adds archive and entry names."""
+
+
+def _cstr(field_bytes: bytes) -> bytes:
+    end = field_bytes.find(b"\0")
+    return field_bytes if end < 0 else field_bytes[:end]
+
+
+def parse_number(raw: bytes, what: str) -> int:
+    """Decode a numeric header field: octal text or GNU base-256 (may be negative).
+
+    Raises :class:`_Fail` for anything else. An all-blank field is 0 (old archives leave
+    device numbers empty).
+    """
+    if raw and raw[0] & 0x80:
+        bits = len(raw) * 8 - 1
+        value = int.from_bytes(raw, "big") & ((1 << bits) - 1)
+        if value >> (bits - 1):
+            value -= 1 << bits
+        return value
+    text = raw.strip(b" \0")
+    end = text.find(b"\0")
+    if end >= 0:
+        text = text[:end].rstrip(b" ")
+    if not text:
+        return 0
+    if any(c not in b"01234567" for c in text):
+        raise _Fail(f"bad {what} field {raw!r}")
+    return int(text, 8)
+
+
+def parse_pax_records(payload: bytes) -> list[tuple[bytes, bytes]]:
+    """Split a PAX extended header into ``(keyword, value)`` records, in order (GNU
+    sparse 0.0 repeats keywords, so order matters). Each record is
+    ``"<len> <keyword>=<value>\\n"`` where ``len`` counts the whole record (POSIX pax).
+    Trailing NUL padding is allowed; anything else malformed raises :class:`_Fail`."""
+    records: list[tuple[bytes, bytes]] = []
+    pos = 0
+    n = len(payload)
+    while pos < n:
+        if payload[pos] == 0 and not payload[pos:].strip(b"\0"):
+            break
+        m = _PAX_LEN.match(payload, pos)
+        if m is None:
+            raise _Fail(f"pax record at byte {pos}: no length")
+        length = int(m.group(1))
+        end = pos + length
+        if length <= len(m.group(0)) or end > n or payload[end - 1] != 0x0A:
+            raise _Fail(f"pax record at byte {pos}: bad length {length}")
+        body = payload[m.end():end - 1]
+        eq = body.find(b"=")
+        if eq <= 0:
+            raise _Fail(f"pax record at byte {pos}: no keyword")
+        records.append((body[:eq], body[eq + 1:]))
+        pos = end
+    return records
+
+
+def parse_pax_time(value: bytes) -> int:
+    """A PAX time (``"1700000000.123456789"``, ``"-1.5"``) as integer nanoseconds, exact
+    (floored beyond nanosecond precision). Raises :class:`_Fail` if malformed."""
+    m = _PAX_TIME.fullmatch(value)
+    if m is None:
+        raise _Fail(f"bad pax mtime {value!r}")
+    frac = (m.group(3) or b"")[:9].ljust(9, b"0")
+    rest = (m.group(3) or b"")[9:]
+    ns = int(m.group(2)) * 1_000_000_000 + int(frac)
+    if m.group(1):
+        ns = -ns - (1 if rest.strip(b"0") else 0)
+    if abs(ns) // 1_000_000_000 > MAX_MTIME_S:
+        raise _Fail(f"pax mtime {value!r} out of range")
+    return ns
+
+
+def _pax_decimal(value: bytes, what: str, limit: int) -> int:
+    if _DECIMAL.fullmatch(value) is None:
+        raise _Fail(f"bad pax {what} {value!r}")
+    n = int(value)
+    if n > limit:
+        raise _Fail(f"pax {what} {n} out of range")
+    return n
+
+
+def _check_xattr(name: bytes, value: bytes) -> None:
+    if not name or b"\0" in name or len(name) > XATTR_NAME_MAX:
+        raise _Fail(f"bad xattr name {name!r}")
+    if not name.startswith(XATTR_NAMESPACES) or name in XATTR_NAMESPACES:
+        raise _Fail(f"xattr {name!r} is outside the user/trusted/security/system namespaces")
+    if name.startswith(OVERLAY_XATTR_PREFIXES):
+        raise _Fail(f"xattr {name!r} would steer overlayfs; layers express whiteouts and "
+                    "opaque directories with OCI .wh. markers")
+    if len(value) > XATTR_SIZE_MAX:
+        raise _Fail(f"xattr {name!r}: value of {len(value)} bytes exceeds {XATTR_SIZE_MAX}")
+
+
+def _b64decode(value: bytes) -> bytes:
+    # libarchive writes base64 without '=' padding.
+    try:
+        return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _Fail(f"bad base64 xattr value {value!r}") from exc
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class _Readable(Protocol):
+    def read(self, n: int = ..., /) -> bytes: ...
+
+
+class _Input:
+    """The archive's bytes, read forward only, with the current offset in ``pos``.
+
+    ``in_place`` is the path of an uncompressed seekable file whose data offsets can be
+    referenced directly (``size`` is then its length); otherwise data is spooled.
+    """
+
+    def __init__(self, stream: Any, *, in_place: str | None, base: int,
+                 size: int | None) -> None:
+        self.stream = stream
+        self.in_place = in_place
+        self.base = base
+        self.size = size
+        self.pos = 0
+
+    def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes; short only at the end of the stream."""
+        chunks: list[bytes] = []
+        want = n
+        while want > 0:
+            try:
+                chunk = self.stream.read(min(want, COPY_CHUNK))
+            except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError,
+                    lzma.LZMAError) as exc:
+                raise _Fail(f"corrupt compressed stream near byte {self.pos}: {exc}") from exc
+            except OSError as exc:
+                if "Invalid data stream" in str(exc):  # bz2 reports corruption as OSError
+                    raise _Fail(f"corrupt compressed stream near byte {self.pos}") from exc
+                raise
+            if not chunk:
+                break
+            chunks.append(chunk)
+            want -= len(chunk)
+            self.pos += len(chunk)
+        return b"".join(chunks)
+
+    def read_exact(self, n: int, what: str) -> bytes:
+        buf = self.read(n)
+        if len(buf) != n:
+            raise _Fail(f"archive truncated in {what}")
+        return buf
+
+    def skip(self, n: int, what: str) -> None:
+        if self.in_place is not None:
+            assert self.size is not None
+            if self.pos + n > self.size:
+                raise _Fail(f"archive truncated in {what}")
+            self.pos += n
+            self.stream.seek(self.base + self.pos)
+            return
+        while n > 0:
+            got = len(self.read(min(n, COPY_CHUNK)))
+            if got == 0:
+                raise _Fail(f"archive truncated in {what}")
+            n -= got
+
+    def skip_padded(self, n: int, what: str) -> None:
+        """Skip ``n`` data bytes and their block padding (padding may be cut off at EOF)."""
+        self.skip(n, what)
+        pad = _round_up(n) - n
+        if pad:
+            if self.in_place is not None:
+                assert self.size is not None
+                pad = min(pad, self.size - self.pos)
+                self.pos += pad
+                self.stream.seek(self.base + self.pos)
+            else:
+                self.read(pad)
+
+
+class _Spool:
+    """The one file in ``workdir`` that receives data from a compressed or unseekable
+    archive, created on first use and removed by :meth:`discard`."""
+
+    def __init__(self, workdir: str, name: str) -> None:
+        self.workdir = workdir
+        self.prefix = re.sub(r"[^A-Za-z0-9._-]", "_", name)[:64] + "."
+        self.path: str | None = None
+        self.file: BinaryIO | None = None
+        self.size = 0
+
+    def append(self, inp: _Input, n: int, what: str) -> int:
+        """Copy ``n`` bytes from ``inp``; returns their offset in the spool file."""
+        if self.file is None:
+            fd, path = tempfile.mkstemp(prefix=self.prefix, suffix=".spool", dir=self.workdir)
+            self.path = os.path.abspath(path)
+            self.file = os.fdopen(fd, "wb")
+        at = self.size
+        while n > 0:
+            chunk = inp.read(min(n, COPY_CHUNK))
+            if not chunk:
+                raise _Fail(f"archive truncated in {what}")
+            self.file.write(chunk)
+            n -= len(chunk)
+            self.size += len(chunk)
+        return at
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+    def discard(self) -> None:
+        self.close()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            self.path = None
+
+
+# --------------------------------------------------------------------------- entries
+
+
+@dataclass
+class _Entry:
+    """One member after its metadata headers (GNU L/K, PAX x/g) have been folded in."""
+
+    offset: int                  # byte offset of the member's own header
+    typeflag: bytes
+    path: bytes
+    linkpath: bytes
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    size: int                    # bytes stored in the archive after the header
+    devmajor: int
+    devminor: int
+    xattrs: dict[bytes, bytes] = field(default_factory=dict)
+    sparse: list[tuple[int, int]] | None = None   # (file offset, length) in stored order
+    realsize: int | None = None
+    sparse_v1: bool = False      # PAX 1.0: the map leads the data area
+
+
+def _apply_pax(entry: _Entry, records: list[tuple[bytes, bytes]]) -> None:
+    sparse_offsets: list[int] = []
+    sparse_lengths: list[int] = []
+    major = minor = None
+    for key, value in records:
+        if key == b"path":
+            entry.path = value
+        elif key == b"linkpath":
+            entry.linkpath = value
+        elif key == b"size":
+            entry.size = _pax_decimal(value, "size", MAX_SIZE)
+        elif key == b"uid":
+            entry.uid = _pax_decimal(value, "uid", MAX_ID)
+        elif key == b"gid":
+            entry.gid = _pax_decimal(value, "gid", MAX_ID)
+        elif key == b"mtime":
+            entry.mtime_ns = parse_pax_time(value)
+        elif key == b"SCHILY.devmajor":
+            entry.devmajor = _pax_decimal(value, "devmajor", MAX_SIZE)
+        elif key == b"SCHILY.devminor":
+            entry.devminor = _pax_decimal(value, "devminor", MAX_SIZE)
+        elif key.startswith(b"SCHILY.xattr."):
+            name = key[len(b"SCHILY.xattr."):]
+            _check_xattr(name, value)
+            entry.xattrs[name] = value
+        elif key.startswith(b"LIBARCHIVE.xattr."):
+            name = urllib.parse.unquote_to_bytes(key[len(b"LIBARCHIVE.xattr."):])
+            raw = _b64decode(value)
+            _check_xattr(name, raw)
+            entry.xattrs[name] = raw
+        elif key.startswith(b"SCHILY.acl."):
+            raise _Fail(f"pax {key.decode('ascii', 'replace')}: POSIX ACLs are not supported")
+        elif key == b"GNU.sparse.major":
+            major = _pax_decimal(value, "GNU.sparse.major", 9)
+        elif key == b"GNU.sparse.minor":
+            minor = _pax_decimal(value, "GNU.sparse.minor", 9)
+        elif key == b"GNU.sparse.name":
+            entry.path = value
+        elif key in (b"GNU.sparse.realsize", b"GNU.sparse.size"):
+            entry.realsize = _pax_decimal(value, key.decode(), MAX_SIZE)
+        elif key == b"GNU.sparse.offset":
+            sparse_offsets.append(_pax_decimal(value, "GNU.sparse.offset", MAX_SIZE))
+        elif key == b"GNU.sparse.numbytes":
+            sparse_lengths.append(_pax_decimal(value, "GNU.sparse.numbytes", MAX_SIZE))
+        elif key == b"GNU.sparse.map":
+            nums = value.split(b",") if value else []
+            if len(nums) % 2 or len(nums) > 2 * MAX_EXTENTS:
+                raise _Fail("bad GNU.sparse.map")
+            ints = [_pax_decimal(x, "GNU.sparse.map", MAX_SIZE) for x in nums]
+            entry.sparse = list(zip(ints[0::2], ints[1::2], strict=True))
+        if len(sparse_offsets) > MAX_EXTENTS:
+            raise _Fail("sparse map too long")
+    if sparse_offsets or sparse_lengths:
+        if len(sparse_offsets) != len(sparse_lengths):
+            raise _Fail("GNU.sparse.offset and GNU.sparse.numbytes do not pair up")
+        entry.sparse = list(zip(sparse_offsets, sparse_lengths, strict=True))
+    if major is not None:
+        if (major, minor) != (1, 0):
+            raise _Fail(f"unsupported GNU sparse format {major}.{minor}")
+        entry.sparse_v1 = True
+        entry.sparse = []
+
+
+def _parse_gnu_sparse(block: bytes, start: int, count: int) -> list[tuple[int, int]]:
+    out = []
+    for i in range(count):
+        at = start + 24 * i
+        off_raw, len_raw = block[at:at + 12], block[at + 12:at + 24]
+        if not off_raw.strip(b"\0"):
+            break
+        off = parse_number(off_raw, "sparse offset")
+        length = parse_number(len_raw, "sparse length")
+        if off < 0 or length < 0 or off > MAX_SIZE or length > MAX_SIZE:
+            raise _Fail("sparse map entry out of range")
+        out.append((off, length))
+    return out
+
+
+def _checksum_ok(block: bytes) -> bool:
+    stored = parse_number(block[148:156], "checksum")
+    masked = block[:148] + b" " * 8 + block[156:]
+    unsigned = sum(masked)
+    signed = unsigned - 256 * sum(1 for b in masked if b >= 128)
+    return stored in (unsigned, signed)
+
+
+def _read_entries(inp: _Input) -> Iterator[_Entry]:
+    """Yield members in order; metadata headers are consumed and folded in. Regular
+    members (and their data) must be consumed by the caller before the next step."""
+    global_records: dict[bytes, bytes] = {}
+    pending_records: list[tuple[bytes, bytes]] | None = None
+    longname: bytes | None = None
+    longlink: bytes | None = None
+    while True:
+        offset = inp.pos
+        block = inp.read(BLOCK)
+        if len(block) < BLOCK:
+            if block.strip(b"\0"):
+                raise _Fail(f"archive truncated in the header at byte {offset}")
+            if pending_records is not None or longname is not None or longlink is not None:
+                raise _Fail(f"archive ends after a metadata header at byte {offset}")
+            return
+        if not block.strip(b"\0"):
+            if pending_records is not None or longname is not None or longlink is not None:
+                raise _Fail(f"archive ends after a metadata header at byte {offset}")
+            return
+        try:
+            if not _checksum_ok(block):
+                raise _Fail("bad header checksum")
+            typeflag = block[156:157]
+            magic = block[257:265]
+            name = _cstr(block[0:100])
+            if magic[:6] == b"ustar\0":
+                prefix = _cstr(block[345:476] if block[508:512] == b"tar\0" else block[345:500])
+                if prefix:
+                    name = prefix + b"/" + name
+            entry = _Entry(
+                offset=offset, typeflag=typeflag, path=name,
+                linkpath=_cstr(block[157:257]),
+                mode=parse_number(block[100:108], "mode"),
+                uid=parse_number(block[108:116], "uid"),
+                gid=parse_number(block[116:124], "gid"),
+                size=parse_number(block[124:136], "size"),
+                mtime_ns=parse_number(block[136:148], "mtime") * 1_000_000_000,
+                devmajor=parse_number(block[329:337], "devmajor"),
+                devminor=parse_number(block[337:345], "devminor"),
+            )
+        except _Fail as exc:
+            raise _Fail(f"header at byte {offset}: {exc}") from None
+        what = f"entry {entry.path!r} (header at byte {offset})"
+        try:
+            if entry.size < 0 or entry.size > MAX_SIZE:
+                raise _Fail(f"size {entry.size} out of range")
+            if typeflag in (_PAX_LOCAL, _PAX_GLOBAL, _GNU_LONGNAME, _GNU_LONGLINK):
+                if entry.size > MAX_META:
+                    raise _Fail(f"metadata header of {entry.size} bytes exceeds {MAX_META}")
+                payload = inp.read_exact(entry.size, "a metadata header")
+                pad = _round_up(entry.size) - entry.size
+                if pad:
+                    inp.read(pad)
+                if typeflag == _PAX_LOCAL:
+                    pending_records = (pending_records or []) + parse_pax_records(payload)
+                elif typeflag == _PAX_GLOBAL:
+                    for key, value in parse_pax_records(payload):
+                        # An empty value deletes the keyword (POSIX pax).
+                        if value:
+                            global_records[key] = value
+                        else:
+                            global_records.pop(key, None)
+                elif typeflag == _GNU_LONGNAME:
+                    longname = _cstr(payload)
+                else:
+                    longlink = _cstr(payload)
+                continue
+            if typeflag == _GNU_SPARSE:
+                entry.sparse = _parse_gnu_sparse(block, 386, 4)
+                entry.realsize = parse_number(block[483:495], "realsize")
+                extended = block[482]
+                while extended:
+                    ext = inp.read_exact(BLOCK, "a sparse extension header")
+                    entry.sparse += _parse_gnu_sparse(ext, 0, 21)
+                    if len(entry.sparse) > MAX_EXTENTS:
+                        raise _Fail("sparse map too long")
+                    extended = ext[504]
+            # Global records first, so local ones override them; a local record with an
+            # empty value reverts the keyword to the header field (POSIX pax).
+            local = pending_records or []
+            cleared = {k for k, v in local if not v}
+            records = [(k, v) for k, v in global_records.items() if k not in cleared]
+            records += [(k, v) for k, v in local if v]
+            if longname is not None:
+                entry.path = longname
+            if longlink is not None:
+                entry.linkpath = longlink
+            _apply_pax(entry, records)
+        except _Fail as exc:
+            raise _Fail(f"{what}: {exc}") from None
+        pending_records = longname = longlink = None
+        yield entry
+
+
+# --------------------------------------------------------------------------- apply
+
+
+def _extents(entry: _Entry, inp: _Input, spool: _Spool,
+             what: str) -> tuple[int, Data | None]:
+    """Consume a sparse member's data; return (real size, Data with extents)."""
+    stored = entry.size
+    if entry.sparse_v1:
+        entry.sparse, consumed = _read_sparse_v1_map(inp, stored)
+        stored -= consumed
+    assert entry.sparse is not None
+    realsize = entry.realsize if entry.realsize is not None else entry.size
+    if realsize < 0 or realsize > MAX_SIZE:
+        raise _Fail(f"sparse real size {realsize} out of range")
+    extents: list[tuple[int, int, int]] = []
+    end = 0
+    total = 0
+    for off, length in entry.sparse:
+        if off < end or off + length > realsize:
+            raise _Fail("sparse map is unsorted, overlapping or past the real size")
+        end = off + length
+        total += length
+        if length:
+            extents.append((off, length, total - length))
+    if total != stored:
+        raise _Fail(f"sparse map covers {total} bytes but the entry stores {stored}")
+    base = _place(inp, spool, stored, what)
+    if not extents:
+        return realsize, None
+    placed = tuple((off, length, base + rel) for off, length, rel in extents)
+    assert spool.path is not None or inp.in_place is not None
+    src = inp.in_place if inp.in_place is not None else spool.path
+    assert src is not None
+    return realsize, Data(path=src, offset=placed[0][2], extents=placed)
+
+
+def _read_sparse_v1_map(inp: _Input, stored: int) -> tuple[list[tuple[int, int]], int]:
+    """The PAX 1.0 sparse map leading the data area: decimal numbers, one a line, the
+    count then (offset, length) pairs, padded to a block. Returns (map, bytes used)."""
+    buf = b""
+    consumed = 0
+
+    def number() -> int:
+        nonlocal buf, consumed
+        while True:
+            nl = buf.find(b"\n")
+            if nl >= 0:
+                tok, buf = buf[:nl], buf[nl + 1:]
+                return _pax_decimal(tok, "sparse map number", MAX_SIZE)
+            if len(buf) > 32 or consumed + BLOCK > stored:
+                raise _Fail("bad sparse 1.0 map")
+            buf += inp.read_exact(BLOCK, "a sparse map")
+            consumed += BLOCK
+
+    count = number()
+    if count > MAX_EXTENTS:
+        raise _Fail("sparse map too long")
+    pairs = []
+    for _ in range(count):
+        off = number()
+        pairs.append((off, number()))
+    return pairs, consumed
+
+
+def _place(inp: _Input, spool: _Spool, n: int, what: str) -> int:
+    """Consume ``n`` data bytes plus padding; return where they are (archive offset
+    when in place, spool offset otherwise)."""
+    if inp.in_place is not None:
+        at = inp.base + inp.pos
+        inp.skip_padded(n, what)
+        return at
+    at = spool.append(inp, n, what) if n else spool.size
+    pad = _round_up(n) - n
+    if pad:
+        inp.read(pad)
+    return at
+
+
+def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
+    what = f"entry {entry.path!r} (header at byte {entry.offset})"
+    t = entry.typeflag
+    try:
+        parts = split_path(entry.path)
+        if entry.uid < 0 or entry.uid > MAX_ID or entry.gid < 0 or entry.gid > MAX_ID:
+            raise _Fail(f"uid/gid {entry.uid}/{entry.gid} out of range")
+        if abs(entry.mtime_ns) // 1_000_000_000 > MAX_MTIME_S:
+            raise _Fail("mtime out of range")
+        perm = entry.mode & 0o7777
+        if entry.mode < 0:
+            raise _Fail(f"negative mode {entry.mode}")
+
+        def new(mode: int, **extra: Any) -> Inode:
+            return Inode(mode=mode, uid=entry.uid, gid=entry.gid, mtime_ns=entry.mtime_ns,
+                         xattrs=entry.xattrs, **extra)
+
+        if t in _REG and entry.path.endswith(b"/") and entry.sparse is None:
+            t = _DIR  # V7/old GNU archives mark directories only by the trailing slash
+        if t in _REG or t == _GNU_SPARSE:
+            if entry.sparse is not None:
+                size, data = _extents(entry, inp, spool, what)
+            else:
+                size = entry.size
+                at = _place(inp, spool, size, what)
+                src = inp.in_place if inp.in_place is not None else spool.path
+                data = Data(path=src, offset=at) if size and src is not None else None
+            tree.put(parts, new(stat.S_IFREG | perm, size=size, data=data))
+        elif t in (_DIR, _GNU_DUMPDIR):
+            if t == _GNU_DUMPDIR:
+                inp.skip_padded(entry.size, what)
+            tree.put(parts, new(stat.S_IFDIR | perm))
+        elif t == _SYMLINK:
+            if not entry.linkpath:
+                raise _Fail("symlink with an empty target")
+            if b"\0" in entry.linkpath:
+                raise _Fail("symlink target contains a NUL byte")
+            tree.put(parts, new(stat.S_IFLNK | 0o777, size=len(entry.linkpath),
+                                  target=entry.linkpath))
+        elif t == _HARDLINK:
+            if not entry.linkpath:
+                raise _Fail("hardlink with an empty target")
+            tree.link(parts, split_path(entry.linkpath))
+        elif t in (_CHR, _BLK):
+            if not 0 <= entry.devmajor <= MAX_MAJOR or not 0 <= entry.devminor <= MAX_MINOR:
+                raise _Fail(f"device number {entry.devmajor}:{entry.devminor} out of range")
+            kind = stat.S_IFCHR if t == _CHR else stat.S_IFBLK
+            tree.put(parts, new(kind | perm, rdev_major=entry.devmajor,
+                                  rdev_minor=entry.devminor))
+        elif t == _FIFO:
+            tree.put(parts, new(stat.S_IFIFO | perm))
+        elif t == _GNU_VOLHDR:
+            inp.skip_padded(entry.size, what)
+        else:
+            raise _Fail(f"unsupported entry type {t!r}")
+    except _Fail as exc:
+        raise _Fail(f"{what}: {exc}") from None
+    except InvalidSourceError as exc:
+        raise _Fail(f"{what}: {exc}") from None
+
+
+# --------------------------------------------------------------------------- opening
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream whose first bytes (read to sniff the magic) are given back."""
+
+    def __init__(self, head: bytes, rest: BinaryIO) -> None:
+        self.head = head
+        self.rest = rest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: bytearray | memoryview) -> int:  # type: ignore[override]
+        if self.head:
+            n = min(len(buf), len(self.head))
+            buf[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.rest.read(len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+
+def _decompressor(magic: bytes, raw: BinaryIO) -> _Readable | None:
+    if magic.startswith(_GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if magic.startswith(_ZSTD_MAGIC):
+        reader: _Readable = zstandard.ZstdDecompressor().stream_reader(
+            raw, read_across_frames=True)
+        return reader
+    if magic.startswith(_XZ_MAGIC):
+        return lzma.LZMAFile(raw, "rb")
+    if magic.startswith(_BZ2_MAGIC):
+        return bz2.BZ2File(raw, "rb")
+    return None
+
+
+def _in_place_path(stream: BinaryIO, path: str | None) -> tuple[str | None, int | None]:
+    """(path, file size) if ``stream`` is a seekable regular file that ``path`` names."""
+    if path is None:
+        return None, None
+    try:
+        st = os.fstat(stream.fileno())
+        if not stat.S_ISREG(st.st_mode) or not stream.seekable():
+            return None, None
+        pst = os.stat(path)
+    except (OSError, AttributeError, io.UnsupportedOperation):
+        return None, None
+    if (pst.st_dev, pst.st_ino) != (st.st_dev, st.st_ino):
+        return None, None
+    return os.path.abspath(path), st.st_size
+
+
+def load_tar(src: str | os.PathLike[str] | BinaryIO, *, workdir: str | os.PathLike[str],
+             name: str | None = None) -> Tree:
+    """Read a tar archive (plain, gzip, zstd, xz or bzip2) into a new :class:`Tree`.
+
+    ``src`` is a path or a binary stream positioned at the archive's first byte (read
+    forward only; not closed). ``workdir`` is an existing directory owned by the caller:
+    file data of a compressed or unseekable archive is copied to one ``*.spool`` file
+    there, which the returned tree's :class:`~layerfs.tree.Data` references; keep it until
+    the image is written. An uncompressed archive that is a regular file is referenced in
+    place instead (its path must stay valid). ``name`` labels errors (default: the path
+    or the stream's ``name``).
+
+    Formats, entry semantics and limits: see the module docstring (POSIX.1-2017 pax/ustar,
+    GNU tar ``tar.h``). Raises :class:`~layerfs.errors.InvalidSourceError` (a
+    ``ValueError``) naming the archive and the entry for malformed or hostile input, in
+    which case nothing is left in ``workdir``; ``OSError`` for I/O errors of the host.
+    """
+    workdir = os.fspath(workdir)
+    if not os.path.isdir(workdir):
+        raise NotADirectoryError(f"workdir {workdir!r} is not a directory")
+    own: BinaryIO | None = None
+    stream: BinaryIO
+    path: str | None = None
+    if isinstance(src, (str, os.PathLike)):
+        path = os.fspath(src)
+        own = stream = open(path, "rb")  # noqa: SIM115 - closed in finally
+    else:
+        stream = src
+        sname = getattr(src, "name", None)
+        path = sname if isinstance(sname, str) else None
+    label = name or path or "<stream>"
+    spool = _Spool(workdir, os.path.basename(label) or "tar")
+    try:
+        try:
+            inp = _open_input(stream, path)
+            tree = Tree()
+            for entry in _read_entries(inp):
+                _apply(tree, entry, inp, spool)
+        except _Fail as exc:
+            raise InvalidSourceError(f"tar {label}: {exc}") from None
+        spool.close()
+        return tree
+    except BaseException:
+        spool.discard()
+        raise
+    finally:
+        if own is not None:
+            own.close()
+
+
+def _open_input(stream: BinaryIO, path: str | None) -> _Input:
+    seekable = False
+    base = 0
+    with contextlib.suppress(OSError, AttributeError, ValueError):
+        seekable = stream.seekable()
+        if seekable:
+            base = stream.tell()
+    head = b""
+    while len(head) < 6:  # a pipe may hand out fewer bytes than asked
+        more = stream.read(6 - len(head))
+        if not more:
+            break
+        head += more
+    if seekable:
+        stream.seek(base)
+        raw: BinaryIO = stream
+    else:
+        raw = io.BufferedReader(_Prefixed(head, stream), COPY_CHUNK)
+    dec = _decompressor(head, raw)
+    if dec is not None:
+        return _Input(dec, in_place=None, base=0, size=None)
+    in_place, size = _in_place_path(stream, path) if seekable else (None, None)
+    if in_place is not None and size is not None:
+        return _Input(stream, in_place=in_place, base=base, size=size - base)
+    return _Input(raw, in_place=None, base=0, size=None)
