@@ -136,6 +136,15 @@ class Usage:
     layers: int
 
 
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """``sha256:<hex>`` of the file at ``path``, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return "sha256:" + h.hexdigest()
+
+
 def _ordered_map(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T],
                  window: int) -> Iterator[R]:
     """``map`` over a pool, results in input order, at most ``window`` items in flight (so

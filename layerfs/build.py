@@ -1,0 +1,255 @@
+"""Build layers: a source (directory, tar stream, OCI image layout) → EROFS image → store.
+
+The image is written to a temp file next to its final place (in the store's session
+directory, or beside ``output``), added to the store from there, and then renamed to
+``output`` (or dropped), so neither the store nor ``output`` ever holds a partial result.
+File data of big files is aligned by the writer to the store's chunk size, so that the same
+large file in two layers falls on the same chunks and is stored once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from layerfs.errors import InvalidSourceError, NotFoundError
+from layerfs.manifest import InvalidArgumentError, Manifest, check_chunk_size, check_kind
+from layerfs.store import DEFAULT_CHUNK_SIZE, Store, sha256_file
+from layerfs.tree import Tree
+from layerfs.writer import WriterOptions, write_image
+
+BuildProgress = Callable[[str, int, int], None]
+"""Progress callback: ``(stage, bytes_done, bytes_total)``; stage is ``"store"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class BuildResult:
+    """One built layer.
+
+    ``digest`` (``sha256:<hex>``) and ``size`` (bytes) are the image's; ``manifest`` is the
+    store's record (None without a store); ``output`` the image path written (or None);
+    ``stats`` the writer's :class:`~layerfs.writer.ImageStats`; ``new_chunks`` /
+    ``reused_chunks`` what the store wrote or found; times are wall seconds.
+    """
+
+    digest: str
+    size: int
+    kind: str
+    source: str
+    output: str | None
+    manifest: Manifest | None
+    stats: Any
+    new_chunks: int
+    new_bytes: int
+    reused_chunks: int
+    write_seconds: float
+    store_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (what ``layerfs build --json`` prints per layer)."""
+        st = self.stats
+        stats = (dataclasses.asdict(st) if dataclasses.is_dataclass(st)
+                 and not isinstance(st, type) else dict(vars(st)))
+        return {
+            "digest": self.digest, "size": self.size, "kind": self.kind,
+            "source": self.source, "output": self.output,
+            "stored": self.manifest is not None,
+            "chunks": len(self.manifest.chunks) if self.manifest else None,
+            "new_chunks": self.new_chunks, "new_bytes": self.new_bytes,
+            "reused_chunks": self.reused_chunks,
+            "write_seconds": round(self.write_seconds, 6),
+            "store_seconds": round(self.store_seconds, 6),
+            "image": stats,
+        }
+
+
+def writer_options(options: WriterOptions | None, chunk_size: int,
+                   environ: dict[str, str] | None = None) -> WriterOptions:
+    """The writer options for a build: ``options`` (or the defaults) with the chunk
+    alignment set to the store's chunk size and, if ``SOURCE_DATE_EPOCH`` is set (seconds,
+    reproducible-builds.org convention) and no clamp was given, mtimes clamped to it.
+
+    Raises :class:`InvalidArgumentError` for a ``SOURCE_DATE_EPOCH`` that is not an integer.
+    """
+    env = os.environ if environ is None else environ
+    opts = options if options is not None else WriterOptions()
+    opts = dataclasses.replace(opts, chunk_align=chunk_size)
+    sde = env.get("SOURCE_DATE_EPOCH")
+    if sde is not None and opts.clamp_mtime_ns is None:
+        try:
+            secs = int(sde.strip())
+        except ValueError:
+            raise InvalidArgumentError(
+                f"SOURCE_DATE_EPOCH={sde!r} is not an integer number of seconds") from None
+        opts = dataclasses.replace(opts, clamp_mtime_ns=secs * 1_000_000_000)
+    return opts
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    tree: Tree
+    source: str
+    output: str | None
+
+
+def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
+          chunk_size: int, scratch: str, progress: BuildProgress | None) -> BuildResult:
+    where = os.path.dirname(job.output) if job.output else scratch
+    fd, tmp = tempfile.mkstemp(prefix=".layerfs-build.", suffix=".erofs", dir=where)
+    os.close(fd)
+    try:
+        t0 = time.monotonic()
+        stats = write_image(job.tree, tmp, opts)
+        t1 = time.monotonic()
+        manifest = None
+        new_chunks = new_bytes = reused = 0
+        if store is not None:
+            cb = (lambda d, t: progress("store", d, t)) if progress is not None else None
+            added = store.ingest(tmp, kind=kind, source=job.source, chunk_size=chunk_size,
+                                 progress=cb)
+            manifest = added.manifest
+            new_chunks, new_bytes, reused = (added.new_chunks, added.new_bytes,
+                                             added.reused_chunks)
+            digest, size = manifest.digest, manifest.size
+        else:
+            digest, size = sha256_file(tmp), os.path.getsize(tmp)
+        t2 = time.monotonic()
+        if job.output:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.rename(tmp, job.output)
+            dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return BuildResult(digest=digest, size=size, kind=kind, source=job.source,
+                       output=job.output, manifest=manifest, stats=stats,
+                       new_chunks=new_chunks, new_bytes=new_bytes, reused_chunks=reused,
+                       write_seconds=t1 - t0, store_seconds=t2 - t1)
+
+
+@contextlib.contextmanager
+def _scratch(store: Store | None) -> Iterator[str]:
+    if store is not None:
+        with store.session() as d:
+            yield d
+    else:
+        d = tempfile.mkdtemp(prefix="layerfs-build.")
+        try:
+            yield d
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _parse_oci(src: str) -> tuple[str, str | None]:
+    rest = src[4:]
+    # A ref may itself contain ':' (name:tag); a layout directory path normally does not,
+    # so the first ':' after a path that exists splits them.
+    if os.path.isdir(rest):
+        return rest, None
+    layout, sep, ref = rest.partition(":")
+    if not sep or not os.path.isdir(layout):
+        raise NotFoundError(f"{src}: no OCI layout directory {layout!r}")
+    return layout, ref or None
+
+
+def build_layers(src: str, *, kind: str, store: Store | None, output: str | None = None,
+                 options: WriterOptions | None = None, flatten: bool = False,
+                 chunk_size: int | None = None,
+                 progress: BuildProgress | None = None) -> list[BuildResult]:
+    """Build one layer per source layer and return them in order.
+
+    ``src``: a directory; a tar file (plain, gzip or zstd); ``"-"`` for a tar on stdin; or
+    ``oci:LAYOUT_DIR[:REF]`` (one layer per OCI layer, bottom first, or one flattened layer
+    with ``flatten``). ``store``: where to add the layers (None: only write ``output``).
+    ``output``: the image path for one layer; for several OCI layers a directory that
+    receives ``layer-<index>.erofs``. ``chunk_size`` (bytes) defaults to the store's.
+    At least one of ``store`` and ``output`` is required.
+
+    Raises :class:`InvalidSourceError` for a bad source (naming the entry),
+    :class:`NotFoundError` for a missing one, :class:`InvalidArgumentError` for bad
+    arguments, :class:`~layerfs.errors.StoreError` for store failures. On any error no
+    layer of this call that failed is in the store and ``output`` is untouched.
+    """
+    return _build(src, kind=kind, store=store, output=output, options=options,
+                  flatten=flatten, chunk_size=chunk_size, progress=progress, single=False)
+
+
+def _build(src: str, *, kind: str, store: Store | None, output: str | None,
+           options: WriterOptions | None, flatten: bool, chunk_size: int | None,
+           progress: BuildProgress | None, single: bool) -> list[BuildResult]:
+    check_kind(kind)
+    if store is None and output is None:
+        raise InvalidArgumentError("build needs a store or an output path (or both)")
+    csize = check_chunk_size(chunk_size if chunk_size is not None
+                             else store.chunk_size if store is not None
+                             else DEFAULT_CHUNK_SIZE)
+    opts = writer_options(options, csize)
+    out = os.path.abspath(output) if output is not None else None
+    with _scratch(store) as scratch:
+        jobs: list[_Job] = []
+        if src.startswith("oci:"):
+            from layerfs.sources.oci import load_oci
+
+            layout, ref = _parse_oci(src)
+            layers = load_oci(layout, ref, workdir=scratch, flatten=flatten)
+            if len(layers) == 1:
+                outs: list[str | None] = [out]
+            elif out is not None:
+                os.makedirs(out, exist_ok=True)
+                outs = [os.path.join(out, f"layer-{lay.index}.erofs") for lay in layers]
+            else:
+                outs = [None] * len(layers)
+            base = f"oci:{os.path.abspath(layout)}" + (f":{ref}" if ref else "")
+            for lay, o in zip(layers, outs, strict=True):
+                what = ("flattened" if flatten else f"layer {lay.index} {lay.blob_digest}")
+                jobs.append(_Job(lay.tree, f"{base} {what}", o))
+        elif src == "-":
+            from layerfs.sources.tar import load_tar
+
+            jobs.append(_Job(load_tar(sys.stdin.buffer, workdir=scratch, name="<stdin>"),
+                             "tar:-", out))
+        elif os.path.isdir(src):
+            from layerfs.sources.directory import load_directory
+
+            jobs.append(_Job(load_directory(src), f"dir:{os.path.abspath(src)}", out))
+        elif os.path.isfile(src):
+            from layerfs.sources.tar import load_tar
+
+            jobs.append(_Job(load_tar(src, workdir=scratch), f"tar:{os.path.abspath(src)}",
+                             out))
+        elif os.path.exists(src):
+            raise InvalidSourceError(f"{src}: not a directory, tar file or oci: layout")
+        else:
+            raise NotFoundError(f"{src}: no such file or directory")
+        if single and len(jobs) != 1:
+            raise InvalidArgumentError(
+                f"{src}: has {len(jobs)} layers; use build_layers() or flatten=True")
+        return [_emit(j, kind=kind, store=store, opts=opts, chunk_size=csize,
+                      scratch=scratch, progress=progress) for j in jobs]
+
+
+def build_layer(src: str, *, kind: str, store: Store | None, output: str | None = None,
+                options: WriterOptions | None = None, flatten: bool = False,
+                chunk_size: int | None = None,
+                progress: BuildProgress | None = None) -> BuildResult:
+    """Build exactly one layer (see :func:`build_layers` for the arguments and errors).
+
+    Raises :class:`InvalidArgumentError` if ``src`` is an OCI layout with several layers
+    and ``flatten`` is not set.
+    """
+    return _build(src, kind=kind, store=store, output=output, options=options,
+                  flatten=flatten, chunk_size=chunk_size, progress=progress, single=True)[0]
