@@ -1,0 +1,441 @@
+"""Routes of the ``/v1`` API on aiohttp.
+
+Errors have one body shape everywhere, ``{"error": {"code": str, "message": str}}``, with the
+HTTP status of the :class:`~edged.errors.EdgedError` subclass (Firecracker's API is the
+model); ``capacity_exhausted`` adds ``Retry-After`` (whole seconds). The spec of every route
+and response is ``openapi.json`` in this package; tests check the server against it.
+
+Exec output streams as NDJSON over chunked HTTP: ``{"start": {"exec_id"}}``, then
+``{"stdout": s}`` / ``{"stderr": s}`` (text, or base64 with ``"encoding": "base64"``), then
+one ``{"end": {...}}``. The WebSocket variant (``/exec/ws``) carries the same events as text
+messages and takes stdin, EOF, resize and signal messages from the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import WSMsgType, web
+
+from edged.backends.base import ExecEnd, ExecHandle
+from edged.errors import BadRequest, EdgedError, NotFound
+from edged.node.manager import SandboxManager, parse_labels
+
+log = logging.getLogger("edged.api")
+
+MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
+FILE_CHUNK = 256 << 10
+MAX_JSON_BODY = 4 << 20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(code: str, message: str, status: int,
+                   retry_after: float | None = None) -> web.Response:
+    """The one error body shape, ``{"error": {"code", "message"}}``."""
+    headers = {}
+    if retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+    return web.json_response(
+        {"error": {"code": code, "message": message}}, status=status, headers=headers
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every exception into the one error body shape (typed errors keep their status;
+    anything unexpected is a logged 500 ``internal``)."""
+    mgr = request.app[MANAGER]
+    try:
+        return await handler(request)
+    except EdgedError as e:
+        mgr.metrics.api_errors.labels(code=e.code).inc()
+        return error_response(e.code, e.message, e.status, e.retry_after)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "bad_request"}.get(
+            e.status, "bad_request")
+        mgr.metrics.api_errors.labels(code=code).inc()
+        return error_response(code, f"{request.method} {request.path}: {e.reason}", e.status)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        mgr.metrics.api_errors.labels(code="internal").inc()
+        return error_response("internal", f"internal error: {type(e).__name__}: {e}", 500)
+
+
+async def json_body(request: web.Request) -> Any:
+    """The request's JSON body ({} if empty); :class:`BadRequest` if not JSON."""
+    if not request.body_exists:
+        return {}
+    raw = await request.content.read(MAX_JSON_BODY + 1)
+    if len(raw) > MAX_JSON_BODY:
+        raise BadRequest(f"body: larger than {MAX_JSON_BODY} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise BadRequest(f"body: not valid JSON: {e}") from e
+
+
+def _m(request: web.Request) -> SandboxManager:
+    return request.app[MANAGER]
+
+
+def _sid(request: web.Request) -> str:
+    return request.match_info["id"]
+
+
+# -- sandboxes ----------------------------------------------------------------------------
+
+
+async def create_sandbox(request: web.Request) -> web.Response:
+    rec = await _m(request).create(await json_body(request))
+    return web.json_response(rec.to_json(), status=201)
+
+
+async def list_sandboxes(request: web.Request) -> web.Response:
+    want: dict[str, str] = {}
+    for sel in request.query.getall("label", []):
+        k, sep, v = sel.partition("=")
+        if not sep:
+            raise BadRequest(f"label {sel!r}: must be key=value")
+        want[k] = v
+    parse_labels(want)
+    recs = _m(request).find(want)
+    return web.json_response({"sandboxes": [r.to_json() for r in recs]})
+
+
+async def get_sandbox(request: web.Request) -> web.Response:
+    return web.json_response(_m(request).get(_sid(request)).to_json())
+
+
+async def delete_sandbox(request: web.Request) -> web.Response:
+    rec = await _m(request).delete(_sid(request))
+    return web.json_response(rec.to_json())
+
+
+async def pause_sandbox(request: web.Request) -> web.Response:
+    return web.json_response((await _m(request).pause(_sid(request))).to_json())
+
+
+async def resume_sandbox(request: web.Request) -> web.Response:
+    return web.json_response((await _m(request).resume(_sid(request))).to_json())
+
+
+async def set_timeout(request: web.Request) -> web.Response:
+    rec = _m(request).set_timeout(_sid(request), await json_body(request))
+    return web.json_response(rec.to_json())
+
+
+async def signal_sandbox(request: web.Request) -> web.Response:
+    ids = await _m(request).signal(_sid(request), await json_body(request))
+    return web.json_response({"exec_ids": ids})
+
+
+async def sandbox_stats(request: web.Request) -> web.Response:
+    return web.json_response(await _m(request).stats(_sid(request)))
+
+
+# -- exec ---------------------------------------------------------------------------------
+
+
+def end_json(end: ExecEnd, exec_id: int) -> dict[str, Any]:
+    """The ``end`` event's object."""
+    d = asdict(end)
+    d["exec_id"] = exec_id
+    return d
+
+
+class _Encoder:
+    """Output chunks → JSON-safe strings: text (incremental UTF-8, invalid bytes replaced, a
+    character split across chunks kept whole) or base64."""
+
+    def __init__(self, encoding: str) -> None:
+        if encoding not in ("text", "base64"):
+            raise BadRequest(f"encoding: {encoding!r} is not 'text' or 'base64'")
+        self.b64 = encoding == "base64"
+        self.dec = {s: codecs.getincrementaldecoder("utf-8")("replace")
+                    for s in ("stdout", "stderr")}
+
+    def encode(self, stream: str, data: bytes, final: bool = False) -> str:
+        if self.b64:
+            return base64.b64encode(data).decode()
+        return str(self.dec[stream].decode(data, final))
+
+    def flush(self) -> list[tuple[str, str]]:
+        if self.b64:
+            return []
+        out = []
+        for s, d in self.dec.items():
+            rest = d.decode(b"", True)
+            if rest:
+                out.append((s, rest))
+        return out
+
+
+async def _events(handle: ExecHandle, enc: _Encoder) -> AsyncIterator[dict[str, Any]]:
+    yield {"start": {"exec_id": handle.exec_id}}
+    async for ev in handle.events():
+        if isinstance(ev, ExecEnd):
+            for s, text in enc.flush():
+                yield {s: text}
+            yield {"end": end_json(ev, handle.exec_id)}
+            return
+        stream, data = ev
+        text = enc.encode(stream, data)
+        if text:
+            yield {stream: text}
+
+
+async def _abandon(handle: ExecHandle) -> None:
+    """The client went away: kill the exec and drain it so the backend can finish."""
+    with contextlib.suppress(Exception):
+        await handle.signal(9)
+
+    async def drain() -> None:
+        async for _ in handle.events():
+            pass
+
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(drain(), 10)
+
+
+async def exec_ndjson(request: web.Request) -> web.StreamResponse:
+    mgr = _m(request)
+    sid = _sid(request)
+    body = await json_body(request)
+    spec = mgr.exec_spec(sid, body)
+    enc = _Encoder(body.get("encoding", "text"))
+    stdin = body.get("stdin")
+    if stdin is not None and not isinstance(stdin, str | bool):
+        raise BadRequest("stdin: must be a string (fed, then closed) or a boolean")
+    if stdin is True:
+        raise BadRequest("stdin: interactive stdin needs the WebSocket endpoint (exec/ws)")
+    async with mgr.exec(sid, spec) as handle:
+        feeder = None
+        if isinstance(stdin, str) and stdin:
+            async def feed() -> None:
+                with contextlib.suppress(Exception):
+                    await handle.write_stdin(stdin.encode())
+                    await handle.close_stdin()
+            feeder = asyncio.ensure_future(feed())
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        ended: dict[str, Any] | None = None
+        try:
+            async for ev in _events(handle, enc):
+                if "end" in ev:
+                    ended = ev["end"]
+                await resp.write(json.dumps(ev).encode() + b"\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            await _abandon(handle)
+            raise
+        finally:
+            if feeder is not None:
+                feeder.cancel()
+            if ended is not None:
+                mgr.metrics.execs.labels(reason=ended["reason"]).inc()
+                mgr.metrics.exec_seconds.observe(ended["duration_s"])
+        await resp.write_eof()
+        return resp
+
+
+async def exec_ws(request: web.Request) -> web.StreamResponse:
+    mgr = _m(request)
+    sid = _sid(request)
+    mgr.get(sid)  # 404 before the upgrade
+    ws = web.WebSocketResponse(heartbeat=30)
+    await ws.prepare(request)
+    try:
+        msg = await ws.receive_json(timeout=30)
+        if not isinstance(msg, dict):
+            raise BadRequest("first message: must be the exec object")
+        msg.setdefault("stdin", True)
+        spec = mgr.exec_spec(sid, msg)
+        enc = _Encoder(msg.get("encoding", "text"))
+        async with mgr.exec(sid, spec) as handle:
+            if spec.pty and "rows" in msg and "cols" in msg:
+                await handle.resize(int(msg["rows"]), int(msg["cols"]))
+            reader = asyncio.ensure_future(_ws_input(ws, handle))
+            try:
+                async for ev in _events(handle, enc):
+                    await ws.send_json(ev)
+                    if "end" in ev:
+                        mgr.metrics.execs.labels(reason=ev["end"]["reason"]).inc()
+            except (ConnectionResetError, asyncio.CancelledError):
+                await _abandon(handle)
+                raise
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await reader
+    except EdgedError as e:
+        await ws.send_json({"error": {"code": e.code, "message": e.message}})
+    except (ValueError, TypeError) as e:
+        await ws.send_json({"error": {"code": "bad_request", "message": str(e)}})
+    finally:
+        await ws.close()
+    return ws
+
+
+async def _ws_input(ws: web.WebSocketResponse, handle: ExecHandle) -> None:
+    """Client → exec: binary = stdin bytes; text JSON ``{"stdin": s}``, ``{"stdin_b64": s}``,
+    ``{"eof": true}``, ``{"resize": {"rows", "cols"}}``, ``{"signal": n}``."""
+    async for msg in ws:
+        if msg.type == WSMsgType.BINARY:
+            await handle.write_stdin(msg.data)
+            continue
+        if msg.type != WSMsgType.TEXT:
+            break
+        try:
+            m = json.loads(msg.data)
+        except ValueError:
+            continue
+        if not isinstance(m, dict):
+            continue
+        if "stdin" in m:
+            await handle.write_stdin(str(m["stdin"]).encode())
+        if "stdin_b64" in m:
+            await handle.write_stdin(base64.b64decode(m["stdin_b64"]))
+        if m.get("eof"):
+            await handle.close_stdin()
+        if isinstance(m.get("resize"), dict):
+            await handle.resize(int(m["resize"]["rows"]), int(m["resize"]["cols"]))
+        if "signal" in m:
+            await handle.signal(int(m["signal"]))
+
+
+# -- files --------------------------------------------------------------------------------
+
+
+def _path_query(request: web.Request) -> str:
+    path = request.query.get("path")
+    if not path:
+        raise BadRequest("path: query parameter required")
+    return path
+
+
+async def put_file(request: web.Request) -> web.Response:
+    path = _path_query(request)
+    try:
+        mode = int(request.query.get("mode", "644"), 8)
+        uid = int(request.query.get("uid", "0"))
+        gid = int(request.query.get("gid", "0"))
+    except ValueError as e:
+        raise BadRequest(f"mode/uid/gid: {e}") from e
+    if not 0 <= mode <= 0o7777:
+        raise BadRequest("mode: must be octal within 0..7777")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        async for chunk in request.content.iter_chunked(FILE_CHUNK):
+            yield chunk
+
+    n = await _m(request).put_file(_sid(request), path, chunks(), mode=mode, uid=uid, gid=gid)
+    return web.json_response({"path": path, "bytes": n})
+
+
+async def get_file(request: web.Request) -> web.StreamResponse:
+    path = _path_query(request)
+    it = await _m(request).get_file(_sid(request), path)
+    # Pull the first chunk before answering so "no such file" is a proper 404, not a
+    # truncated 200.
+    try:
+        first: bytes | None = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    if first:
+        await resp.write(first)
+        async for chunk in it:
+            await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+# -- images, node, metrics ----------------------------------------------------------------
+
+
+async def list_images(request: web.Request) -> web.Response:
+    return web.json_response({"images": _m(request).images.all()})
+
+
+async def put_image(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    if not isinstance(body, dict) or set(body) != {"name", "layers"}:
+        raise BadRequest("body: must be {\"name\": \"name:tag\", \"layers\": [digest, ...]}")
+    mgr = _m(request)
+    return web.json_response(mgr.images.put(body["name"], body["layers"]), status=201)
+
+
+async def get_image(request: web.Request) -> web.Response:
+    return web.json_response(_m(request).images.get(request.match_info["ref"]))
+
+
+async def delete_image(request: web.Request) -> web.Response:
+    mgr = _m(request)
+    ref = request.match_info["ref"]
+    img = mgr.images.get(ref)
+    mgr.images.delete(ref)
+    return web.json_response(img)
+
+
+async def node_info(request: web.Request) -> web.Response:
+    return web.json_response(_m(request).node_info())
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = _m(request).metrics
+    return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
+
+
+async def not_found(request: web.Request) -> web.Response:
+    raise NotFound(f"{request.method} {request.path}: no such route")
+
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/v1/sandboxes", create_sandbox),
+    ("GET", "/v1/sandboxes", list_sandboxes),
+    ("GET", "/v1/sandboxes/{id}", get_sandbox),
+    ("DELETE", "/v1/sandboxes/{id}", delete_sandbox),
+    ("POST", "/v1/sandboxes/{id}/exec", exec_ndjson),
+    ("GET", "/v1/sandboxes/{id}/exec/ws", exec_ws),
+    ("POST", "/v1/sandboxes/{id}/signal", signal_sandbox),
+    ("PUT", "/v1/sandboxes/{id}/files", put_file),
+    ("GET", "/v1/sandboxes/{id}/files", get_file),
+    ("POST", "/v1/sandboxes/{id}/pause", pause_sandbox),
+    ("POST", "/v1/sandboxes/{id}/resume", resume_sandbox),
+    ("POST", "/v1/sandboxes/{id}/timeout", set_timeout),
+    ("GET", "/v1/sandboxes/{id}/stats", sandbox_stats),
+    ("GET", "/v1/images", list_images),
+    ("POST", "/v1/images", put_image),
+    ("GET", "/v1/images/{ref}", get_image),
+    ("DELETE", "/v1/images/{ref}", delete_image),
+    ("GET", "/v1/node", node_info),
+    ("GET", "/metrics", metrics),
+]
+
+
+def make_app(manager: SandboxManager) -> web.Application:
+    """The aiohttp application serving :data:`ROUTES` for ``manager``."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_JSON_BODY)
+    app[MANAGER] = manager
+    for method, path, handler in ROUTES:
+        # Image refs contain ':' and may contain '/'.
+        app.router.add_route(method, path.replace("{ref}", "{ref:.+}"), handler)
+    return app

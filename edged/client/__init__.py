@@ -1,0 +1,39 @@
+"""The edged SDK: create sandboxes on the local node and run commands in them.
+
+>>> from edged.client import Sandbox
+>>> with Sandbox.create(image="py:3.11") as sbx:          # doctest: +SKIP
+...     r = sbx.exec("python3 -c 'print(1+1)'", timeout=10)
+...     r.exit_code, r.stdout
+(0, '2\\n')
+
+Talks HTTP to the daemon's Unix socket (``$EDGED_SOCKET`` or ``/run/edged/edged.sock``) and
+imports neither the daemon's internals nor layerfs, so a trainer imports it cheaply.
+"""
+
+from edged.client._common import ExecResult
+from edged.client.async_sandbox import AsyncSandbox
+from edged.client.errors import (
+    BackendError,
+    BadRequestError,
+    CapacityExhaustedError,
+    ConflictError,
+    DaemonUnavailableError,
+    InvalidStateError,
+    NotFoundError,
+    SandboxError,
+)
+from edged.client.sandbox import Sandbox
+
+__all__ = [
+    "AsyncSandbox",
+    "BackendError",
+    "BadRequestError",
+    "CapacityExhaustedError",
+    "ConflictError",
+    "DaemonUnavailableError",
+    "ExecResult",
+    "InvalidStateError",
+    "NotFoundError",
+    "Sandbox",
+    "SandboxError",
+]

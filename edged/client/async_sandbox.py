@@ -1,0 +1,210 @@
+"""The asyncio SDK: :class:`AsyncSandbox`, the same methods as
+:class:`edged.client.Sandbox`, awaited. aiohttp is imported when first used, not when
+``edged.client`` is imported."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
+from edged.client._http import default_socket, path_for
+from edged.client.errors import DaemonUnavailableError, NotFoundError, from_body
+
+if TYPE_CHECKING:
+    import aiohttp
+
+FILE_CHUNK = 256 << 10
+
+
+class AsyncTransport:
+    """An aiohttp session over the daemon's Unix socket."""
+
+    def __init__(self, socket_path: str | None = None) -> None:
+        self.socket_path = socket_path or default_socket()
+        self._session: aiohttp.ClientSession | None = None
+
+    def session(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.socket_path),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def request(self, method: str, path: str, **kw: Any) -> aiohttp.ClientResponse:
+        """Send a request; raise the mapped exception for an error status."""
+        import aiohttp
+
+        try:
+            resp = await self.session().request(method, "http://edged" + path, **kw)
+        except aiohttp.ClientConnectionError as e:
+            raise DaemonUnavailableError(f"edged at {self.socket_path}: {e}") from e
+        if resp.status >= 400:
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError:
+                body = None
+            resp.release()
+            raise from_body(resp.status, body, resp.headers.get("Retry-After"))
+        return resp
+
+    async def json(self, method: str, path: str, payload: Any = None) -> Any:
+        resp = await self.request(method, path, json=payload)
+        async with resp:
+            return await resp.json()
+
+
+class AsyncCommands:
+    """``sbx.commands.run(...)``: the same as :meth:`AsyncSandbox.exec`."""
+
+    def __init__(self, sbx: AsyncSandbox) -> None:
+        self._sbx = sbx
+
+    async def run(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        """See :meth:`AsyncSandbox.exec`."""
+        return await self._sbx.exec(cmd, **kw)
+
+
+class AsyncFiles:
+    """``sbx.files``: streamed file transfer."""
+
+    def __init__(self, sbx: AsyncSandbox) -> None:
+        self._sbx = sbx
+
+    async def write(self, path: str, data: str | bytes | AsyncIterator[bytes],
+                    mode: int = 0o644) -> int:
+        """Write text (UTF-8), bytes or an async iterator of chunks to ``path``."""
+        body: Any = data.encode() if isinstance(data, str) else data
+        q = {"path": path, "mode": f"{mode:o}"}
+        resp = await self._sbx._t.request(
+            "PUT", path_for("sandboxes", self._sbx.id, "files", query=q), data=body)
+        async with resp:
+            return int((await resp.json())["bytes"])
+
+    async def iter_bytes(self, path: str) -> AsyncIterator[bytes]:
+        """Stream the file at ``path`` in chunks."""
+        resp = await self._sbx._t.request(
+            "GET", path_for("sandboxes", self._sbx.id, "files", query={"path": path}))
+        async with resp:
+            async for chunk in resp.content.iter_chunked(FILE_CHUNK):
+                yield chunk
+
+    async def read_bytes(self, path: str) -> bytes:
+        """The whole file at ``path``."""
+        return b"".join([c async for c in self.iter_bytes(path)])
+
+    async def read(self, path: str) -> str:
+        """The file at ``path`` as UTF-8 text (invalid bytes replaced)."""
+        return (await self.read_bytes(path)).decode("utf-8", "replace")
+
+
+class AsyncSandbox:
+    """One sandbox, asyncio flavour. ``async with await AsyncSandbox.create(...) as sbx``
+    kills it and closes the session on exit."""
+
+    def __init__(self, info: dict[str, Any], transport: AsyncTransport) -> None:
+        self.info = info
+        self.id: str = info["id"]
+        self._t = transport
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    @classmethod
+    async def create(cls, image: str | None = None, layers: Sequence[str] | None = None, *,
+                     id: str | None = None, cpus: float | None = None,
+                     memory_bytes: int | None = None, pids: int | None = None,
+                     disk_bytes: int | None = None, env: Mapping[str, str] | None = None,
+                     timeout: float | None = None, idle_timeout: float | None = None,
+                     labels: Mapping[str, str] | None = None,
+                     socket: str | None = None) -> AsyncSandbox:
+        """See :meth:`edged.client.Sandbox.create`."""
+        t = AsyncTransport(socket)
+        body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
+                           pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
+                           idle_timeout=idle_timeout, labels=labels)
+        try:
+            info = await t.json("POST", path_for("sandboxes"), body)
+        except BaseException:
+            await t.close()
+            raise
+        return cls(info, t)
+
+    @classmethod
+    async def connect(cls, sandbox_id: str, socket: str | None = None) -> AsyncSandbox:
+        """Attach to an existing sandbox."""
+        t = AsyncTransport(socket)
+        try:
+            return cls(await t.json("GET", path_for("sandboxes", sandbox_id)), t)
+        except BaseException:
+            await t.close()
+            raise
+
+    async def refresh(self) -> dict[str, Any]:
+        """Re-read and return the sandbox object."""
+        self.info = await self._t.json("GET", path_for("sandboxes", self.id))
+        return self.info
+
+    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   stdin: str | None = None, output_limit: int | None = None,
+                   user: int | None = None, on_stdout: OutputCallback | None = None,
+                   on_stderr: OutputCallback | None = None) -> ExecResult:
+        """See :meth:`edged.client.Sandbox.exec`."""
+        body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
+                         output_limit=output_limit, user=user)
+        col = ExecCollector(on_stdout, on_stderr)
+        resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"), json=body)
+        async with resp:
+            async for line in resp.content:
+                if line.strip():
+                    col.feed(json.loads(line))
+        return col.result()
+
+    async def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> list[int]:
+        """Signal one exec or all running execs."""
+        body: dict[str, Any] = {"signal": sig}
+        if exec_id is not None:
+            body["exec_id"] = exec_id
+        out = await self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
+        return list(out["exec_ids"])
+
+    async def pause(self) -> None:
+        """Freeze the sandbox."""
+        self.info = await self._t.json("POST", path_for("sandboxes", self.id, "pause"), {})
+
+    async def resume(self) -> None:
+        """Thaw the sandbox."""
+        self.info = await self._t.json("POST", path_for("sandboxes", self.id, "resume"), {})
+
+    async def set_timeout(self, seconds: float) -> None:
+        """Expire ``seconds`` from now (0: never)."""
+        self.info = await self._t.json("POST", path_for("sandboxes", self.id, "timeout"),
+                                       {"ttl_s": seconds})
+
+    async def kill(self) -> None:
+        """Destroy the sandbox (idempotent)."""
+        with contextlib.suppress(NotFoundError):
+            self.info = await self._t.json("DELETE", path_for("sandboxes", self.id))
+
+    async def close(self) -> None:
+        """Close the HTTP session (the sandbox lives on)."""
+        await self._t.close()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.kill()
+        finally:
+            await self.close()

@@ -1,0 +1,89 @@
+"""Exceptions of the edged SDK, one per API error code.
+
+Base :class:`SandboxError` (``code``, ``status``, ``message``); each subclass also inherits
+the matching builtin (``except KeyError`` catches :class:`NotFoundError`)."""
+
+from __future__ import annotations
+
+
+class SandboxError(Exception):
+    """Any error reported by edged or met while talking to it."""
+
+    code = "internal"
+
+    def __init__(self, message: str, *, status: int = 0, code: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class NotFoundError(SandboxError, KeyError):
+    """``not_found`` (404): no such sandbox, image, layer or file."""
+
+    code = "not_found"
+
+
+class InvalidStateError(SandboxError, RuntimeError):
+    """``invalid_state`` (409): the sandbox's state does not allow the operation."""
+
+    code = "invalid_state"
+
+
+class ConflictError(InvalidStateError):
+    """``conflict`` (409): e.g. the chosen sandbox id is in use."""
+
+    code = "conflict"
+
+
+class CapacityExhaustedError(SandboxError, RuntimeError):
+    """``capacity_exhausted`` (503): the node is full; retry after ``retry_after`` s."""
+
+    code = "capacity_exhausted"
+
+
+class BadRequestError(SandboxError, ValueError):
+    """``bad_request`` (400): invalid input; the message names the field."""
+
+    code = "bad_request"
+
+
+class BackendError(SandboxError, OSError):
+    """``backend_error`` (500): the node failed to carry out a valid request."""
+
+    code = "backend_error"
+
+
+class DaemonUnavailableError(SandboxError, ConnectionError):
+    """The daemon's socket cannot be reached (not running, wrong path, no permission)."""
+
+    code = "unavailable"
+
+
+_BY_CODE: dict[str, type[SandboxError]] = {
+    c.code: c
+    for c in (NotFoundError, InvalidStateError, ConflictError, CapacityExhaustedError,
+              BadRequestError, BackendError)
+}
+
+
+def from_body(status: int, body: object, retry_after: str | None = None) -> SandboxError:
+    """The exception for an error response (``{"error": {"code", "message"}}``)."""
+    code, message = "internal", f"HTTP {status}"
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        code = str(body["error"].get("code", code))
+        message = str(body["error"].get("message", message))
+    cls = _BY_CODE.get(code, SandboxError)
+    ra = None
+    if retry_after:
+        try:
+            ra = float(retry_after)
+        except ValueError:
+            ra = None
+    return cls(message, status=status, code=code, retry_after=ra)

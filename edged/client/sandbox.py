@@ -1,0 +1,187 @@
+"""The synchronous SDK: :class:`Sandbox` (E2B/Modal-style names)."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import IO, Any
+
+from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
+from edged.client._http import Transport, path_for
+from edged.client.errors import NotFoundError
+
+FILE_CHUNK = 256 << 10
+
+
+class Commands:
+    """``sbx.commands.run(...)``: the same as :meth:`Sandbox.exec`."""
+
+    def __init__(self, sbx: Sandbox) -> None:
+        self._sbx = sbx
+
+    def run(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+        """See :meth:`Sandbox.exec`."""
+        return self._sbx.exec(cmd, **kw)
+
+
+class Files:
+    """``sbx.files``: streamed file transfer, paths resolved inside the sandbox root."""
+
+    def __init__(self, sbx: Sandbox) -> None:
+        self._sbx = sbx
+
+    def write(self, path: str, data: str | bytes | IO[bytes] | Iterable[bytes],
+              mode: int = 0o644) -> int:
+        """Write ``data`` (text as UTF-8, bytes, a binary file object or an iterable of
+        chunks, streamed) to absolute ``path``; returns bytes written."""
+        body: bytes | Iterable[bytes]
+        if isinstance(data, str):
+            body = data.encode()
+        elif isinstance(data, bytes):
+            body = data
+        elif hasattr(data, "read"):
+            f = data
+
+            def chunks() -> Iterator[bytes]:
+                while chunk := f.read(FILE_CHUNK):
+                    yield chunk
+
+            body = chunks()
+        else:
+            body = data
+        t = self._sbx._t
+        q = {"path": path, "mode": f"{mode:o}"}
+        conn, resp = t.open("PUT", path_for("sandboxes", self._sbx.id, "files", query=q), body,
+                            {"Content-Type": "application/octet-stream"})
+        try:
+            return int(json.loads(resp.read())["bytes"])
+        finally:
+            conn.close()
+
+    def iter_bytes(self, path: str) -> Iterator[bytes]:
+        """Stream the file at ``path`` in chunks."""
+        t = self._sbx._t
+        conn, resp = t.open("GET", path_for("sandboxes", self._sbx.id, "files",
+                                            query={"path": path}))
+        try:
+            while chunk := resp.read(FILE_CHUNK):
+                yield chunk
+        finally:
+            conn.close()
+
+    def read_bytes(self, path: str) -> bytes:
+        """The whole file at ``path``."""
+        return b"".join(self.iter_bytes(path))
+
+    def read(self, path: str) -> str:
+        """The file at ``path`` decoded as UTF-8 (invalid bytes replaced)."""
+        return self.read_bytes(path).decode("utf-8", "replace")
+
+
+class Sandbox:
+    """One sandbox on an edged node. Use as a context manager to kill it on exit.
+
+    Errors: the :mod:`edged.client.errors` hierarchy (``NotFoundError``,
+    ``InvalidStateError``, ``CapacityExhaustedError`` with ``retry_after``,
+    ``BadRequestError``, ``BackendError``, ``DaemonUnavailableError``).
+    """
+
+    def __init__(self, info: dict[str, Any], transport: Transport) -> None:
+        self.info = info
+        self.id: str = info["id"]
+        self._t = transport
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    @classmethod
+    def create(cls, image: str | None = None, layers: Sequence[str] | None = None, *,
+               id: str | None = None, cpus: float | None = None,
+               memory_bytes: int | None = None, pids: int | None = None,
+               disk_bytes: int | None = None, env: Mapping[str, str] | None = None,
+               timeout: float | None = None, idle_timeout: float | None = None,
+               labels: Mapping[str, str] | None = None, socket: str | None = None) -> Sandbox:
+        """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
+        ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec."""
+        t = Transport(socket)
+        body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
+                           pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
+                           idle_timeout=idle_timeout, labels=labels)
+        return cls(t.json("POST", path_for("sandboxes"), body), t)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, socket: str | None = None) -> Sandbox:
+        """Attach to an existing sandbox (``NotFoundError`` if none)."""
+        t = Transport(socket)
+        return cls(t.json("GET", path_for("sandboxes", sandbox_id)), t)
+
+    @classmethod
+    def list(cls, labels: Mapping[str, str] | None = None,
+             socket: str | None = None) -> list[Sandbox]:
+        """Sandboxes on the node, optionally those carrying every label given."""
+        t = Transport(socket)
+        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        data = t.json("GET", path_for("sandboxes", query=q))
+        return [cls(s, t) for s in data["sandboxes"]]
+
+    def refresh(self) -> dict[str, Any]:
+        """Re-read and return the sandbox object."""
+        self.info = self._t.json("GET", path_for("sandboxes", self.id))
+        return self.info
+
+    @property
+    def state(self) -> str:
+        """Current state (a round trip)."""
+        return str(self.refresh()["state"])
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, cwd: str | None = None,
+             stdin: str | None = None, output_limit: int | None = None,
+             user: int | None = None, on_stdout: OutputCallback | None = None,
+             on_stderr: OutputCallback | None = None) -> ExecResult:
+        """Run ``cmd`` (a string via ``/bin/sh -c``, or an argv list) and wait for it.
+        ``timeout`` (seconds) kills the whole process tree; the result keeps partial output
+        and says ``reason == "timeout"``. Callbacks get text chunks as they arrive."""
+        body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
+                         output_limit=output_limit, user=user)
+        col = ExecCollector(on_stdout, on_stderr)
+        for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
+            col.feed(ev)
+        return col.result()
+
+    def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> builtins.list[int]:
+        """Signal one exec or all running execs; returns the exec ids signalled."""
+        body: dict[str, Any] = {"signal": sig}
+        if exec_id is not None:
+            body["exec_id"] = exec_id
+        out = self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
+        return list(out["exec_ids"])
+
+    def pause(self) -> None:
+        """Freeze the sandbox."""
+        self.info = self._t.json("POST", path_for("sandboxes", self.id, "pause"), {})
+
+    def resume(self) -> None:
+        """Thaw the sandbox."""
+        self.info = self._t.json("POST", path_for("sandboxes", self.id, "resume"), {})
+
+    def set_timeout(self, seconds: float) -> None:
+        """Make the sandbox expire ``seconds`` from now (0: never)."""
+        self.info = self._t.json("POST", path_for("sandboxes", self.id, "timeout"),
+                                 {"ttl_s": seconds})
+
+    def stats(self) -> dict[str, int]:
+        """Usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
+        return dict(self._t.json("GET", path_for("sandboxes", self.id, "stats")))
+
+    def kill(self) -> None:
+        """Destroy the sandbox (idempotent: an already gone sandbox is fine)."""
+        with contextlib.suppress(NotFoundError):
+            self.info = self._t.json("DELETE", path_for("sandboxes", self.id))
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()

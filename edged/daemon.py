@@ -1,0 +1,228 @@
+"""``edged serve``: startup → serve → graceful shutdown (uvicorn's ``server.py`` shape).
+
+:class:`Server` holds the daemon's state in one object. ``should_exit`` (first SIGTERM or
+SIGINT) stops accepting requests and shuts down gracefully: sandboxes are destroyed or kept for
+re-adoption per ``on_shutdown``, waiting at most ``shutdown_timeout_s``. ``force_exit`` (a
+second signal) skips the wait for in-flight requests. Signal handlers are restored on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from aiohttp import web
+
+from edged.api.app import make_app
+from edged.backends.base import Backend
+from edged.config import Config
+from edged.errors import BackendError
+from edged.images.mounts import LayerMounts
+from edged.images.registry import ImageRegistry
+from edged.metrics import Metrics
+from edged.node.manager import SandboxManager
+
+log = logging.getLogger("edged")
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any ``extra`` fields."""
+
+    _STD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        d: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k, v in vars(record).items():
+            if k not in self._STD:
+                d[k] = v
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d, default=str)
+
+
+def setup_logging(level: str) -> None:
+    """Structured (JSON lines) logs on stderr at ``level``."""
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    root = logging.getLogger("edged")
+    root.handlers[:] = [h]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def make_backend(config: Config) -> Backend:
+    """The backend named by ``config.backend`` (imported lazily: the container backend
+    pulls in the C core). Raises :class:`BackendError` if it is unknown or unavailable."""
+    if config.backend == "container":
+        try:
+            from edged.backends import container  # type: ignore[attr-defined,unused-ignore]
+        except ImportError as e:
+            raise BackendError(f"backend container: not available: {e}") from e
+        factory: Any = getattr(container, "ContainerBackend", None) or container.Backend
+        try:
+            return factory(config)  # type: ignore[no-any-return]
+        except TypeError:
+            return factory()  # type: ignore[no-any-return]
+    raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
+
+
+class Server:
+    """One edged daemon. Inject ``backend`` and ``layers`` in tests; by default they come
+    from the config (:func:`make_backend`, :meth:`LayerMounts.for_layerfs`)."""
+
+    def __init__(self, config: Config, backend: Backend | None = None,
+                 layers: LayerMounts | None = None) -> None:
+        self.config = config
+        self._backend = backend
+        self._layers = layers
+        self.should_exit = False
+        self.force_exit = False
+        self.started = asyncio.Event()
+        self.manager: SandboxManager | None = None
+        self.recovered: dict[str, list[str]] = {}
+        self._runner: web.AppRunner | None = None
+        self._prev_handlers: dict[int, Any] = {}
+        self._wake: asyncio.Event | None = None
+        self._forced = asyncio.Event()
+
+    # -- signals --------------------------------------------------------------------------
+
+    def handle_exit(self, sig: int, frame: FrameType | None = None) -> None:
+        """First signal: graceful shutdown; second: force it."""
+        if self.should_exit:
+            self.force_exit = True
+            self._forced.set()
+        self.should_exit = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in HANDLED_SIGNALS:
+            self._prev_handlers[sig] = signal.getsignal(sig)
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+
+    def _restore_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig, prev in self._prev_handlers.items():
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, prev)
+        self._prev_handlers.clear()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def serve(self, *, install_signals: bool = True) -> None:
+        """Start, serve until :attr:`should_exit`, shut down. Signal handlers (if installed)
+        are restored whatever happens."""
+        self._wake = asyncio.Event()
+        if install_signals:
+            self._install_signal_handlers()
+        try:
+            await self.startup()
+            await self.main_loop()
+        finally:
+            try:
+                await self.shutdown()
+            finally:
+                if install_signals:
+                    self._restore_signal_handlers()
+
+    async def startup(self) -> None:
+        """Make the state and runtime dirs, recover sandboxes, start the reaper, listen on
+        the Unix socket (mode 0660, group ``socket_group`` if it exists)."""
+        cfg = self.config
+        t0 = time.monotonic()
+        state = Path(cfg.state_dir)
+        runtime = Path(cfg.runtime_dir)
+        for d in (state, runtime):
+            d.mkdir(parents=True, exist_ok=True, mode=0o750)
+        backend = self._backend or make_backend(cfg)
+        layers = self._layers or LayerMounts.for_layerfs(
+            cfg.store_dir, state / "layer-cache", runtime / "layers"
+        )
+        images = ImageRegistry(state / "images.json", has_layer=layers.ops.has)
+        self.manager = SandboxManager(cfg, backend, images, layers, Metrics())
+        self.recovered = await self.manager.recover()
+        log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
+        self.manager.start_reaper()
+        app = make_app(self.manager)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     shutdown_timeout=cfg.shutdown_timeout_s)
+        await self._runner.setup()
+        sock = Path(cfg.socket)
+        sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+        if sock.is_socket():
+            sock.unlink()  # a stale socket of a dead daemon; a live one would hold a pid file
+        site = web.UnixSite(self._runner, str(sock))
+        await site.start()
+        self._secure_socket(sock)
+        log.info("serving", extra={"socket": str(sock), "pid": os.getpid(),
+                                   "startup_s": round(time.monotonic() - t0, 3)})
+        self.started.set()
+
+    def _secure_socket(self, sock: Path) -> None:
+        os.chmod(sock, 0o660)
+        try:
+            gid = grp.getgrnam(self.config.socket_group).gr_gid
+        except KeyError:
+            return
+        with contextlib.suppress(PermissionError):
+            os.chown(sock, -1, gid)
+
+    async def main_loop(self) -> None:
+        """Wait until asked to exit."""
+        assert self._wake is not None
+        while not self.should_exit:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def shutdown(self) -> None:
+        """Stop listening, let in-flight requests end (unless forced), then stop or keep
+        sandboxes per ``on_shutdown``."""
+        log.info("shutting down", extra={"force": self.force_exit})
+        if self._runner is not None:
+            # In-flight requests (exec streams) may take up to shutdown_timeout_s; a second
+            # signal cuts the wait short.
+            cleanup = asyncio.ensure_future(self._runner.cleanup())
+            forced = asyncio.ensure_future(self._forced.wait())
+            await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (cleanup, forced):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            self._runner = None
+        with contextlib.suppress(FileNotFoundError):
+            Path(self.config.socket).unlink()
+        if self.manager is not None:
+            timeout = 1.0 if self.force_exit else self.config.shutdown_timeout_s
+            await self.manager.shutdown(timeout)
+        log.info("stopped")
+
+
+def run(config: Config) -> int:
+    """Run a daemon to completion (``edged serve``); returns the process exit status."""
+    setup_logging(config.log_level)
+    server = Server(config)
+    try:
+        asyncio.run(server.serve())
+    except BackendError as e:
+        log.error("cannot start: %s", e)
+        return 1
+    return 0

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one daemon (served at ``GET /metrics``).
+
+Each :class:`Metrics` owns its own ``CollectorRegistry`` (no module-level global registry), so
+two daemons in one process — as in tests — do not collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    """The daemon's counters, gauges and histograms (seconds, bytes)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.creates = Counter(
+            "edged_sandbox_creates", "Sandbox create requests by result", ["result"], registry=r
+        )
+        self.create_seconds = Histogram(
+            "edged_sandbox_create_seconds", "Create→ready latency", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.destroys = Counter(
+            "edged_sandbox_destroys", "Sandboxes stopped, by cause", ["cause"], registry=r
+        )
+        self.sandboxes = Gauge("edged_sandboxes", "Sandboxes by state", ["state"], registry=r)
+        self.execs = Counter("edged_execs", "Execs finished, by end reason", ["reason"],
+                             registry=r)
+        self.exec_seconds = Histogram(
+            "edged_exec_seconds", "Exec wall time", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.allocated_cpus = Gauge("edged_allocated_cpus", "Cores promised", registry=r)
+        self.allocated_memory = Gauge(
+            "edged_allocated_memory_bytes", "Memory promised", registry=r
+        )
+        self.layer_mounts = Gauge("edged_layer_mounts", "Layers mounted on the node", registry=r)
+        self.api_errors = Counter("edged_api_errors", "API errors by code", ["code"], registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,607 @@
+"""The sandbox manager: the daemon's one owner of sandbox state.
+
+It validates requests, admits them against :class:`~edged.node.admission.Capacity`, mounts
+their layers once per node (:class:`~edged.images.LayerMounts`), drives the backend, keeps each
+record's state machine, persists records atomically in ``<state_dir>/sandboxes/<id>.json``,
+reaps sandboxes whose TTL or idle timeout passed, and re-adopts or tears down sandboxes found
+after a restart. Every failure path gives back what was taken (reservation, layer mounts,
+backend resources): bad input never leaves partial state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal as signal_mod
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from edged.backends.base import Backend, ExecHandle, ExecSpec, Resources, SandboxSpec
+from edged.config import Config
+from edged.errors import BackendError, BadRequest, Conflict, EdgedError, NotFound
+from edged.images.mounts import LayerMounts
+from edged.images.registry import ImageRegistry, check_digest, write_json_atomic
+from edged.metrics import Metrics
+from edged.node.admission import Capacity
+from edged.node.sandbox import LABEL_KEY_RE, SandboxRecord, State, check_id
+
+log = logging.getLogger("edged.node")
+
+_RESOURCE_FIELDS: dict[str, type] = {
+    "cpus": float,
+    "memory_bytes": int,
+    "swap_bytes": int,
+    "pids": int,
+    "disk_bytes": int,
+}
+_CREATE_FIELDS = {
+    "id", "backend", "image", "layers", "resources", "env", "ttl_s", "idle_timeout_s",
+    "labels", "network", "hostname",
+}
+
+
+def _str_map(v: object, what: str) -> dict[str, str]:
+    if v is None:
+        return {}
+    if not isinstance(v, dict) or not all(
+        isinstance(k, str) and isinstance(x, str) for k, x in v.items()
+    ):
+        raise BadRequest(f"{what}: must be an object of string to string")
+    return dict(v)
+
+
+def _number(v: object, what: str, *, minimum: float = 0.0) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
+        raise BadRequest(f"{what}: must be a number >= {minimum:g}")
+    return float(v)
+
+
+def parse_resources(v: object, default: Resources) -> Resources:
+    """``{"cpus", "memory_bytes", "swap_bytes", "pids", "disk_bytes"}`` (each optional) over
+    ``default``; :class:`BadRequest` names a bad field."""
+    if v is None:
+        return default
+    if not isinstance(v, dict):
+        raise BadRequest("resources: must be an object")
+    vals: dict[str, Any] = {}
+    for k, x in v.items():
+        kind = _RESOURCE_FIELDS.get(k)
+        if kind is None:
+            raise BadRequest(f"resources.{k}: unknown field")
+        if kind is int:
+            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+                raise BadRequest(f"resources.{k}: must be a positive integer")
+            vals[k] = x
+        else:
+            vals[k] = _number(x, f"resources.{k}", minimum=0.001)
+    if "swap_bytes" in v and v["swap_bytes"] == 0:
+        vals["swap_bytes"] = 0
+    return Resources(**{**default.__dict__, **vals})
+
+
+def parse_labels(v: object) -> dict[str, str]:
+    """Labels: string → string, keys ``[A-Za-z0-9][A-Za-z0-9_./-]{0,62}``, values ≤ 256."""
+    labels = _str_map(v, "labels")
+    for k, x in labels.items():
+        if not LABEL_KEY_RE.fullmatch(k):
+            raise BadRequest(f"labels: key {k!r} must match [A-Za-z0-9][A-Za-z0-9_./-]{{0,62}}")
+        if len(x) > 256:
+            raise BadRequest(f"labels.{k}: value longer than 256 characters")
+    return labels
+
+
+class SandboxManager:
+    """Owns every :class:`SandboxRecord` of this node. One per daemon."""
+
+    def __init__(
+        self,
+        config: Config,
+        backend: Backend,
+        images: ImageRegistry,
+        layers: LayerMounts,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.images = images
+        self.layers = layers
+        self.metrics = metrics or Metrics()
+        self.capacity = Capacity(
+            cpus=config.capacity_cpus(),
+            memory_bytes=config.capacity_memory(),
+            cpu_overcommit=config.cpu_overcommit,
+            memory_overcommit=config.memory_overcommit,
+            max_sandboxes=config.max_sandboxes,
+            retry_after_s=config.retry_after_s,
+        )
+        self.records_dir = Path(config.state_dir) / "sandboxes"
+        self._sandboxes: dict[str, SandboxRecord] = {}
+        self._execs: dict[str, dict[int, ExecHandle]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self.features: dict[str, object] = {}
+        self.default_resources = Resources()
+
+    # -- records --------------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The record of ``sandbox_id`` (:class:`NotFound` if none)."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None:
+            raise NotFound(f"sandbox {sandbox_id}: no such sandbox")
+        return rec
+
+    def find(self, labels: Mapping[str, str] | None = None) -> list[SandboxRecord]:
+        """Records whose labels include every ``labels`` pair, oldest first."""
+        want = dict(labels or {})
+        out = [
+            r for r in self._sandboxes.values()
+            if all(r.labels.get(k) == v for k, v in want.items())
+        ]
+        return sorted(out, key=lambda r: (r.created_at, r.id))
+
+    def _save(self, rec: SandboxRecord) -> None:
+        write_json_atomic(self.records_dir / f"{rec.id}.json", rec.persisted())
+
+    def _forget(self, rec: SandboxRecord) -> None:
+        self._sandboxes.pop(rec.id, None)
+        self._execs.pop(rec.id, None)
+        self._locks.pop(rec.id, None)
+        self.capacity.release(rec.id)
+        with contextlib.suppress(FileNotFoundError):
+            (self.records_dir / f"{rec.id}.json").unlink()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        counts = dict.fromkeys(State, 0)
+        for r in self._sandboxes.values():
+            counts[r.state] += 1
+        for s, n in counts.items():
+            self.metrics.sandboxes.labels(state=s.value).set(n)
+        self.metrics.allocated_cpus.set(self.capacity.allocated_cpus)
+        self.metrics.allocated_memory.set(self.capacity.allocated_memory)
+        self.metrics.layer_mounts.set(len(self.layers.refs()))
+
+    def _lock(self, sandbox_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(sandbox_id, asyncio.Lock())
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def parse_create(self, body: object) -> SandboxRecord:
+        """Validate a ``POST /v1/sandboxes`` body into a fresh record (state ``creating``, not
+        yet registered). :class:`BadRequest` names the first bad field; :class:`NotFound` for
+        an unknown image."""
+        if not isinstance(body, dict):
+            raise BadRequest("body: must be a JSON object")
+        unknown = set(body) - _CREATE_FIELDS
+        if unknown:
+            raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
+        backend = body.get("backend", self.backend.name)
+        if backend != self.backend.name:
+            raise BadRequest(f"backend: {backend!r} is not available (have {self.backend.name!r})")
+        sid = body.get("id")
+        if sid is None:
+            sid = f"sbx-{time.time_ns():x}"[:63]
+            while sid in self._sandboxes:
+                sid = f"sbx-{time.time_ns():x}"[:63]
+        check_id(sid)
+        image = body.get("image")
+        layers_v = body.get("layers")
+        if (image is None) == (layers_v is None):
+            raise BadRequest("body: give exactly one of image or layers")
+        if image is not None:
+            layers = list(self.images.get(image)["layers"])
+        else:
+            if not isinstance(layers_v, list) or not 1 <= len(layers_v) <= 64:
+                raise BadRequest("layers: must be a list of 1 to 64 digests, bottom first")
+            layers = [check_digest(d) for d in layers_v]
+        network = body.get("network", "none")
+        if network != "none":
+            raise BadRequest(f"network: {network!r} is not supported (only 'none')")
+        hostname = body.get("hostname", sid)
+        if not isinstance(hostname, str) or not 1 <= len(hostname) <= 63:
+            raise BadRequest("hostname: must be a string of 1 to 63 characters")
+        ttl = body.get("ttl_s", self.config.default_ttl_s)
+        idle = body.get("idle_timeout_s", self.config.default_idle_timeout_s)
+        rec = SandboxRecord(
+            id=sid,
+            backend=backend,
+            layers=layers,
+            resources=parse_resources(body.get("resources"), self.default_resources),
+            env=_str_map(body.get("env"), "env"),
+            labels=parse_labels(body.get("labels")),
+            image=image,
+            network=network,
+            hostname=hostname,
+            idle_timeout_s=_number(idle, "idle_timeout_s"),
+        )
+        rec.set_ttl(_number(ttl, "ttl_s"))
+        return rec
+
+    async def create(self, body: object) -> SandboxRecord:
+        """Create a sandbox from a request body and return its record once ``running``.
+
+        Raises :class:`BadRequest`, :class:`NotFound` (image or layer), :class:`Conflict` (id
+        in use), :class:`CapacityExhausted` (with ``retry_after``), :class:`BackendError`. On
+        any failure nothing is left: reservation, layer mounts and backend state are undone.
+        """
+        rec = self.parse_create(body)
+        if rec.id in self._sandboxes:
+            raise Conflict(f"sandbox {rec.id}: id already in use")
+        t0 = time.monotonic()
+        self.capacity.reserve(rec.id, rec.resources)
+        self._sandboxes[rec.id] = rec
+        lock = self._lock(rec.id)
+        try:
+            async with lock:
+                rec.lowers = await self.layers.acquire_all(rec.layers)
+                try:
+                    self._save(rec)
+                    spec = SandboxSpec(
+                        id=rec.id,
+                        lowers=tuple(rec.lowers),
+                        resources=rec.resources,
+                        env=dict(rec.env),
+                        hostname=rec.hostname,
+                        network=rec.network,
+                    )
+                    try:
+                        await self.backend.create(spec)
+                    except BaseException:
+                        with contextlib.suppress(Exception):
+                            await self.backend.destroy(rec.id)
+                        raise
+                except BaseException:
+                    for d in reversed(rec.layers):
+                        with contextlib.suppress(EdgedError):
+                            await self.layers.release(d)
+                    raise
+                rec.transition(State.RUNNING)
+                rec.touch()
+                self._save(rec)
+        except BaseException as e:
+            self._forget(rec)
+            self.metrics.creates.labels(result=getattr(e, "code", "error")).inc()
+            if isinstance(e, EdgedError):
+                raise
+            if isinstance(e, Exception):
+                raise BackendError(f"sandbox {rec.id}: create failed: {e}") from e
+            raise
+        self.metrics.creates.labels(result="ok").inc()
+        self.metrics.create_seconds.observe(time.monotonic() - t0)
+        self._update_gauges()
+        log.info("sandbox created", extra={"sandbox": rec.id, "layers": len(rec.layers)})
+        return rec
+
+    async def delete(self, sandbox_id: str, cause: str = "api") -> SandboxRecord:
+        """Stop and remove a sandbox (any state but ``stopping``); returns its final record
+        (state ``stopped``). If the backend fails the record stays as ``failed`` with the
+        error, and a later delete retries."""
+        rec = self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            if self._sandboxes.get(sandbox_id) is not rec:
+                raise NotFound(f"sandbox {sandbox_id}: no such sandbox")
+            rec.require(State.RUNNING, State.PAUSED, State.FAILED, op="delete")
+            rec.transition(State.STOPPING)
+            self._save(rec)
+            try:
+                await self.backend.destroy(sandbox_id)
+            except Exception as e:
+                rec.state = State.FAILED
+                rec.error = f"destroy failed: {e}"
+                self._save(rec)
+                self._update_gauges()
+                if isinstance(e, EdgedError):
+                    raise
+                raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
+            for d in reversed(rec.layers):
+                try:
+                    await self.layers.release(d)
+                except EdgedError as e:
+                    log.warning("layer release failed: %s", e)
+            rec.transition(State.STOPPED)
+            self._forget(rec)
+        self.metrics.destroys.labels(cause=cause).inc()
+        log.info("sandbox stopped", extra={"sandbox": sandbox_id, "cause": cause})
+        return rec
+
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        """Freeze a running sandbox (:class:`InvalidState` otherwise)."""
+        rec = self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            rec.require(State.RUNNING, op="pause")
+            await self.backend.pause(sandbox_id)
+            rec.transition(State.PAUSED)
+            self._save(rec)
+        self._update_gauges()
+        return rec
+
+    async def resume(self, sandbox_id: str) -> SandboxRecord:
+        """Thaw a paused sandbox (:class:`InvalidState` otherwise); resets the idle clock."""
+        rec = self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            rec.require(State.PAUSED, op="resume")
+            await self.backend.resume(sandbox_id)
+            rec.transition(State.RUNNING)
+            rec.touch()
+            self._save(rec)
+        self._update_gauges()
+        return rec
+
+    def set_timeout(self, sandbox_id: str, body: object) -> SandboxRecord:
+        """``{"ttl_s": s}`` (from now; 0 clears) and/or ``{"idle_timeout_s": s}``."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, State.PAUSED, op="set a timeout")
+        if not isinstance(body, dict) or not body or set(body) - {"ttl_s", "idle_timeout_s"}:
+            raise BadRequest("body: give ttl_s and/or idle_timeout_s")
+        if "ttl_s" in body:
+            rec.set_ttl(_number(body["ttl_s"], "ttl_s"))
+        if "idle_timeout_s" in body:
+            rec.idle_timeout_s = _number(body["idle_timeout_s"], "idle_timeout_s")
+            rec.touch()
+        self._save(rec)
+        return rec
+
+    async def stats(self, sandbox_id: str) -> dict[str, int]:
+        """Backend usage figures of a running or paused sandbox."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, State.PAUSED, op="read stats")
+        return await self.backend.stats(sandbox_id)
+
+    # -- exec, signals, files -------------------------------------------------------------
+
+    def exec_spec(self, sandbox_id: str, body: object) -> ExecSpec:
+        """Validate an exec body into an :class:`ExecSpec` (env merged over the sandbox's).
+
+        Body: ``argv`` (list of strings) or ``cmd`` (a string run by ``/bin/sh -c``), ``env``,
+        ``cwd``, ``uid``, ``gid``, ``timeout_s``, ``output_limit``, ``pty``, ``stdin`` (bool:
+        keep stdin open for a WebSocket; text: fed then closed) and ``encoding``.
+        """
+        rec = self.get(sandbox_id)
+        if not isinstance(body, dict):
+            raise BadRequest("body: must be a JSON object")
+        known = {"argv", "cmd", "env", "cwd", "uid", "gid", "timeout_s", "output_limit", "pty",
+                 "stdin", "encoding", "rows", "cols"}
+        unknown = set(body) - known
+        if unknown:
+            raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
+        argv_v, cmd = body.get("argv"), body.get("cmd")
+        if (argv_v is None) == (cmd is None):
+            raise BadRequest("body: give exactly one of argv or cmd")
+        if cmd is not None:
+            if not isinstance(cmd, str) or not cmd:
+                raise BadRequest("cmd: must be a non-empty string")
+            argv: tuple[str, ...] = ("/bin/sh", "-c", cmd)
+        else:
+            if (not isinstance(argv_v, list) or not argv_v
+                    or not all(isinstance(a, str) and "\0" not in a for a in argv_v)):
+                raise BadRequest("argv: must be a non-empty list of strings without NUL")
+            argv = tuple(argv_v)
+        env = {**rec.env, **_str_map(body.get("env"), "env")}
+        cwd = body.get("cwd", "/")
+        if not isinstance(cwd, str) or not cwd.startswith("/"):
+            raise BadRequest("cwd: must be an absolute path")
+        ids = {}
+        for k in ("uid", "gid"):
+            x = body.get(k, 0)
+            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 65536:
+                raise BadRequest(f"{k}: must be an integer in [0, 65536)")
+            ids[k] = x
+        timeout = body.get("timeout_s")
+        limit = body.get("output_limit")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit <= 0):
+            raise BadRequest("output_limit: must be a positive integer (bytes)")
+        return ExecSpec(
+            argv=argv,
+            env=env,
+            cwd=cwd,
+            uid=ids["uid"],
+            gid=ids["gid"],
+            stdin=body.get("stdin") not in (None, False, ""),
+            timeout_s=None if timeout is None else _number(timeout, "timeout_s", minimum=0.001),
+            output_limit=limit,
+            pty=bool(body.get("pty", False)),
+        )
+
+    @asynccontextmanager
+    async def exec(self, sandbox_id: str, spec: ExecSpec) -> AsyncIterator[ExecHandle]:
+        """Start ``spec`` in a running sandbox; yields the handle while the caller streams
+        its events. Counts as activity (no idle reaping while an exec runs)."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, op="exec")
+        handle = await self.backend.exec(sandbox_id, spec)
+        rec.active_execs += 1
+        rec.touch()
+        execs = self._execs.setdefault(sandbox_id, {})
+        execs[handle.exec_id] = handle
+        try:
+            yield handle
+        finally:
+            execs.pop(handle.exec_id, None)
+            rec.active_execs -= 1
+            rec.touch()
+
+    async def signal(self, sandbox_id: str, body: object) -> list[int]:
+        """Send ``{"signal": int | "SIGTERM", "exec_id": optional}`` to one exec or to every
+        running exec of the sandbox; returns the exec ids signalled."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, State.PAUSED, op="signal")
+        if not isinstance(body, dict):
+            raise BadRequest("body: must be a JSON object")
+        sig_v = body.get("signal", "SIGTERM")
+        try:
+            if isinstance(sig_v, str):
+                sig = int(signal_mod.Signals[sig_v if sig_v.startswith("SIG") else "SIG" + sig_v])
+            elif isinstance(sig_v, int) and not isinstance(sig_v, bool):
+                sig = int(signal_mod.Signals(sig_v))
+            else:
+                raise ValueError(sig_v)
+        except (KeyError, ValueError) as e:
+            raise BadRequest(f"signal: {sig_v!r} is not a signal") from e
+        execs = self._execs.get(sandbox_id, {})
+        eid = body.get("exec_id")
+        if eid is not None:
+            if eid not in execs:
+                raise NotFound(f"sandbox {sandbox_id}: no running exec {eid}")
+            targets = [eid]
+        else:
+            targets = list(execs)
+        for t in targets:
+            await execs[t].signal(sig)
+        rec.touch()
+        return targets
+
+    async def put_file(self, sandbox_id: str, path: str, data: AsyncIterator[bytes],
+                       mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:
+        """Stream ``data`` into ``path`` in a running sandbox; returns bytes written."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, op="write files")
+        _check_path(path)
+        rec.touch()
+        return await self.backend.put_file(sandbox_id, path, data, mode=mode, uid=uid, gid=gid)
+
+    async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """Open ``path`` in a running sandbox; returns an iterator of its chunks."""
+        rec = self.get(sandbox_id)
+        rec.require(State.RUNNING, op="read files")
+        _check_path(path)
+        rec.touch()
+        it: Any = self.backend.get_file(sandbox_id, path)
+        if asyncio.iscoroutine(it):
+            it = await it
+        result: AsyncIterator[bytes] = it
+        return result
+
+    # -- reaping, recovery, shutdown ------------------------------------------------------
+
+    async def reap_once(self, now: float | None = None) -> list[str]:
+        """Stop every sandbox whose TTL or idle timeout passed; returns their ids."""
+        now = time.time() if now is None else now
+        done = []
+        for rec in list(self._sandboxes.values()):
+            if rec.state not in (State.RUNNING, State.PAUSED):
+                continue
+            why = rec.expired(now)
+            if why is None:
+                continue
+            try:
+                await self.delete(rec.id, cause=why)
+                done.append(rec.id)
+            except EdgedError as e:
+                log.warning("reaper: sandbox %s: %s", rec.id, e)
+        return done
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            try:
+                await self.reap_once()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    def start_reaper(self) -> None:
+        """Run :meth:`reap_once` every ``reaper_interval_s`` until :meth:`stop_reaper`."""
+        if self._reaper is None:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def stop_reaper(self) -> None:
+        """Stop the reaper task."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+
+    async def recover(self) -> dict[str, list[str]]:
+        """After a (re)start: read the persisted records, ask the backend which sandboxes
+        live, re-adopt (``on_start = "adopt"``) or destroy them, forget records of dead ones,
+        then let the backend clean leftovers. Returns ``{"adopted", "destroyed", "lost",
+        "cleaned"}`` id lists."""
+        self.features = await self.backend.probe()
+        live = set(await self.backend.list_existing())
+        records: dict[str, SandboxRecord] = {}
+        if self.records_dir.is_dir():
+            for p in sorted(self.records_dir.glob("*.json")):
+                try:
+                    rec = SandboxRecord.from_json(json.loads(p.read_text()))
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    log.warning("dropping unreadable sandbox record %s: %s", p, e)
+                    p.unlink(missing_ok=True)
+                    continue
+                records[rec.id] = rec
+        out: dict[str, list[str]] = {"adopted": [], "destroyed": [], "lost": [], "cleaned": []}
+        for sid, rec in records.items():
+            usable = sid in live and rec.state in (State.RUNNING, State.PAUSED)
+            if usable and self.config.on_start == "adopt":
+                try:
+                    await self.backend.adopt(sid)
+                    await self.layers.acquire_all(rec.layers)
+                    self.capacity.reserve(sid, rec.resources)
+                    rec.touch()
+                    self._sandboxes[sid] = rec
+                    self._save(rec)
+                    out["adopted"].append(sid)
+                    continue
+                except EdgedError as e:
+                    log.warning("cannot adopt %s: %s", sid, e)
+            if sid in live:
+                with contextlib.suppress(EdgedError):
+                    await self.backend.destroy(sid)
+                out["destroyed"].append(sid)
+            else:
+                out["lost"].append(sid)
+            (self.records_dir / f"{sid}.json").unlink(missing_ok=True)
+        for sid in live - set(records):
+            if self.config.on_start == "destroy":
+                with contextlib.suppress(EdgedError):
+                    await self.backend.destroy(sid)
+                out["destroyed"].append(sid)
+        out["cleaned"] = await self.backend.cleanup_leftovers(set(out["adopted"]))
+        self._update_gauges()
+        return out
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Stop the reaper; with ``on_shutdown = "stop"`` destroy every sandbox (at most
+        ``timeout_s`` seconds) and unmount every layer; with ``"keep"`` leave them running for
+        the next daemon to re-adopt."""
+        await self.stop_reaper()
+        if self.config.on_shutdown != "stop":
+            return
+        ids = [r.id for r in self._sandboxes.values()
+               if r.state in (State.RUNNING, State.PAUSED, State.FAILED)]
+
+        async def stop(sid: str) -> None:
+            try:
+                await self.delete(sid, cause="shutdown")
+            except EdgedError as e:
+                log.warning("shutdown: sandbox %s: %s", sid, e)
+
+        try:
+            await asyncio.wait_for(asyncio.gather(*(stop(s) for s in ids)), timeout_s)
+        except TimeoutError:
+            log.error("shutdown: sandboxes still stopping after %.1f s", timeout_s)
+        if not self._sandboxes:
+            await self.layers.close()
+
+    def node_info(self) -> dict[str, Any]:
+        """``GET /v1/node``: capacity, allocations, states, layer mounts, probed features."""
+        info = self.capacity.to_json()
+        counts: dict[str, int] = {}
+        for r in self._sandboxes.values():
+            counts[r.state.value] = counts.get(r.state.value, 0) + 1
+        info["sandboxes"] = counts
+        info["backend"] = self.backend.name
+        info["features"] = self.features
+        info["layers"] = self.layers.refs()
+        return info
+
+
+def _check_path(path: str) -> None:
+    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+        raise BadRequest(f"path {path!r}: must be an absolute path without NUL")
