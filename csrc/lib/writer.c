@@ -1,0 +1,1191 @@
+/* The EROFS layer writer (see lfs_writer.h for the contract, erofs_fs.h for the
+ * format).
+ *
+ * Three passes over a flattened tree:
+ *   1. validate and sort (names memcmp-sorted incl. "." and "..", xattrs by name),
+ *      breadth-first inode order from the root, nlink from the dirents;
+ *   2. lay out everything: inodes from byte 1152 (root nid 36), inline tails where
+ *      they fit in one block, then data blocks (small files packed in inode order,
+ *      files of at least chunk_align bytes each at a chunk_align boundary);
+ *   3. stream data from the sources through one buffer, then encode the metadata
+ *      (held in memory: it is small next to the data) and write it at offset 0.
+ * Every byte of the output is a function of the input: padding is zero, the
+ * epoch is the most common mtime, the uuid a hash of the metadata.
+ */
+#include <endian.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "erofs_fs.h"
+#include "lfs_error.h"
+#include "lfs_writer.h"
+
+#define WR_BUF_SIZE (1u << 20)
+#define WR_SYMLINK_MAX 4095  /* PATH_MAX - 1: what readlink(2) can return */
+
+static inline void wr_freep(void *p) { free(*(void **)p); }
+static inline void wr_closep(int *fd) { if (*fd >= 0) close(*fd); }
+#define cleanup_free __attribute__((cleanup(wr_freep)))
+#define cleanup_close __attribute__((cleanup(wr_closep)))
+
+struct wr_ent {                 /* one directory entry, "." and ".." included */
+	const uint8_t *name;
+	uint32_t len;
+	uint32_t inode;
+};
+
+struct wr_node {
+	uint64_t nid;
+	uint64_t size;          /* i_size */
+	uint64_t blkaddr;       /* first data block */
+	uint64_t nblocks;       /* blocks in the data area */
+	uint64_t meta_off;      /* byte offset of the inode */
+	uint64_t inline_len;    /* bytes after inode + xattrs: tail or chunk map */
+	uint64_t nchunks;
+	int64_t mtime_sec;
+	uint32_t mtime_nsec;
+	uint32_t nlink;
+	uint32_t ent_first;     /* directories: entries in wr->ents */
+	uint32_t ent_count;
+	uint32_t xattr_isize;
+	uint32_t parent;        /* directories: the one directory holding it */
+	uint8_t extended;
+	uint8_t layout;
+	uint8_t chunkbits;
+	uint8_t big;
+	uint8_t reached;
+};
+
+struct wr {
+	const struct lfs_wr_input *in;
+	const struct lfs_wr_options *opt;
+	struct lfs_error *err;
+	struct wr_node *nodes;
+	struct wr_ent *ents;
+	uint32_t *order;        /* inode indices in nid order (breadth-first) */
+	uint32_t *xorder;       /* xattr indices, each inode's range sorted by name */
+	uint32_t blksz;
+	uint32_t blkbits;
+	int64_t epoch_sec;
+	uint32_t epoch_nsec;
+	uint64_t meta_end;
+	uint64_t data_start;    /* block */
+	uint64_t total_blocks;
+	bool chunked;
+	int fd;
+	uint8_t *buf;           /* output buffer: bytes for [buf_off, buf_off + buf_len) */
+	size_t buf_len;
+	uint64_t buf_off;
+	uint8_t *meta;          /* blocks [0, data_start) of the image */
+	uint8_t *scratch;       /* a directory's content */
+	size_t scratch_cap;
+};
+
+/* ---- messages ---------------------------------------------------------- */
+
+static bool blob_ok(const struct wr *w, uint64_t off, uint64_t len)
+{
+	return off <= w->in->blob_len && len <= w->in->blob_len - off;
+}
+
+/* "/a/b/c" for inode `ino`, from the parent/name hints given by the caller. */
+static const char *wr_path(const struct wr *w, uint32_t ino, char *out, size_t size)
+{
+	const struct lfs_wr_input *in = w->in;
+	uint32_t comps[64];
+	int n = 0;
+	size_t pos = 0;
+
+	while (ino < in->ninodes && ino != 0 && n < 64) {
+		uint32_t d = in->inodes[ino].name_dirent;
+
+		if (d >= in->ndirents || !blob_ok(w, in->dirents[d].name_off, in->dirents[d].name_len))
+			break;
+		comps[n++] = d;
+		ino = in->inodes[ino].parent;
+	}
+	out[0] = '\0';
+	if (n == 64)
+		pos += snprintf(out, size, "...");
+	for (int i = n - 1; i >= 0 && pos < size; i--) {
+		const struct lfs_wr_dirent *de = &in->dirents[comps[i]];
+		int len = de->name_len > 255 ? 255 : (int)de->name_len;
+
+		pos += snprintf(out + pos, size - pos, "/%.*s", len,
+				(const char *)in->blob + de->name_off);
+	}
+	if (n == 0)
+		snprintf(out, size, "/");
+	return out;
+}
+
+__attribute__((format(printf, 4, 5)))
+static int wr_fail(struct wr *w, uint32_t ino, int code, const char *fmt, ...)
+{
+	char path[1024];
+	char msg[LFS_ERROR_MSG_MAX];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	return lfs_error_set(w->err, code, "entry %s (inode %u): %s",
+			     wr_path(w, ino, path, sizeof(path)), ino, msg);
+}
+
+/* ---- validation and sorting ------------------------------------------- */
+
+static bool mode_ok(uint32_t mode)
+{
+	switch (mode & S_IFMT) {
+	case S_IFREG: case S_IFDIR: case S_IFLNK: case S_IFCHR:
+	case S_IFBLK: case S_IFIFO: case S_IFSOCK:
+		return (mode & ~(uint32_t)(S_IFMT | 07777)) == 0;
+	default:
+		return false;
+	}
+}
+
+static uint8_t file_type(uint32_t mode)
+{
+	switch (mode & S_IFMT) {
+	case S_IFREG: return EROFS_FT_REG_FILE;
+	case S_IFDIR: return EROFS_FT_DIR;
+	case S_IFLNK: return EROFS_FT_SYMLINK;
+	case S_IFCHR: return EROFS_FT_CHRDEV;
+	case S_IFBLK: return EROFS_FT_BLKDEV;
+	case S_IFIFO: return EROFS_FT_FIFO;
+	case S_IFSOCK: return EROFS_FT_SOCK;
+	}
+	return EROFS_FT_UNKNOWN;
+}
+
+/* Prefix index and suffix of a full xattr name; -1 for a name EROFS cannot hold
+ * without the long-prefix feature (the kernel hides index 0 names). */
+static int xattr_split(const uint8_t *name, uint32_t len, uint32_t *suffix_off)
+{
+	static const struct { const char *p; int index; bool whole; } tab[] = {
+		{ "system.posix_acl_access", EROFS_XATTR_INDEX_POSIX_ACL_ACCESS, true },
+		{ "system.posix_acl_default", EROFS_XATTR_INDEX_POSIX_ACL_DEFAULT, true },
+		{ "user.", EROFS_XATTR_INDEX_USER, false },
+		{ "trusted.", EROFS_XATTR_INDEX_TRUSTED, false },
+		{ "security.", EROFS_XATTR_INDEX_SECURITY, false },
+	};
+
+	for (size_t i = 0; i < sizeof(tab) / sizeof(tab[0]); i++) {
+		uint32_t plen = (uint32_t)strlen(tab[i].p);
+
+		if (len < plen || memcmp(name, tab[i].p, plen) != 0)
+			continue;
+		if (tab[i].whole ? len != plen : len == plen)
+			continue;
+		*suffix_off = plen;
+		return tab[i].index;
+	}
+	return -1;
+}
+
+static int name_cmp(const uint8_t *a, uint32_t alen, const uint8_t *b, uint32_t blen)
+{
+	int c = memcmp(a, b, alen < blen ? alen : blen);
+
+	if (c)
+		return c;
+	return alen < blen ? -1 : alen > blen;
+}
+
+static int ent_cmp(const void *pa, const void *pb)
+{
+	const struct wr_ent *a = pa, *b = pb;
+
+	return name_cmp(a->name, a->len, b->name, b->len);
+}
+
+static int xattr_cmp(const void *pa, const void *pb, void *ctx)
+{
+	const struct wr *w = ctx;
+	const struct lfs_wr_xattr *a = &w->in->xattrs[*(const uint32_t *)pa];
+	const struct lfs_wr_xattr *b = &w->in->xattrs[*(const uint32_t *)pb];
+
+	return name_cmp(w->in->blob + a->name_off, a->name_len,
+			w->in->blob + b->name_off, b->name_len);
+}
+
+static int validate_inode(struct wr *w, uint32_t i)
+{
+	const struct lfs_wr_input *in = w->in;
+	const struct lfs_wr_inode *ino = &in->inodes[i];
+	uint32_t type = ino->mode & S_IFMT;
+
+	if (!mode_ok(ino->mode))
+		return wr_fail(w, i, EINVAL, "bad mode 0%o", ino->mode);
+	if (ino->mtime_nsec >= 1000000000u)
+		return wr_fail(w, i, EINVAL, "mtime nanoseconds %u out of range", ino->mtime_nsec);
+	if ((uint64_t)ino->xattr_first + ino->xattr_count > in->nxattrs)
+		return wr_fail(w, i, EINVAL, "xattr range out of bounds");
+	if (type == S_IFDIR) {
+		if ((uint64_t)ino->dirent_first + ino->dirent_count > in->ndirents)
+			return wr_fail(w, i, EINVAL, "dirent range out of bounds");
+	} else if (ino->dirent_count) {
+		return wr_fail(w, i, EINVAL, "a non-directory has children");
+	}
+	if (type == S_IFREG) {
+		if (ino->size > (uint64_t)INT64_MAX)
+			return wr_fail(w, i, EINVAL, "size %llu too large",
+				       (unsigned long long)ino->size);
+		if (ino->size && (!ino->str_len || ino->str_len > PATH_MAX ||
+				  !blob_ok(w, ino->str_off, ino->str_len) ||
+				  memchr(in->blob + ino->str_off, 0, ino->str_len)))
+			return wr_fail(w, i, EINVAL, "missing or bad data source path");
+		if (ino->flags & LFS_WR_SPARSE) {
+			uint64_t end = 0;
+
+			if ((uint64_t)ino->extent_first + ino->extent_count > in->nextents)
+				return wr_fail(w, i, EINVAL, "extent range out of bounds");
+			for (uint32_t k = 0; k < ino->extent_count; k++) {
+				const struct lfs_wr_extent *e = &in->extents[ino->extent_first + k];
+
+				if (!e->len || e->file_off < end || e->len > ino->size ||
+				    e->file_off > ino->size - e->len ||
+				    e->src_off > (uint64_t)INT64_MAX - e->len)
+					return wr_fail(w, i, EINVAL,
+						       "extent %u (offset %llu, length %llu) is empty, "
+						       "unsorted, overlapping or outside the file", k,
+						       (unsigned long long)e->file_off,
+						       (unsigned long long)e->len);
+				end = e->file_off + e->len;
+			}
+		} else if (ino->src_offset > (uint64_t)INT64_MAX - ino->size) {
+			return wr_fail(w, i, EINVAL, "source offset overflows");
+		}
+	} else if (type == S_IFLNK) {
+		if (!ino->str_len || ino->str_len > WR_SYMLINK_MAX ||
+		    !blob_ok(w, ino->str_off, ino->str_len))
+			return wr_fail(w, i, EINVAL, "symlink target length %u not in 1..%d",
+				       ino->str_len, WR_SYMLINK_MAX);
+		if (memchr(in->blob + ino->str_off, 0, ino->str_len))
+			return wr_fail(w, i, EINVAL, "symlink target contains NUL");
+	} else if (type == S_IFCHR || type == S_IFBLK) {
+		/* new_encode_dev(): 12-bit major, 20-bit minor (include/linux/kdev_t.h) */
+		if (ino->rdev_major > 0xFFF || ino->rdev_minor > 0xFFFFF)
+			return wr_fail(w, i, EINVAL, "device %u:%u out of range",
+				       ino->rdev_major, ino->rdev_minor);
+	}
+	return 0;
+}
+
+/* Sort an inode's xattrs and size its xattr ibody. */
+static int prepare_xattrs(struct wr *w, uint32_t i)
+{
+	const struct lfs_wr_input *in = w->in;
+	const struct lfs_wr_inode *ino = &in->inodes[i];
+	uint32_t *xs = w->xorder + ino->xattr_first;
+	uint64_t isize = sizeof(struct erofs_xattr_ibody_header);
+
+	if (!ino->xattr_count)
+		return 0;
+	for (uint32_t k = 0; k < ino->xattr_count; k++) {
+		const struct lfs_wr_xattr *x = &in->xattrs[ino->xattr_first + k];
+		uint32_t soff;
+		int idx;
+
+		if (!blob_ok(w, x->name_off, x->name_len) || !blob_ok(w, x->value_off, x->value_len))
+			return wr_fail(w, i, EINVAL, "xattr %u out of bounds", k);
+		idx = xattr_split(in->blob + x->name_off, x->name_len, &soff);
+		if (idx < 0 || memchr(in->blob + x->name_off, 0, x->name_len))
+			return wr_fail(w, i, EINVAL, "xattr name `%.*s` is not user.*, trusted.*, "
+				       "security.* or a POSIX ACL", (int)(x->name_len > 255 ? 255 :
+								     x->name_len),
+				       (const char *)in->blob + x->name_off);
+		if (x->name_len - soff > 255 || x->value_len > 65535)
+			return wr_fail(w, i, EINVAL, "xattr `%.*s`: name or value too long",
+				       (int)(x->name_len > 255 ? 255 : x->name_len),
+				       (const char *)in->blob + x->name_off);
+		isize += (sizeof(struct erofs_xattr_entry) + (x->name_len - soff) + x->value_len +
+			  EROFS_XATTR_ALIGN - 1) & ~(uint64_t)(EROFS_XATTR_ALIGN - 1);
+		xs[k] = ino->xattr_first + k;
+	}
+	qsort_r(xs, ino->xattr_count, sizeof(*xs), xattr_cmp, w);
+	for (uint32_t k = 1; k < ino->xattr_count; k++)
+		if (xattr_cmp(&xs[k - 1], &xs[k], w) == 0)
+			return wr_fail(w, i, EINVAL, "duplicate xattr");
+	/* i_xattr_icount is 16 bits: isize = 12 + 4 * (icount - 1) */
+	if ((isize - 12) / 4 + 1 > 0xFFFF)
+		return wr_fail(w, i, EINVAL, "xattrs too large (%llu bytes)",
+			       (unsigned long long)isize);
+	w->nodes[i].xattr_isize = (uint32_t)isize;
+	return 0;
+}
+
+static int prepare_tree(struct wr *w)
+{
+	const struct lfs_wr_input *in = w->in;
+	uint64_t nents = in->ndirents;
+	uint32_t head = 0, tail = 0;
+
+	if (!in->ninodes || (in->inodes[0].mode & S_IFMT) != S_IFDIR)
+		return lfs_error_set(w->err, EINVAL, "the root (inode 0) must be a directory");
+	for (uint32_t i = 0; i < in->ninodes; i++) {
+		if (validate_inode(w, i) < 0 || prepare_xattrs(w, i) < 0)
+			return -1;
+		w->nodes[i].parent = UINT32_MAX;
+		if ((in->inodes[i].mode & S_IFMT) == S_IFDIR)
+			nents += 2;
+	}
+	w->nodes[0].parent = 0;
+	if (nents > UINT32_MAX)
+		return lfs_error_set(w->err, EINVAL, "too many directory entries");
+	w->ents = calloc(nents ? nents : 1, sizeof(*w->ents));
+	if (!w->ents)
+		return lfs_error_set(w->err, ENOMEM, "directory entries");
+
+	/* Directories have exactly one parent: no directory hardlinks, no cycles. */
+	for (uint32_t i = 0; i < in->ninodes; i++) {
+		const struct lfs_wr_inode *ino = &in->inodes[i];
+
+		for (uint32_t k = 0; k < ino->dirent_count; k++) {
+			const struct lfs_wr_dirent *de = &in->dirents[ino->dirent_first + k];
+			const uint8_t *name = in->blob + de->name_off;
+
+			if (!blob_ok(w, de->name_off, de->name_len) || !de->name_len ||
+			    de->name_len > EROFS_NAME_LEN)
+				return wr_fail(w, i, EINVAL, "child %u: name length %u not in 1..255",
+					       k, de->name_len);
+			if (memchr(name, '/', de->name_len) || memchr(name, 0, de->name_len) ||
+			    (de->name_len == 1 && name[0] == '.') ||
+			    (de->name_len == 2 && name[0] == '.' && name[1] == '.'))
+				return wr_fail(w, i, EINVAL, "child name `%.*s` contains '/' or NUL "
+					       "or is a dot entry", (int)de->name_len,
+					       (const char *)name);
+			if (de->inode >= in->ninodes || de->inode == 0)
+				return wr_fail(w, i, EINVAL, "child `%.*s` names bad inode %u",
+					       (int)de->name_len, (const char *)name, de->inode);
+			if ((in->inodes[de->inode].mode & S_IFMT) == S_IFDIR) {
+				if (w->nodes[de->inode].parent != UINT32_MAX)
+					return wr_fail(w, de->inode, EINVAL,
+						       "directory linked more than once");
+				w->nodes[de->inode].parent = i;
+			}
+		}
+	}
+
+	/* Sorted entries per directory, "." and ".." included (lookup bisects them). */
+	nents = 0;
+	for (uint32_t i = 0; i < in->ninodes; i++) {
+		const struct lfs_wr_inode *ino = &in->inodes[i];
+		struct wr_node *n = &w->nodes[i];
+		struct wr_ent *e;
+
+		if ((ino->mode & S_IFMT) != S_IFDIR)
+			continue;
+		n->ent_first = (uint32_t)nents;
+		n->ent_count = ino->dirent_count + 2;
+		e = w->ents + nents;
+		e[0] = (struct wr_ent){ (const uint8_t *)".", 1, i };
+		e[1] = (struct wr_ent){ (const uint8_t *)"..", 2, n->parent == UINT32_MAX ? i : n->parent };
+		for (uint32_t k = 0; k < ino->dirent_count; k++) {
+			const struct lfs_wr_dirent *de = &in->dirents[ino->dirent_first + k];
+
+			e[k + 2] = (struct wr_ent){ in->blob + de->name_off, de->name_len, de->inode };
+		}
+		qsort(e, n->ent_count, sizeof(*e), ent_cmp);
+		for (uint32_t k = 1; k < n->ent_count; k++)
+			if (ent_cmp(&e[k - 1], &e[k]) == 0)
+				return wr_fail(w, i, EINVAL, "duplicate child name `%.*s`",
+					       (int)e[k].len, (const char *)e[k].name);
+		nents += n->ent_count;
+	}
+
+	/* Breadth-first from the root: the nid order; nlink from the references. */
+	w->order[tail++] = 0;
+	w->nodes[0].reached = 1;
+	while (head < tail) {
+		uint32_t d = w->order[head++];
+		struct wr_node *n = &w->nodes[d];
+
+		if ((in->inodes[d].mode & S_IFMT) != S_IFDIR)
+			continue;
+		n->nlink = 2;
+		for (uint32_t k = 0; k < n->ent_count; k++) {
+			const struct wr_ent *e = &w->ents[n->ent_first + k];
+			struct wr_node *c = &w->nodes[e->inode];
+
+			if (e->name[0] == '.' && (e->len == 1 || (e->len == 2 && e->name[1] == '.')))
+				continue;
+			if ((in->inodes[e->inode].mode & S_IFMT) == S_IFDIR) {
+				n->nlink++;
+			} else {
+				c->nlink++;
+			}
+			if (!c->reached) {
+				c->reached = 1;
+				w->order[tail++] = e->inode;
+			}
+		}
+	}
+	if (tail != in->ninodes) {
+		for (uint32_t i = 0; i < in->ninodes; i++)
+			if (!w->nodes[i].reached)
+				return wr_fail(w, i, EINVAL, "not reachable from the root");
+	}
+	return 0;
+}
+
+/* ---- layout ------------------------------------------------------------ */
+
+static int cmp_time(const void *pa, const void *pb)
+{
+	const struct wr_node *a = *(struct wr_node *const *)pa, *b = *(struct wr_node *const *)pb;
+
+	if (a->mtime_sec != b->mtime_sec)
+		return a->mtime_sec < b->mtime_sec ? -1 : 1;
+	return a->mtime_nsec < b->mtime_nsec ? -1 : a->mtime_nsec > b->mtime_nsec;
+}
+
+/* Clamp mtimes, then pick the epoch: compact inodes carry no mtime of their own
+ * (their i_mtime stays 0, which old and new kernels read alike as the sb epoch),
+ * so the most common mtime lets the most inodes be compact. */
+static int choose_epoch(struct wr *w)
+{
+	const struct lfs_wr_options *o = w->opt;
+	uint32_t n = w->in->ninodes, m = 0, best = 0;
+	cleanup_free struct wr_node **v = calloc(n, sizeof(*v));
+
+	if (!v)
+		return lfs_error_set(w->err, ENOMEM, "epoch");
+	for (uint32_t i = 0; i < n; i++) {
+		struct wr_node *nd = &w->nodes[i];
+
+		nd->mtime_sec = w->in->inodes[i].mtime_sec;
+		nd->mtime_nsec = w->in->inodes[i].mtime_nsec;
+		if ((o->flags & LFS_WR_OPT_CLAMP) &&
+		    (nd->mtime_sec > o->clamp_sec ||
+		     (nd->mtime_sec == o->clamp_sec && nd->mtime_nsec > o->clamp_nsec))) {
+			nd->mtime_sec = o->clamp_sec;
+			nd->mtime_nsec = o->clamp_nsec;
+		}
+		if (nd->mtime_sec >= 0)
+			v[m++] = nd;
+	}
+	w->epoch_sec = 0;
+	w->epoch_nsec = 0;
+	if (o->flags & LFS_WR_OPT_EPOCH) {
+		w->epoch_sec = o->epoch_sec;
+		w->epoch_nsec = o->epoch_nsec;
+		return 0;
+	}
+	qsort(v, m, sizeof(*v), cmp_time);
+	for (uint32_t i = 0, run = 0; i < m; i++) {
+		run = (i && cmp_time(&v[i - 1], &v[i]) == 0) ? run + 1 : 1;
+		if (run > best) {
+			best = run;
+			w->epoch_sec = v[i]->mtime_sec;
+			w->epoch_nsec = v[i]->mtime_nsec;
+		}
+	}
+	return 0;
+}
+
+static uint64_t dir_size(const struct wr *w, const struct wr_node *n)
+{
+	uint64_t size = 0;
+	uint32_t used = 0;
+
+	for (uint32_t k = 0; k < n->ent_count; k++) {
+		uint32_t need = sizeof(struct erofs_dirent) + w->ents[n->ent_first + k].len;
+
+		if (used + need > w->blksz) {
+			size += w->blksz;
+			used = 0;
+		}
+		used += need;
+	}
+	return size + used;
+}
+
+/* A sparse file: pick the chunk size minimising map + stored bytes; 0 if a flat
+ * layout is no bigger (then holes would not save anything). */
+static void plan_sparse(struct wr *w, uint32_t i)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	const struct lfs_wr_extent *ext = w->in->extents + ino->extent_first;
+	struct wr_node *n = &w->nodes[i];
+	uint64_t size = ino->size, blksz = w->blksz;
+	uint64_t best = (size + blksz - 1) / blksz * blksz;
+	unsigned best_bits = 0;
+
+	for (unsigned bits = w->blkbits; bits <= w->blkbits + EROFS_CHUNK_FORMAT_BLKBITS_MASK &&
+	     bits < 63; bits++) {
+		uint64_t cs = 1ull << bits, nchunks = (size + cs - 1) >> bits;
+		uint64_t cost = nchunks * EROFS_BLOCK_MAP_ENTRY_SIZE, last = UINT64_MAX;
+
+		for (uint32_t k = 0; k < ino->extent_count && cost < best; k++) {
+			uint64_t a = ext[k].file_off >> bits;
+			uint64_t b = (ext[k].file_off + ext[k].len - 1) >> bits;
+
+			if (last != UINT64_MAX && a <= last)
+				a = last + 1;
+			for (; a <= b; a++) {
+				uint64_t bytes = a == nchunks - 1 ? size - (a << bits) : cs;
+
+				cost += (bytes + blksz - 1) / blksz * blksz;
+			}
+			if (b > last || last == UINT64_MAX)
+				last = b;
+		}
+		if (cost < best) {
+			best = cost;
+			best_bits = bits;
+		}
+		if (cs >= size)
+			break;
+	}
+	if (!best_bits)
+		return;
+	n->layout = EROFS_INODE_CHUNK_BASED;
+	n->chunkbits = (uint8_t)best_bits;
+	n->nchunks = (size + (1ull << best_bits) - 1) >> best_bits;
+	n->inline_len = n->nchunks * EROFS_BLOCK_MAP_ENTRY_SIZE;
+	n->nblocks = 0;
+	{
+		uint64_t last = UINT64_MAX;
+
+		for (uint32_t k = 0; k < ino->extent_count; k++) {
+			uint64_t a = ext[k].file_off >> best_bits;
+			uint64_t b = (ext[k].file_off + ext[k].len - 1) >> best_bits;
+
+			if (last != UINT64_MAX && a <= last)
+				a = last + 1;
+			for (; a <= b; a++) {
+				uint64_t bytes = a == n->nchunks - 1 ? size - (a << best_bits)
+					: (1ull << best_bits);
+
+				n->nblocks += (bytes + blksz - 1) / blksz;
+			}
+			if (last == UINT64_MAX || b > last)
+				last = b;
+		}
+	}
+}
+
+static int layout(struct wr *w)
+{
+	const struct lfs_wr_input *in = w->in;
+	uint64_t pos = EROFS_SUPER_OFFSET + sizeof(struct erofs_super_block);
+	uint64_t blksz = w->blksz, cur, align_blocks;
+
+	for (uint32_t o = 0; o < in->ninodes; o++) {
+		uint32_t i = w->order[o];
+		const struct lfs_wr_inode *ino = &in->inodes[i];
+		struct wr_node *n = &w->nodes[i];
+		uint32_t type = ino->mode & S_IFMT;
+		uint64_t base, start = pos, tail = 0;
+
+		switch (type) {
+		case S_IFREG:
+			n->size = ino->size;
+			break;
+		case S_IFLNK:
+			n->size = ino->str_len;
+			break;
+		case S_IFDIR:
+			n->size = dir_size(w, n);
+			break;
+		default:
+			n->size = 0;
+		}
+		n->extended = !(ino->uid <= 0xFFFF && ino->gid <= 0xFFFF && n->nlink <= 0xFFFF &&
+				n->size <= UINT32_MAX && n->mtime_sec == w->epoch_sec &&
+				n->mtime_nsec == w->epoch_nsec);
+		base = (n->extended ? sizeof(struct erofs_inode_extended)
+			: sizeof(struct erofs_inode_compact)) + n->xattr_isize;
+		n->layout = EROFS_INODE_FLAT_PLAIN;
+		if (type == S_IFREG && (ino->flags & LFS_WR_SPARSE))
+			plan_sparse(w, i);
+		if (n->layout == EROFS_INODE_CHUNK_BASED) {
+			w->chunked = true;
+		} else if (type == S_IFREG || type == S_IFLNK || type == S_IFDIR) {
+			n->nblocks = n->size / blksz;
+			tail = n->size % blksz;
+		}
+		if (tail) {
+			/* The inline tail must not cross a block (erofs_map_blocks:
+			 * "inline data cross block boundary").  Pad in front of the inode
+			 * when that wastes less than giving the tail its own block. */
+			uint64_t padded = (pos + blksz - 1) / blksz * blksz;
+
+			if ((pos + base) % blksz + tail <= blksz) {
+				n->layout = EROFS_INODE_FLAT_INLINE;
+			} else if (base + tail <= blksz && padded - pos <= blksz - tail) {
+				n->layout = EROFS_INODE_FLAT_INLINE;
+				start = padded;
+			} else {
+				n->nblocks++;
+			}
+			if (n->layout == EROFS_INODE_FLAT_INLINE)
+				n->inline_len = tail;
+		}
+		n->meta_off = start;
+		n->nid = start >> EROFS_ISLOTBITS;
+		pos = (start + base + n->inline_len + EROFS_ISLOT - 1) & ~(uint64_t)(EROFS_ISLOT - 1);
+		if (type == S_IFREG && n->nblocks && w->opt->chunk_align &&
+		    n->size >= w->opt->chunk_align)
+			n->big = 1;
+	}
+	if (w->nodes[0].nid > 0xFFFF)
+		return lfs_error_set(w->err, EINVAL, "root nid does not fit 16 bits");
+	w->meta_end = pos;
+	w->data_start = (pos + blksz - 1) / blksz;
+
+	/* Data: small files packed in nid order, then each big file on a boundary so
+	 * the same file in two layers fills identical store chunks. */
+	cur = w->data_start;
+	align_blocks = w->opt->chunk_align ? w->opt->chunk_align / blksz : 1;
+	for (int pass = 0; pass < 2; pass++) {
+		for (uint32_t o = 0; o < in->ninodes; o++) {
+			struct wr_node *n = &w->nodes[w->order[o]];
+
+			if (!n->nblocks || n->big != pass)
+				continue;
+			if (pass)
+				cur = (cur + align_blocks - 1) / align_blocks * align_blocks;
+			n->blkaddr = cur;
+			cur += n->nblocks;
+			if (cur > UINT32_MAX)
+				return lfs_error_set(w->err, EFBIG,
+						     "image exceeds 2^32 blocks of %llu bytes",
+						     (unsigned long long)blksz);
+		}
+	}
+	w->total_blocks = cur;
+	return 0;
+}
+
+/* ---- output ------------------------------------------------------------ */
+
+/* Byte offset of what follows the inode and its xattrs: inline tail or chunk map. */
+static uint64_t inline_off(const struct wr_node *n)
+{
+	return n->meta_off + (n->extended ? sizeof(struct erofs_inode_extended)
+			      : sizeof(struct erofs_inode_compact)) + n->xattr_isize;
+}
+
+static int out_flush(struct wr *w)
+{
+	size_t done = 0;
+
+	while (done < w->buf_len) {
+		ssize_t r = pwrite(w->fd, w->buf + done, w->buf_len - done,
+				   (off_t)(w->buf_off + done));
+
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			return lfs_error_set(w->err, errno, "write image at offset %llu: %s",
+					     (unsigned long long)(w->buf_off + done), strerror(errno));
+		}
+		done += (size_t)r;
+	}
+	w->buf_off += w->buf_len;
+	w->buf_len = 0;
+	return 0;
+}
+
+/* Room for `n` (<= WR_BUF_SIZE) bytes at image offset `off`; gaps stay holes. */
+static uint8_t *out_reserve(struct wr *w, uint64_t off, size_t n)
+{
+	if (w->buf_off + w->buf_len != off || w->buf_len + n > WR_BUF_SIZE) {
+		if (out_flush(w) < 0)
+			return NULL;
+		w->buf_off = off;
+	}
+	return w->buf + w->buf_len;
+}
+
+static int out_zero(struct wr *w, uint64_t off, size_t n)
+{
+	uint8_t *p = out_reserve(w, off, n);
+
+	if (!p)
+		return -1;
+	memset(p, 0, n);
+	w->buf_len += n;
+	return 0;
+}
+
+static int out_bytes(struct wr *w, uint64_t off, const uint8_t *src, uint64_t n)
+{
+	while (n) {
+		size_t piece = n > WR_BUF_SIZE ? WR_BUF_SIZE : (size_t)n;
+		uint8_t *p = out_reserve(w, off, piece);
+
+		if (!p)
+			return -1;
+		memcpy(p, src, piece);
+		w->buf_len += piece;
+		off += piece;
+		src += piece;
+		n -= piece;
+	}
+	return 0;
+}
+
+static int read_exact(struct wr *w, uint32_t i, int fd, const char *path, uint8_t *dst,
+		      uint64_t len, uint64_t src_off)
+{
+	while (len) {
+		ssize_t r = pread(fd, dst, len > (1u << 30) ? (1u << 30) : len, (off_t)src_off);
+
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			return wr_fail(w, i, errno, "read `%s`: %s", path, strerror(errno));
+		}
+		if (r == 0)
+			return wr_fail(w, i, EIO, "source `%s` ended early at offset %llu "
+				       "(changed while building?)", path,
+				       (unsigned long long)src_off);
+		dst += r;
+		len -= (uint64_t)r;
+		src_off += (uint64_t)r;
+	}
+	return 0;
+}
+
+/* File bytes [off, off + len) into dst; holes of a sparse file read as zeros. */
+static int read_file(struct wr *w, uint32_t i, int fd, const char *path, uint8_t *dst,
+		     uint64_t off, uint64_t len)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	const struct lfs_wr_extent *ext;
+	uint32_t lo = 0, hi;
+
+	if (!(ino->flags & LFS_WR_SPARSE))
+		return read_exact(w, i, fd, path, dst, len, ino->src_offset + off);
+	memset(dst, 0, len);
+	ext = w->in->extents + ino->extent_first;
+	hi = ino->extent_count;
+	while (lo < hi) {       /* first extent ending after off */
+		uint32_t mid = lo + (hi - lo) / 2;
+
+		if (ext[mid].file_off + ext[mid].len <= off)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	for (uint32_t k = lo; k < ino->extent_count && ext[k].file_off < off + len; k++) {
+		uint64_t a = ext[k].file_off > off ? ext[k].file_off : off;
+		uint64_t b = ext[k].file_off + ext[k].len < off + len ? ext[k].file_off + ext[k].len
+			: off + len;
+
+		if (read_exact(w, i, fd, path, dst + (a - off), b - a,
+			       ext[k].src_off + (a - ext[k].file_off)) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+/* Copy file bytes [off, off + len) to image offset `at`, then zero-pad to a block. */
+static int copy_range(struct wr *w, uint32_t i, int fd, const char *path, uint64_t at,
+		      uint64_t off, uint64_t len)
+{
+	uint64_t pad = (w->blksz - len % w->blksz) % w->blksz;
+
+	while (len) {
+		size_t piece = len > WR_BUF_SIZE ? WR_BUF_SIZE : (size_t)len;
+		uint8_t *p = out_reserve(w, at, piece);
+
+		if (!p || read_file(w, i, fd, path, p, off, piece) < 0)
+			return -1;
+		w->buf_len += piece;
+		at += piece;
+		off += piece;
+		len -= piece;
+	}
+	return pad ? out_zero(w, at, pad) : 0;
+}
+
+/* Call fn(w, i, chunk index, rank among stored chunks, ctx) for each stored chunk. */
+static int for_each_chunk(struct wr *w, uint32_t i,
+			  int (*fn)(struct wr *, uint32_t, uint64_t, uint64_t, void *), void *ctx)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	const struct lfs_wr_extent *ext = w->in->extents + ino->extent_first;
+	unsigned bits = w->nodes[i].chunkbits;
+	uint64_t last = UINT64_MAX, rank = 0;
+
+	for (uint32_t k = 0; k < ino->extent_count; k++) {
+		uint64_t a = ext[k].file_off >> bits;
+		uint64_t b = (ext[k].file_off + ext[k].len - 1) >> bits;
+
+		if (last != UINT64_MAX && a <= last)
+			a = last + 1;
+		for (; a <= b; a++)
+			if (fn(w, i, a, rank++, ctx) < 0)
+				return -1;
+		if (last == UINT64_MAX || b > last)
+			last = b;
+	}
+	return 0;
+}
+
+struct chunk_copy { int fd; const char *path; };
+
+static int chunk_copy_fn(struct wr *w, uint32_t i, uint64_t chunk, uint64_t rank, void *ctx)
+{
+	const struct chunk_copy *cc = ctx;
+	struct wr_node *n = &w->nodes[i];
+	uint64_t cs = 1ull << n->chunkbits, off = chunk << n->chunkbits;
+	uint64_t len = n->size - off < cs ? n->size - off : cs;
+
+	return copy_range(w, i, cc->fd, cc->path, n->blkaddr * w->blksz + rank * cs, off, len);
+}
+
+static int chunk_map_fn(struct wr *w, uint32_t i, uint64_t chunk, uint64_t rank, void *ctx)
+{
+	struct wr_node *n = &w->nodes[i];
+	uint32_t *map = ctx;
+
+	map[chunk] = htole32((uint32_t)(n->blkaddr + (rank << (n->chunkbits - w->blkbits))));
+	return 0;
+}
+
+static int write_file(struct wr *w, uint32_t i)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	struct wr_node *n = &w->nodes[i];
+	char path[PATH_MAX + 1];
+	cleanup_close int fd = -1;
+	uint64_t body;
+
+	if (!n->size)
+		return 0;
+	memcpy(path, w->in->blob + ino->str_off, ino->str_len);
+	path[ino->str_len] = '\0';
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return wr_fail(w, i, errno, "open `%s`: %s", path, strerror(errno));
+	if (n->layout == EROFS_INODE_CHUNK_BASED) {
+		struct chunk_copy cc = { fd, path };
+
+		return for_each_chunk(w, i, chunk_copy_fn, &cc);
+	}
+	body = n->size - n->inline_len;
+	if (body && copy_range(w, i, fd, path, n->blkaddr * w->blksz, 0, body) < 0)
+		return -1;
+	if (n->inline_len)
+		return read_file(w, i, fd, path, w->meta + inline_off(n), body, n->inline_len);
+	return 0;
+}
+
+static int write_dir(struct wr *w, uint32_t d)
+{
+	struct wr_node *n = &w->nodes[d];
+	uint64_t cap = (n->size + w->blksz - 1) / w->blksz * w->blksz;
+	uint64_t body = n->size - n->inline_len, blk = 0;
+	uint32_t k = 0;
+
+	if (cap > w->scratch_cap) {
+		uint8_t *p = realloc(w->scratch, cap);
+
+		if (!p)
+			return wr_fail(w, d, ENOMEM, "directory of %llu bytes",
+				       (unsigned long long)n->size);
+		w->scratch = p;
+		w->scratch_cap = cap;
+	}
+	memset(w->scratch, 0, cap);
+	/* Same packing as dir_size(): a block takes entries while they fit. */
+	while (k < n->ent_count) {
+		uint8_t *b = w->scratch + blk * w->blksz;
+		uint32_t first = k, used = 0, nameoff;
+
+		while (k < n->ent_count &&
+		       used + sizeof(struct erofs_dirent) + w->ents[n->ent_first + k].len <= w->blksz) {
+			used += sizeof(struct erofs_dirent) + w->ents[n->ent_first + k].len;
+			k++;
+		}
+		nameoff = (k - first) * sizeof(struct erofs_dirent);
+		for (uint32_t j = first; j < k; j++) {
+			const struct wr_ent *e = &w->ents[n->ent_first + j];
+			struct erofs_dirent de = {
+				.nid = htole64(w->nodes[e->inode].nid),
+				.nameoff = htole16((uint16_t)nameoff),
+				.file_type = file_type(w->in->inodes[e->inode].mode),
+			};
+
+			memcpy(b + (j - first) * sizeof(de), &de, sizeof(de));
+			memcpy(b + nameoff, e->name, e->len);
+			nameoff += e->len;
+		}
+		blk++;
+	}
+	if (n->nblocks && out_bytes(w, n->blkaddr * w->blksz, w->scratch,
+				    n->nblocks * w->blksz) < 0)
+		return -1;
+	if (n->inline_len)
+		memcpy(w->meta + inline_off(n), w->scratch + body, n->inline_len);
+	return 0;
+}
+
+static int write_symlink(struct wr *w, uint32_t i)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	struct wr_node *n = &w->nodes[i];
+	const uint8_t *target = w->in->blob + ino->str_off;
+
+	if (n->inline_len) {
+		memcpy(w->meta + inline_off(n), target, n->size);
+		return 0;
+	}
+	if (out_bytes(w, n->blkaddr * w->blksz, target, n->size) < 0)
+		return -1;
+	return out_zero(w, n->blkaddr * w->blksz + n->size, n->nblocks * w->blksz - n->size);
+}
+
+static int write_data(struct wr *w)
+{
+	const struct lfs_wr_input *in = w->in;
+
+	/* Pass 0 follows the block order of small data; pass 1 the big files. */
+	for (int pass = 0; pass < 2; pass++) {
+		for (uint32_t o = 0; o < in->ninodes; o++) {
+			uint32_t i = w->order[o];
+			uint32_t type = in->inodes[i].mode & S_IFMT;
+			int r = 0;
+
+			if (w->nodes[i].big != pass)
+				continue;
+			if (type == S_IFREG)
+				r = write_file(w, i);
+			else if (type == S_IFDIR)
+				r = write_dir(w, i);
+			else if (type == S_IFLNK)
+				r = write_symlink(w, i);
+			if (r < 0)
+				return -1;
+		}
+	}
+	return out_flush(w);
+}
+
+static void encode_inodes(struct wr *w)
+{
+	const struct lfs_wr_input *in = w->in;
+
+	for (uint32_t o = 0; o < in->ninodes; o++) {
+		uint32_t i = w->order[o];
+		const struct lfs_wr_inode *ino = &in->inodes[i];
+		struct wr_node *n = &w->nodes[i];
+		uint8_t *p = w->meta + n->meta_off;
+		uint32_t type = ino->mode & S_IFMT, iu = 0;
+		uint16_t icount = n->xattr_isize ? (uint16_t)((n->xattr_isize - 12) / 4 + 1) : 0;
+		uint16_t fmt = (uint16_t)((n->extended ? EROFS_INODE_LAYOUT_EXTENDED
+					    : EROFS_INODE_LAYOUT_COMPACT) |
+					   (n->layout << EROFS_I_DATALAYOUT_BIT));
+
+		if (n->layout == EROFS_INODE_CHUNK_BASED)
+			iu = (uint32_t)(n->chunkbits - w->blkbits);
+		else if (type == S_IFCHR || type == S_IFBLK)
+			/* new_encode_dev(), include/linux/kdev_t.h */
+			iu = (ino->rdev_minor & 0xff) | (ino->rdev_major << 8) |
+			     ((ino->rdev_minor & ~0xffu) << 12);
+		else if (type == S_IFREG || type == S_IFDIR || type == S_IFLNK)
+			iu = n->nblocks ? (uint32_t)n->blkaddr : EROFS_NULL_ADDR;
+
+		if (n->extended) {
+			struct erofs_inode_extended d = {
+				.i_format = htole16(fmt),
+				.i_xattr_icount = htole16(icount),
+				.i_mode = htole16((uint16_t)ino->mode),
+				.i_size = htole64(n->size),
+				.i_u = htole32(iu),
+				.i_ino = htole32(o + 1),
+				.i_uid = htole32(ino->uid),
+				.i_gid = htole32(ino->gid),
+				.i_mtime = htole64((uint64_t)n->mtime_sec),
+				.i_mtime_nsec = htole32(n->mtime_nsec),
+				.i_nlink = htole32(n->nlink),
+			};
+			memcpy(p, &d, sizeof(d));
+			p += sizeof(d);
+		} else {
+			struct erofs_inode_compact d = {
+				.i_format = htole16(fmt),
+				.i_xattr_icount = htole16(icount),
+				.i_mode = htole16((uint16_t)ino->mode),
+				.i_nlink = htole16((uint16_t)n->nlink),
+				.i_size = htole32((uint32_t)n->size),
+				.i_u = htole32(iu),
+				.i_ino = htole32(o + 1),
+				.i_uid = htole16((uint16_t)ino->uid),
+				.i_gid = htole16((uint16_t)ino->gid),
+			};
+			memcpy(p, &d, sizeof(d));
+			p += sizeof(d);
+		}
+		if (n->xattr_isize) {
+			p += sizeof(struct erofs_xattr_ibody_header); /* all zero: no filter, no shared */
+			for (uint32_t k = 0; k < ino->xattr_count; k++) {
+				const struct lfs_wr_xattr *x = &in->xattrs[w->xorder[ino->xattr_first + k]];
+				const uint8_t *name = in->blob + x->name_off;
+				uint32_t soff = 0;
+				int idx = xattr_split(name, x->name_len, &soff);
+				struct erofs_xattr_entry e = {
+					.e_name_len = (uint8_t)(x->name_len - soff),
+					.e_name_index = (uint8_t)idx,
+					.e_value_size = htole16((uint16_t)x->value_len),
+				};
+				uint32_t len = sizeof(e) + e.e_name_len + x->value_len;
+
+				memcpy(p, &e, sizeof(e));
+				memcpy(p + sizeof(e), name + soff, e.e_name_len);
+				memcpy(p + sizeof(e) + e.e_name_len, in->blob + x->value_off,
+				       x->value_len);
+				p += (len + EROFS_XATTR_ALIGN - 1) & ~(uint32_t)(EROFS_XATTR_ALIGN - 1);
+			}
+		}
+		if (n->layout == EROFS_INODE_CHUNK_BASED) {
+			uint32_t *map = (uint32_t *)(void *)p;
+
+			for (uint64_t c = 0; c < n->nchunks; c++)
+				map[c] = htole32(EROFS_NULL_ADDR);
+			for_each_chunk(w, i, chunk_map_fn, map);
+		}
+	}
+}
+
+/* FNV-1a over the metadata: a deterministic uuid that differs between layers. */
+static void derive_uuid(const struct wr *w, uint8_t uuid[16])
+{
+	uint64_t h[2] = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
+	uint64_t len = w->data_start * w->blksz;
+
+	for (int k = 0; k < 2; k++) {
+		for (uint64_t j = 0; j < len; j++)
+			h[k] = (h[k] ^ w->meta[j]) * 0x100000001b3ull;
+		h[k] ^= w->total_blocks + (uint64_t)k;
+		h[k] *= 0x100000001b3ull;
+		memcpy(uuid + 8 * k, &h[k], 8);
+	}
+	uuid[6] = (uint8_t)((uuid[6] & 0x0f) | 0x80);  /* RFC 9562 version 8 */
+	uuid[8] = (uint8_t)((uuid[8] & 0x3f) | 0x80);  /* variant 10 */
+}
+
+static void encode_super(struct wr *w, struct lfs_wr_stats *stats)
+{
+	struct erofs_super_block sb = {
+		.magic = htole32(EROFS_SUPER_MAGIC_V1),
+		.feature_compat = htole32(EROFS_FEATURE_COMPAT_SB_CHKSUM |
+					  EROFS_FEATURE_COMPAT_MTIME),
+		.blkszbits = (uint8_t)w->blkbits,
+		.root_nid = htole16((uint16_t)w->nodes[0].nid),
+		.inos = htole64(w->in->ninodes),
+		.epoch = htole64((uint64_t)w->epoch_sec),
+		.fixed_nsec = htole32(w->epoch_nsec),
+		.blocks = htole32((uint32_t)w->total_blocks),
+		.feature_incompat = htole32(w->chunked ? EROFS_FEATURE_INCOMPAT_CHUNKED_FILE : 0),
+	};
+	uint32_t crc;
+
+	memcpy(sb.volume_name, w->opt->volume_name, 15);
+	if (w->opt->flags & LFS_WR_OPT_UUID)
+		memcpy(sb.uuid, w->opt->uuid, 16);
+	memcpy(w->meta + EROFS_SUPER_OFFSET, &sb, sizeof(sb));
+	if (!(w->opt->flags & LFS_WR_OPT_UUID)) {
+		derive_uuid(w, sb.uuid);
+		memcpy(w->meta + EROFS_SUPER_OFFSET, &sb, sizeof(sb));
+	}
+	/* erofs_superblock_csum_verify(): crc32c(~0) of the sb block from byte 1024 */
+	crc = lfs_crc32c(~0u, w->meta + EROFS_SUPER_OFFSET, w->blksz - EROFS_SUPER_OFFSET);
+	sb.checksum = htole32(crc);
+	memcpy(w->meta + EROFS_SUPER_OFFSET, &sb, sizeof(sb));
+	memcpy(stats->uuid, sb.uuid, 16);
+}
+
+static int write_all(struct wr *w, struct lfs_wr_stats *stats)
+{
+	const struct lfs_wr_input *in = w->in;
+	struct stat st;
+	uint64_t meta_len;
+
+	if (fstat(w->fd, &st) < 0)
+		return lfs_error_set(w->err, errno, "fstat output: %s", strerror(errno));
+	if (!S_ISREG(st.st_mode))
+		return lfs_error_set(w->err, ESPIPE, "output is not a regular file");
+	w->nodes = calloc(in->ninodes ? in->ninodes : 1, sizeof(*w->nodes));
+	w->order = calloc(in->ninodes ? in->ninodes : 1, sizeof(*w->order));
+	w->xorder = calloc(in->nxattrs ? in->nxattrs : 1, sizeof(*w->xorder));
+	w->buf = malloc(WR_BUF_SIZE);
+	if (!w->nodes || !w->order || !w->xorder || !w->buf)
+		return lfs_error_set(w->err, ENOMEM, "writer state");
+	if (prepare_tree(w) < 0 || choose_epoch(w) < 0 || layout(w) < 0)
+		return -1;
+	meta_len = w->data_start * w->blksz;
+	w->meta = calloc(1, meta_len);
+	if (!w->meta)
+		return lfs_error_set(w->err, ENOMEM, "metadata of %llu bytes",
+				     (unsigned long long)meta_len);
+	if (ftruncate(w->fd, 0) < 0)
+		return lfs_error_set(w->err, errno, "truncate output: %s", strerror(errno));
+	w->buf_off = meta_len;
+	if (write_data(w) < 0)
+		return -1;
+	encode_inodes(w);
+	encode_super(w, stats);
+	if (out_bytes(w, 0, w->meta, meta_len) < 0 || out_flush(w) < 0)
+		return -1;
+	if (ftruncate(w->fd, (off_t)(w->total_blocks * w->blksz)) < 0)
+		return lfs_error_set(w->err, errno, "size output: %s", strerror(errno));
+
+	stats->size = w->total_blocks * w->blksz;
+	stats->blocks = w->total_blocks;
+	stats->inodes = in->ninodes;
+	stats->meta_bytes = meta_len;
+	stats->epoch_sec = w->epoch_sec;
+	for (uint32_t i = 0; i < in->ninodes; i++) {
+		if ((in->inodes[i].mode & S_IFMT) == S_IFREG) {
+			stats->files++;
+			stats->data_bytes += in->inodes[i].size;
+		}
+	}
+	return 0;
+}
+
+int lfs_writer_write(const struct lfs_wr_input *in, const struct lfs_wr_options *opts,
+		     int fd, struct lfs_wr_stats *stats, struct lfs_error *err)
+{
+	struct wr w = { .in = in, .opt = opts, .err = err, .fd = fd };
+	int r;
+
+	memset(stats, 0, sizeof(*stats));
+	if (opts->block_size != 4096)
+		return lfs_error_set(err, EINVAL, "block size %u: only 4096 is supported",
+				     opts->block_size);
+	if (opts->chunk_align && (opts->chunk_align < opts->block_size ||
+				  (opts->chunk_align & (opts->chunk_align - 1))))
+		return lfs_error_set(err, EINVAL, "chunk_align %llu: not a power of two >= "
+				     "the block size", (unsigned long long)opts->chunk_align);
+	if ((opts->flags & LFS_WR_OPT_EPOCH) &&
+	    (opts->epoch_sec < 0 || opts->epoch_nsec >= 1000000000u))
+		return lfs_error_set(err, EINVAL, "epoch out of range");
+	w.blksz = opts->block_size;
+	w.blkbits = 12;
+	r = write_all(&w, stats);
+	free(w.nodes);
+	free(w.ents);
+	free(w.order);
+	free(w.xorder);
+	free(w.buf);
+	free(w.meta);
+	free(w.scratch);
+	return r;
+}
