@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,9 @@ class BuildResult:
         st = self.stats
         stats = (dataclasses.asdict(st) if dataclasses.is_dataclass(st)
                  and not isinstance(st, type) else dict(vars(st)))
+        for k, v in stats.items():
+            if isinstance(v, bytes):  # the uuid
+                stats[k] = str(uuid.UUID(bytes=v)) if len(v) == 16 else v.hex()
         return {
             "digest": self.digest, "size": self.size, "kind": self.kind,
             "source": self.source, "output": self.output,
