@@ -232,6 +232,7 @@ class _Input:
         self.base = base
         self.size = size
         self.pos = 0
+        self.compressed = False
 
     def read(self, n: int) -> bytes:
         """Up to ``n`` bytes; short only at the end of the stream."""
@@ -612,7 +613,7 @@ def _place(inp: _Input, spool: _Spool, n: int, what: str) -> int:
 
 
 def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
-    what = f"entry {entry.path!r} (header at byte {entry.offset})"
+    what = "the data"
     t = entry.typeflag
     try:
         parts = split_path(entry.path)
@@ -666,10 +667,8 @@ def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
             inp.skip_padded(entry.size, what)
         else:
             raise _Fail(f"unsupported entry type {t!r}")
-    except _Fail as exc:
-        raise _Fail(f"{what}: {exc}") from None
-    except InvalidSourceError as exc:
-        raise _Fail(f"{what}: {exc}") from None
+    except (_Fail, InvalidSourceError) as exc:
+        raise _Fail(f"entry {entry.path!r} (header at byte {entry.offset}): {exc}") from None
 
 
 # --------------------------------------------------------------------------- opening
@@ -696,13 +695,57 @@ class _Prefixed(io.RawIOBase):
         return len(data)
 
 
+class _ZstdReader:
+    """Decompresses a sequence of zstd frames, and fails on a cut-off frame.
+
+    ``zstandard``'s stream_reader ends silently at a truncated frame (a whole truncated
+    layer would read as an empty archive), so this feeds a decompressobj, whose ``eof``
+    tells a finished frame. Input goes in 1 KiB pieces: one piece can hold at most ~256
+    RLE blocks of 128 KiB (zstd_compression_format.md), which bounds the memory a
+    hostile stream can make us hold at once to ~32 MiB.
+    """
+
+    PIECE = 1024
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.dctx = zstandard.ZstdDecompressor()
+        self.dobj = self.dctx.decompressobj()
+        self.fed = False          # the current frame has received input
+        self.out = bytearray()
+        self.pending = b""
+        self.done = False
+
+    def _fill(self) -> None:
+        while not self.out and not self.done:
+            piece = self.pending or self.raw.read(self.PIECE)
+            self.pending = b""
+            if not piece:
+                if self.fed:
+                    raise EOFError("zstd stream ends inside a frame")
+                self.done = True
+                return
+            self.fed = True
+            self.out += self.dobj.decompress(piece)
+            if self.dobj.eof:
+                self.pending = self.dobj.unused_data
+                self.dobj = self.dctx.decompressobj()
+                self.fed = False
+
+    def read(self, n: int = -1, /) -> bytes:
+        self._fill()
+        if n < 0:
+            n = len(self.out)
+        chunk = bytes(self.out[:n])
+        del self.out[:n]
+        return chunk
+
+
 def _decompressor(magic: bytes, raw: BinaryIO) -> _Readable | None:
     if magic.startswith(_GZIP_MAGIC):
         return gzip.GzipFile(fileobj=raw, mode="rb")
     if magic.startswith(_ZSTD_MAGIC):
-        reader: _Readable = zstandard.ZstdDecompressor().stream_reader(
-            raw, read_across_frames=True)
-        return reader
+        return _ZstdReader(raw)
     if magic.startswith(_XZ_MAGIC):
         return lzma.LZMAFile(raw, "rb")
     if magic.startswith(_BZ2_MAGIC):
@@ -764,6 +807,11 @@ def load_tar(src: str | os.PathLike[str] | BinaryIO, *, workdir: str | os.PathLi
             tree = Tree()
             for entry in _read_entries(inp):
                 _apply(tree, entry, inp, spool)
+            if inp.compressed:
+                # A compressed stream is read to its end so that corruption or truncation
+                # after the end-of-archive blocks (a bad CRC, a cut frame) is noticed.
+                while inp.read(COPY_CHUNK):
+                    pass
         except _Fail as exc:
             raise InvalidSourceError(f"tar {label}: {exc}") from None
         spool.close()
@@ -796,7 +844,9 @@ def _open_input(stream: BinaryIO, path: str | None) -> _Input:
         raw = io.BufferedReader(_Prefixed(head, stream), COPY_CHUNK)
     dec = _decompressor(head, raw)
     if dec is not None:
-        return _Input(dec, in_place=None, base=0, size=None)
+        inp = _Input(dec, in_place=None, base=0, size=None)
+        inp.compressed = True
+        return inp
     in_place, size = _in_place_path(stream, path) if seekable else (None, None)
     if in_place is not None and size is not None:
         return _Input(stream, in_place=in_place, base=base, size=size - base)
