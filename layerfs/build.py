@@ -203,6 +203,8 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
                              else DEFAULT_CHUNK_SIZE)
     opts = writer_options(options, csize)
     out = os.path.abspath(output) if output is not None else None
+    if out is not None and not os.path.isdir(os.path.dirname(out)):
+        raise NotFoundError(f"{output}: directory {os.path.dirname(out)} does not exist")
     with _scratch(store) as scratch:
         jobs: list[_Job] = []
         if src.startswith("oci:"):

@@ -194,3 +194,28 @@ def test_build_oci_layout_per_layer_and_flattened(tmp_path: Path) -> None:
     flat = build_layer(f"oci:{layout}", kind="base", store=store, flatten=True)
     assert flat.digest not in {r.digest for r in res}
     assert len(store.layers()) == 3 and store.verify().ok
+
+
+def test_output_directory_must_exist(tmp_path: Path) -> None:
+    src = make_tree(tmp_path / "src", {"f": b"x"})
+    with pytest.raises(NotFoundError, match="does not exist"):
+        build_layer(str(src), kind="base", store=None, output=str(tmp_path / "no" / "x.erofs"))
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_stored_layer_exports_to_a_mountable_image(tmp_path: Path) -> None:
+    from layerfs.mount import mounted_erofs
+
+    payload = random.Random(2).randbytes(5 * MiB + 77)
+    src = make_tree(tmp_path / "src", {"usr/lib/big.so": payload, "etc/hosts": b"127.0.0.1\n"})
+    os.symlink("big.so", src / "usr/lib/link.so")
+    store = Store(tmp_path / "store", chunk_size=1 << 16)
+    res = build_layer(str(src), kind="base", store=store)
+    image = tmp_path / "exported.erofs"
+    store.export(res.digest, image)
+    with mounted_erofs(image) as mnt:
+        assert Path(mnt, "usr/lib/big.so").read_bytes() == payload
+        assert os.readlink(Path(mnt, "usr/lib/link.so")) == "big.so"
+        assert Path(mnt, "etc/hosts").read_bytes() == b"127.0.0.1\n"
+        assert os.stat(Path(mnt, "etc/hosts")).st_mtime_ns == 1_600_000_000_123_456_789
