@@ -13,6 +13,7 @@ APT_PACKAGES=(
   erofs-utils                                 # fsck.erofs / mkfs.erofs: cross-checks, benchmark baseline
   mmdebstrap                                  # real Debian rootfs for tests and the main job
   xfsprogs attr zstd busybox-static bubblewrap util-linux
+  musl-tools                                  # static sbx-init (~100 KiB); glibc -static otherwise
   python3-venv
 )
 
