@@ -1,0 +1,153 @@
+/* The control protocol between edged and sbx-init.
+ *
+ * Transport: one SOCK_STREAM unix-domain connection.  sbx-init inherits a
+ * listening socket (bound by the spawner at a host-only path,
+ * /run/edged/sandboxes/<id>/ctl.sock, mode 0700 directory) and serves one
+ * client at a time; a new connection replaces the old one, which is how a
+ * restarted daemon re-acquires a live sandbox.  The socket is close-on-exec
+ * in sbx-init and its path does not exist inside the sandbox, so workload
+ * processes cannot reach it.
+ *
+ * Framing: every message is a 16-byte header followed by `len` payload bytes.
+ * All integers are little-endian.  Strings in payloads are NUL-terminated.
+ * Python mirror: edged/backends/container/protocol.py (keep both in step).
+ *
+ * An exec belongs to the connection that started it: if that connection goes
+ * away, sbx-init kills the exec's whole process tree (no END is sent).
+ *
+ * Validation: a frame with an unknown type, a wrong payload size, bad strings
+ * or an unknown exec id is answered with SBX_ERROR (exec_id echoed) and
+ * ignored.  A header announcing more than SBX_MAX_PAYLOAD bytes cannot be
+ * skipped safely, so sbx-init answers SBX_ERROR and closes the connection.
+ * Nothing a client sends can make sbx-init exit.
+ */
+#ifndef SBX_PROTOCOL_H
+#define SBX_PROTOCOL_H
+
+#include <stdint.h>
+
+#define SBX_PROTO_VERSION 1u
+
+#define SBX_MAX_PAYLOAD   (1u << 20)  /* any frame */
+#define SBX_MAX_DATA      (64u << 10) /* one STDIN / STDOUT / STDERR chunk */
+#define SBX_MAX_STRINGS   8192u       /* argc + envc */
+#define SBX_MAX_EXECS     256u        /* execs alive at once per sandbox */
+#define SBX_WINDOW        (256u << 10) /* initial output credit per exec, bytes */
+#define SBX_MAX_ERROR_MSG 512u
+
+struct sbx_hdr {
+	uint32_t len;     /* payload bytes after this header, <= SBX_MAX_PAYLOAD */
+	uint16_t type;    /* enum sbx_type */
+	uint16_t flags;   /* 0 (reserved) */
+	uint32_t exec_id; /* client-chosen, nonzero for exec messages; 0 otherwise */
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_hdr) == 16, "sbx_hdr is 16 bytes");
+
+enum sbx_type {
+	/* client -> sbx-init */
+	SBX_HELLO = 1,      /* no payload; answered with SBX_HELLO_OK */
+	SBX_EXEC = 2,       /* struct sbx_exec + strings; answered with STARTED or ERROR */
+	SBX_STDIN = 3,      /* 1..SBX_MAX_DATA bytes for the exec's stdin */
+	SBX_STDIN_EOF = 4,  /* no payload: close the exec's stdin */
+	SBX_SIGNAL = 5,     /* struct sbx_signal: signal the exec's main process */
+	SBX_RESIZE = 6,     /* struct sbx_resize: pty window size */
+	SBX_KILL = 7,       /* no payload: kill the exec's whole tree (END reason KILLED) */
+	SBX_CREDIT = 8,     /* struct sbx_credit: client consumed this many output bytes */
+
+	/* sbx-init -> client */
+	SBX_HELLO_OK = 0x81, /* struct sbx_hello */
+	SBX_STARTED = 0x82,  /* struct sbx_started: the exec's program is running */
+	SBX_STDOUT = 0x83,   /* output bytes (pty execs: the terminal's output) */
+	SBX_STDERR = 0x84,   /* output bytes */
+	SBX_END = 0x85,      /* struct sbx_end: exactly one per started exec, after all output */
+	SBX_ERROR = 0x86,    /* struct sbx_error + message bytes (<= SBX_MAX_ERROR_MSG) */
+};
+
+/* SBX_EXEC flags */
+#define SBX_EXEC_STDIN 0x1u /* stdin is a pipe fed by SBX_STDIN; otherwise /dev/null */
+#define SBX_EXEC_PTY   0x2u /* run on a new pseudo-terminal (stdin/stdout/stderr) */
+
+/* SBX_EXEC payload: this struct, then `1 + argc + envc` NUL-terminated strings:
+ * cwd, argv[0..argc), env[0..envc) ("KEY=VALUE").  argv[0] is looked up in the
+ * PATH of the given env when it has no '/'. */
+struct sbx_exec {
+	uint32_t uid;          /* inside the sandbox's user namespace */
+	uint32_t gid;
+	uint64_t timeout_ms;   /* wall time before the tree is killed; 0: none */
+	uint64_t output_limit; /* stdout+stderr bytes before the tree is killed; 0: none */
+	uint32_t flags;        /* SBX_EXEC_* */
+	uint16_t rows;         /* pty size; 0: 24x80 */
+	uint16_t cols;
+	uint32_t argc;         /* >= 1 */
+	uint32_t envc;
+};
+_Static_assert(sizeof(struct sbx_exec) == 40, "sbx_exec is 40 bytes");
+
+struct sbx_signal {
+	int32_t sig; /* 1..64 */
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_signal) == 8, "sbx_signal is 8 bytes");
+
+struct sbx_resize {
+	uint16_t rows;
+	uint16_t cols;
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_resize) == 8, "sbx_resize is 8 bytes");
+
+struct sbx_credit {
+	uint32_t bytes; /* output bytes of this exec the client has consumed */
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_credit) == 8, "sbx_credit is 8 bytes");
+
+/* How the exec's tree is confined and killed. */
+enum sbx_cgroup_mode {
+	SBX_CGROUP_NONE = 0, /* session sweep only */
+	SBX_CGROUP_V1 = 1,   /* per-exec freezer (+memory) cgroup: freeze, kill all, thaw */
+	SBX_CGROUP_V2 = 2,   /* per-exec cgroup, cgroup.kill */
+};
+
+struct sbx_hello {
+	uint32_t version;     /* SBX_PROTO_VERSION */
+	uint32_t cgroup_mode; /* enum sbx_cgroup_mode */
+	uint32_t execs;       /* execs alive now */
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_hello) == 16, "sbx_hello is 16 bytes");
+
+struct sbx_started {
+	uint32_t pid; /* the exec's main process, in the sandbox's pid namespace */
+	uint32_t reserved;
+};
+_Static_assert(sizeof(struct sbx_started) == 8, "sbx_started is 8 bytes");
+
+enum sbx_reason {
+	SBX_EXITED = 1,       /* exit_code set */
+	SBX_SIGNALLED = 2,    /* signal set */
+	SBX_TIMEOUT = 3,      /* timeout_ms passed; tree killed */
+	SBX_OOM = 4,          /* a process of the exec was killed by the OOM killer */
+	SBX_OUTPUT_LIMIT = 5, /* output_limit reached; output up to the limit was sent */
+	SBX_KILLED = 6,       /* SBX_KILL */
+};
+
+struct sbx_end {
+	uint32_t reason;      /* enum sbx_reason */
+	int32_t exit_code;    /* -1 unless the main process exited */
+	int32_t signal;       /* signal that ended the main process, 0 if none */
+	uint32_t reserved;
+	uint64_t duration_ns; /* from fork to the main process's end */
+	uint64_t peak_memory; /* bytes: the exec cgroup's peak, else the main process's max RSS; 0 unknown */
+};
+_Static_assert(sizeof(struct sbx_end) == 32, "sbx_end is 32 bytes");
+
+struct sbx_error {
+	int32_t code; /* errno value */
+	uint32_t reserved;
+	/* then the message, not NUL-terminated */
+};
+_Static_assert(sizeof(struct sbx_error) == 8, "sbx_error is 8 bytes");
+
+#endif

@@ -1,0 +1,1316 @@
+/* sbx-init: PID 1 of a sandbox.
+ *
+ * Reaps every process that ends up parented to it, and runs commands for edged
+ * over the control socket described in protocol.h.  One thread, one epoll loop;
+ * every fd non-blocking so that no peer (client or workload) can stall it.
+ *
+ * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
+ *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
+ *                  SO_PEERCRED on a client's connection names sbx-init);
+ *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
+ *                  sandbox root, under which each exec gets its own cgroup so
+ *                  that a timeout or kill takes its whole tree, daemonized
+ *                  grandchildren included.
+ * Every inherited fd is made close-on-exec at start-up: no workload process
+ * inherits the control channel or a cgroup directory.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "protocol.h"
+
+#define DRAIN_NS      (20 * 1000000ull) /* output grace after the main process ends */
+#define OUTQ_HIGH     (1u << 20)        /* stop reading pipes above this much unsent */
+#define STDIN_MAX     (4u << 20)        /* stdin bytes buffered per exec */
+#define MAX_PENDING_RM 1024
+
+enum kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE };
+
+struct buf {
+	uint8_t *p;
+	size_t off, len, cap; /* unsent data is p[off..len) */
+};
+
+struct exec {
+	int used;
+	uint32_t id;
+	pid_t pid;
+	int out_fd, err_fd, in_fd, errpipe;
+	int pty;          /* out_fd is the pty master; stdin goes there too */
+	int started, failed, reaped, orphan;
+	int status;
+	struct rusage ru;
+	uint64_t t0, t_end, deadline, drain_deadline;
+	uint64_t limit, total;
+	int64_t window;
+	uint32_t reason;  /* forced end reason (timeout, output limit, killed), else 0 */
+	int stdin_wanted, stdin_eof;
+	struct buf in;
+	char cg[24];      /* per-exec cgroup name, "" if none */
+};
+
+static int ep = -1, listen_fd = -1, sig_fd = -1, client_fd = -1;
+static int cg_mode = SBX_CGROUP_NONE;
+static int cg_freezer = -1, cg_memory = -1, cg_v2 = -1;
+static struct exec execs[SBX_MAX_EXECS];
+static struct buf outq;
+static uint8_t inbuf[sizeof(struct sbx_hdr) + SBX_MAX_PAYLOAD];
+static size_t inlen;
+static int interest_dirty;
+static uint64_t cg_counter;
+static char pending_rm[MAX_PENDING_RM][24];
+static int n_pending_rm;
+
+static uint64_t now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void logmsg(const char *fmt, ...)
+{
+	char line[512];
+	va_list ap;
+	int n;
+
+	va_start(ap, fmt);
+	n = vsnprintf(line, sizeof(line) - 1, fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return;
+	if (n > (int)sizeof(line) - 2)
+		n = sizeof(line) - 2;
+	line[n++] = '\n';
+	(void)!write(2, line, (size_t)n);
+}
+
+static int buf_reserve(struct buf *b, size_t more)
+{
+	size_t need, cap;
+	uint8_t *p;
+
+	if (b->off && b->off == b->len)
+		b->off = b->len = 0;
+	need = b->len + more;
+	if (need <= b->cap)
+		return 0;
+	if (b->off) { /* compact before growing */
+		memmove(b->p, b->p + b->off, b->len - b->off);
+		b->len -= b->off;
+		b->off = 0;
+		if (b->len + more <= b->cap)
+			return 0;
+		need = b->len + more;
+	}
+	cap = b->cap ? b->cap : 4096;
+	while (cap < need)
+		cap *= 2;
+	p = realloc(b->p, cap);
+	if (!p)
+		return -1;
+	b->p = p;
+	b->cap = cap;
+	return 0;
+}
+
+static void buf_free(struct buf *b)
+{
+	free(b->p);
+	memset(b, 0, sizeof(*b));
+}
+
+static uint64_t tag(int kind, int slot)
+{
+	return ((uint64_t)slot << 8) | (uint64_t)kind;
+}
+
+static void ep_add(int fd, int kind, int slot, uint32_t events)
+{
+	struct epoll_event ev = {.events = events, .data.u64 = tag(kind, slot)};
+
+	if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) < 0)
+		logmsg("sbx-init: epoll add: %s", strerror(errno));
+}
+
+/* Interest 0 removes the fd: EPOLLHUP/EPOLLERR are reported even for an empty
+ * mask, which would spin the loop while flow control holds a pipe back. */
+static void ep_set(int fd, int kind, int slot, uint32_t events)
+{
+	struct epoll_event ev = {.events = events, .data.u64 = tag(kind, slot)};
+
+	if (!events) {
+		epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL);
+		return;
+	}
+	if (epoll_ctl(ep, EPOLL_CTL_MOD, fd, &ev) < 0 && errno == ENOENT)
+		epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+}
+
+static void close_fd(int *fd)
+{
+	if (*fd >= 0) {
+		epoll_ctl(ep, EPOLL_CTL_DEL, *fd, NULL);
+		close(*fd);
+		*fd = -1;
+	}
+}
+
+static void set_nonblock(int fd)
+{
+	int fl = fcntl(fd, F_GETFL);
+
+	if (fl >= 0)
+		fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+/* ---- outgoing frames --------------------------------------------------- */
+
+static void flush_client(void);
+
+static void send_frame(uint16_t type, uint32_t exec_id, const void *a, size_t alen,
+		       const void *b, size_t blen)
+{
+	struct sbx_hdr h = {.len = (uint32_t)(alen + blen), .type = type, .exec_id = exec_id};
+
+	if (client_fd < 0)
+		return;
+	if (buf_reserve(&outq, sizeof(h) + alen + blen) < 0) {
+		logmsg("sbx-init: out of memory queueing a frame; dropping the client");
+		return;
+	}
+	memcpy(outq.p + outq.len, &h, sizeof(h));
+	outq.len += sizeof(h);
+	if (alen)
+		memcpy(outq.p + outq.len, a, alen);
+	outq.len += alen;
+	if (blen)
+		memcpy(outq.p + outq.len, b, blen);
+	outq.len += blen;
+}
+
+static void send_error(uint32_t exec_id, int code, const char *fmt, ...)
+{
+	struct sbx_error e = {.code = code};
+	char msg[SBX_MAX_ERROR_MSG];
+	va_list ap;
+	int n;
+
+	va_start(ap, fmt);
+	n = vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		n = 0;
+	if (n >= (int)sizeof(msg))
+		n = sizeof(msg) - 1;
+	send_frame(SBX_ERROR, exec_id, &e, sizeof(e), msg, (size_t)n);
+}
+
+static size_t outq_pending(void)
+{
+	return outq.len - outq.off;
+}
+
+/* ---- cgroups ----------------------------------------------------------- */
+
+static int cg_write(int dirfd, const char *cg, const char *file, const char *val)
+{
+	char path[64];
+	int fd, rc = 0;
+
+	snprintf(path, sizeof(path), "%s/%s", cg, file);
+	fd = openat(dirfd, path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (write(fd, val, strlen(val)) < 0)
+		rc = -1;
+	close(fd);
+	return rc;
+}
+
+static ssize_t cg_read(int dirfd, const char *cg, const char *file, char *out, size_t size)
+{
+	char path[64];
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "%s/%s", cg, file);
+	fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = read(fd, out, size - 1);
+	close(fd);
+	if (n < 0)
+		return -1;
+	out[n] = 0;
+	return n;
+}
+
+/* Value of "key N" in a flat-keyed cgroup file, or 0. */
+static uint64_t cg_key(int dirfd, const char *cg, const char *file, const char *key)
+{
+	char text[1024], *p;
+	size_t klen = strlen(key);
+
+	if (cg_read(dirfd, cg, file, text, sizeof(text)) < 0)
+		return 0;
+	for (p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+		if (!strncmp(p, key, klen) && p[klen] == ' ')
+			return strtoull(p + klen + 1, NULL, 10);
+	return 0;
+}
+
+static uint64_t cg_u64(int dirfd, const char *cg, const char *file)
+{
+	char text[64];
+
+	if (cg_read(dirfd, cg, file, text, sizeof(text)) < 0)
+		return 0;
+	return strtoull(text, NULL, 10);
+}
+
+/* Make the exec's cgroups; returns fds (close-on-exec) of the files the child
+ * writes "0" into to join them, or -1 entries. */
+static int cg_make(struct exec *e, int join[2])
+{
+	join[0] = join[1] = -1;
+	e->cg[0] = 0;
+	if (cg_mode == SBX_CGROUP_NONE)
+		return 0;
+	snprintf(e->cg, sizeof(e->cg), "e%llu", (unsigned long long)++cg_counter);
+	if (cg_mode == SBX_CGROUP_V1) {
+		char path[64];
+
+		if (mkdirat(cg_freezer, e->cg, 0755) < 0)
+			goto fail;
+		snprintf(path, sizeof(path), "%s/cgroup.procs", e->cg);
+		join[0] = openat(cg_freezer, path, O_WRONLY | O_CLOEXEC);
+		if (cg_memory >= 0 && mkdirat(cg_memory, e->cg, 0755) == 0)
+			join[1] = openat(cg_memory, path, O_WRONLY | O_CLOEXEC);
+		if (join[0] < 0)
+			goto fail;
+		return 0;
+	}
+	if (mkdirat(cg_v2, e->cg, 0755) < 0)
+		goto fail;
+	{
+		char path[64];
+
+		snprintf(path, sizeof(path), "%s/cgroup.procs", e->cg);
+		join[0] = openat(cg_v2, path, O_WRONLY | O_CLOEXEC);
+		if (join[0] < 0)
+			goto fail;
+	}
+	return 0;
+fail:
+	{
+		int saved = errno;
+
+		logmsg("sbx-init: cgroup %s: %s (tree kill falls back to the session sweep)",
+		       e->cg, strerror(saved));
+		if (join[1] >= 0)
+			close(join[1]);
+		join[1] = -1;
+		if (cg_mode == SBX_CGROUP_V1) {
+			unlinkat(cg_freezer, e->cg, AT_REMOVEDIR);
+			if (cg_memory >= 0)
+				unlinkat(cg_memory, e->cg, AT_REMOVEDIR);
+		} else {
+			unlinkat(cg_v2, e->cg, AT_REMOVEDIR);
+		}
+		e->cg[0] = 0;
+	}
+	return 0;
+}
+
+static int cg_remove_name(const char *cg)
+{
+	int rc = 0;
+
+	if (cg_mode == SBX_CGROUP_V1) {
+		if (unlinkat(cg_freezer, cg, AT_REMOVEDIR) < 0 && errno != ENOENT)
+			rc = -1;
+		if (cg_memory >= 0 && unlinkat(cg_memory, cg, AT_REMOVEDIR) < 0 && errno != ENOENT)
+			rc = -1;
+	} else if (cg_mode == SBX_CGROUP_V2) {
+		if (unlinkat(cg_v2, cg, AT_REMOVEDIR) < 0 && errno != ENOENT)
+			rc = -1;
+	}
+	return rc;
+}
+
+/* An exec's cgroup may still hold background processes when the exec ends;
+ * remove it once they are gone. */
+static void cg_release(struct exec *e)
+{
+	if (!e->cg[0])
+		return;
+	if (cg_remove_name(e->cg) < 0 && n_pending_rm < MAX_PENDING_RM)
+		memcpy(pending_rm[n_pending_rm++], e->cg, sizeof(e->cg));
+	e->cg[0] = 0;
+}
+
+static void cg_retry_pending(void)
+{
+	int i = 0;
+
+	while (i < n_pending_rm) {
+		if (cg_remove_name(pending_rm[i]) == 0) {
+			memcpy(pending_rm[i], pending_rm[--n_pending_rm], sizeof(pending_rm[0]));
+			continue;
+		}
+		i++;
+	}
+}
+
+static void kill_pids_in(int dirfd, const char *cg)
+{
+	char text[8192], *p, *end;
+
+	if (cg_read(dirfd, cg, "cgroup.procs", text, sizeof(text)) < 0)
+		return;
+	for (p = text; *p; p = end) {
+		long pid = strtol(p, &end, 10);
+
+		if (end == p)
+			break;
+		if (pid > 1)
+			kill((pid_t)pid, SIGKILL);
+		while (*end == '\n')
+			end++;
+	}
+}
+
+/* Without cgroups: kill every process whose session is the exec's (setsid in
+ * the child makes the main pid the session id; a daemon that called setsid
+ * again escapes this, which is why cgroups are preferred). */
+static void sweep_session(pid_t sid)
+{
+	struct dirent *d;
+	DIR *dir = opendir("/proc");
+
+	if (!dir)
+		return;
+	while ((d = readdir(dir))) {
+		char path[64], stat[512], *rp;
+		long pid = strtol(d->d_name, NULL, 10);
+		int fd, pgrp, session;
+		ssize_t n;
+
+		if (pid <= 1)
+			continue;
+		snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		n = read(fd, stat, sizeof(stat) - 1);
+		close(fd);
+		if (n <= 0)
+			continue;
+		stat[n] = 0;
+		rp = strrchr(stat, ')');
+		if (rp && sscanf(rp + 2, "%*c %*d %d %d", &pgrp, &session) == 2 && session == sid)
+			kill((pid_t)pid, SIGKILL);
+	}
+	closedir(dir);
+}
+
+static void kill_tree(struct exec *e)
+{
+	if (!e->reaped && e->pid > 0) {
+		kill(-e->pid, SIGKILL);
+		kill(e->pid, SIGKILL);
+	}
+	if (e->cg[0] && cg_mode == SBX_CGROUP_V2) {
+		if (cg_write(cg_v2, e->cg, "cgroup.kill", "1") == 0)
+			return;
+	}
+	if (e->cg[0] && cg_mode == SBX_CGROUP_V1) {
+		char state[32] = "";
+		int i;
+
+		/* Freeze first so that nothing forks while the list is read. */
+		cg_write(cg_freezer, e->cg, "freezer.state", "FROZEN");
+		for (i = 0; i < 200; i++) {
+			if (cg_read(cg_freezer, e->cg, "freezer.state", state, sizeof(state)) < 0 ||
+			    !strncmp(state, "FROZEN", 6))
+				break;
+			usleep(500);
+		}
+		kill_pids_in(cg_freezer, e->cg);
+		cg_write(cg_freezer, e->cg, "freezer.state", "THAWED");
+		return;
+	}
+	if (e->pid > 0)
+		sweep_session(e->pid);
+}
+
+/* ---- execs ------------------------------------------------------------- */
+
+static struct exec *find_exec(uint32_t id)
+{
+	unsigned i;
+
+	if (!id)
+		return NULL;
+	for (i = 0; i < SBX_MAX_EXECS; i++)
+		if (execs[i].used && execs[i].id == id && !execs[i].orphan)
+			return &execs[i];
+	return NULL;
+}
+
+static int slot_of(struct exec *e)
+{
+	return (int)(e - execs);
+}
+
+static void exec_close_io(struct exec *e)
+{
+	if (e->pty && e->in_fd == e->out_fd)
+		e->in_fd = -1;
+	close_fd(&e->out_fd);
+	close_fd(&e->err_fd);
+	close_fd(&e->in_fd);
+	close_fd(&e->errpipe);
+	buf_free(&e->in);
+}
+
+static void exec_free(struct exec *e)
+{
+	exec_close_io(e);
+	cg_release(e);
+	memset(e, 0, sizeof(*e));
+	e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+}
+
+static void exec_finish(struct exec *e)
+{
+	struct sbx_end end = {.exit_code = -1};
+	uint64_t peak = 0;
+	int oom = 0;
+
+	if (e->cg[0] && cg_mode == SBX_CGROUP_V1 && cg_memory >= 0) {
+		oom = cg_key(cg_memory, e->cg, "memory.oom_control", "oom_kill") > 0;
+		peak = cg_u64(cg_memory, e->cg, "memory.max_usage_in_bytes");
+	} else if (e->cg[0] && cg_mode == SBX_CGROUP_V2) {
+		oom = cg_key(cg_v2, e->cg, "memory.events", "oom_kill") > 0;
+		peak = cg_u64(cg_v2, e->cg, "memory.peak");
+	}
+	if (!peak)
+		peak = (uint64_t)e->ru.ru_maxrss * 1024u;
+	if (WIFEXITED(e->status))
+		end.exit_code = WEXITSTATUS(e->status);
+	else if (WIFSIGNALED(e->status))
+		end.signal = WTERMSIG(e->status);
+	if (e->reason)
+		end.reason = e->reason;
+	else if (oom)
+		end.reason = SBX_OOM;
+	else
+		end.reason = WIFEXITED(e->status) ? SBX_EXITED : SBX_SIGNALLED;
+	end.duration_ns = e->t_end - e->t0;
+	end.peak_memory = peak;
+	send_frame(SBX_END, e->id, &end, sizeof(end), NULL, 0);
+	exec_free(e);
+	interest_dirty = 1;
+}
+
+static void maybe_finish(struct exec *e, uint64_t now)
+{
+	if (!e->used || !e->reaped)
+		return;
+	if (e->failed || e->orphan) {
+		exec_free(e);
+		return;
+	}
+	if (!e->started)
+		return; /* the error pipe tells first */
+	if (e->out_fd < 0 && e->err_fd < 0) {
+		exec_finish(e);
+		return;
+	}
+	if (now >= e->drain_deadline) {
+		/* Background processes may hold the pipes open for ever: after a
+		 * short grace, end once nothing is held back by flow control. */
+		if (e->window > 0 && outq_pending() < OUTQ_HIGH)
+			exec_finish(e);
+		else
+			e->drain_deadline = now + DRAIN_NS;
+	}
+}
+
+struct child_args {
+	const struct sbx_exec *req;
+	const char *cwd;
+	char **argv, **envp;
+	int in_r, out_w, err_w, errpipe_w, join[2];
+	const char *pty_name;
+};
+
+static void child_fail(int fd, int code, const char *what, const char *arg)
+{
+	char msg[300];
+	int n = snprintf(msg, sizeof(msg), "%s `%s`: %s", what, arg, strerror(code));
+	int32_t c = code;
+
+	if (n < 0)
+		n = 0;
+	if (n >= (int)sizeof(msg))
+		n = sizeof(msg) - 1;
+	(void)!write(fd, &c, sizeof(c));
+	(void)!write(fd, msg, (size_t)n);
+	_exit(127);
+}
+
+extern char **environ;
+
+static void child(struct child_args *a)
+{
+	sigset_t none;
+	int i;
+
+	sigemptyset(&none);
+	for (i = 1; i < NSIG; i++)
+		signal(i, SIG_DFL);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	for (i = 0; i < 2; i++)
+		if (a->join[i] >= 0 && write(a->join[i], "0", 1) < 0)
+			child_fail(a->errpipe_w, errno, "join cgroup", "cgroup.procs");
+	if (setsid() < 0)
+		child_fail(a->errpipe_w, errno, "setsid", "");
+	if (a->pty_name) {
+		int s = open(a->pty_name, O_RDWR);
+
+		if (s < 0)
+			child_fail(a->errpipe_w, errno, "open", a->pty_name);
+		if (ioctl(s, TIOCSCTTY, 0) < 0)
+			child_fail(a->errpipe_w, errno, "TIOCSCTTY", a->pty_name);
+		dup2(s, 0);
+		dup2(s, 1);
+		dup2(s, 2);
+		if (s > 2)
+			close(s);
+	} else {
+		int in = a->in_r;
+
+		if (in < 0)
+			in = open("/dev/null", O_RDONLY);
+		if (in < 0)
+			child_fail(a->errpipe_w, errno, "open", "/dev/null");
+		if (dup2(in, 0) < 0 || dup2(a->out_w, 1) < 0 || dup2(a->err_w, 2) < 0)
+			child_fail(a->errpipe_w, errno, "dup2", "stdio");
+	}
+	if (setgroups(0, NULL) < 0 && errno != EPERM)
+		child_fail(a->errpipe_w, errno, "setgroups", "");
+	if (setresgid(a->req->gid, a->req->gid, a->req->gid) < 0)
+		child_fail(a->errpipe_w, errno, "setgid", "gid");
+	if (setresuid(a->req->uid, a->req->uid, a->req->uid) < 0)
+		child_fail(a->errpipe_w, errno, "setuid", "uid");
+	if (chdir(a->cwd) < 0)
+		child_fail(a->errpipe_w, errno, "chdir", a->cwd);
+	environ = a->envp;
+	execvp(a->argv[0], a->argv);
+	child_fail(a->errpipe_w, errno, "exec", a->argv[0]);
+}
+
+/* Split `n` NUL-terminated strings from p[0..len); NULL if malformed. */
+static char **split_strings(char *p, size_t len, uint32_t n, char **out)
+{
+	uint32_t i;
+	char *end = p + len;
+
+	for (i = 0; i < n; i++) {
+		char *z = memchr(p, 0, (size_t)(end - p));
+
+		if (!z)
+			return NULL;
+		out[i] = p;
+		p = z + 1;
+	}
+	return p == end ? out : NULL;
+}
+
+static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
+{
+	struct sbx_exec req;
+	struct child_args a;
+	static char *strs[SBX_MAX_STRINGS + 3];
+	char **argv, **envp;
+	struct exec *e = NULL;
+	int out[2] = {-1, -1}, err[2] = {-1, -1}, in[2] = {-1, -1}, ep_[2] = {-1, -1};
+	char pty_name[64];
+	unsigned i;
+	pid_t pid;
+
+	if (len < sizeof(req))
+		return send_error(id, EINVAL, "exec: payload of %u bytes is too short", len);
+	memcpy(&req, payload, sizeof(req));
+	if (!id)
+		return send_error(id, EINVAL, "exec: exec_id 0 is reserved");
+	if (find_exec(id))
+		return send_error(id, EEXIST, "exec: id %u is in use", id);
+	if (req.argc < 1 || req.argc > SBX_MAX_STRINGS || req.envc > SBX_MAX_STRINGS ||
+	    req.argc + req.envc > SBX_MAX_STRINGS)
+		return send_error(id, EINVAL, "exec: argc %u / envc %u out of range", req.argc,
+				  req.envc);
+	if (req.flags & ~(SBX_EXEC_STDIN | SBX_EXEC_PTY))
+		return send_error(id, EINVAL, "exec: unknown flags %#x", req.flags);
+	if (!split_strings((char *)payload + sizeof(req), len - sizeof(req), 1 + req.argc + req.envc,
+			   strs))
+		return send_error(id, EINVAL, "exec: strings do not match argc/envc");
+	if (!strs[1][0])
+		return send_error(id, EINVAL, "exec: argv[0] is empty");
+	for (i = 0; i < SBX_MAX_EXECS; i++)
+		if (!execs[i].used) {
+			e = &execs[i];
+			break;
+		}
+	if (!e)
+		return send_error(id, EAGAIN, "exec: %u execs already running", SBX_MAX_EXECS);
+	/* argv and env become NULL-terminated arrays inside strs */
+	argv = &strs[1];
+	memmove(&strs[2 + req.argc], &strs[1 + req.argc], req.envc * sizeof(char *));
+	strs[1 + req.argc] = NULL;
+	envp = &strs[2 + req.argc];
+	envp[req.envc] = NULL;
+
+	memset(e, 0, sizeof(*e));
+	e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+	memset(&a, 0, sizeof(a));
+	a.in_r = a.out_w = a.err_w = -1;
+	a.req = &req;
+	a.cwd = strs[0];
+	a.argv = argv;
+	a.envp = envp;
+	if (pipe2(ep_, O_CLOEXEC) < 0)
+		goto sys_fail;
+	if (req.flags & SBX_EXEC_PTY) {
+		struct winsize ws = {.ws_row = req.rows ? req.rows : 24, .ws_col = req.cols ? req.cols : 80};
+		int m = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+
+		if (m < 0 || grantpt(m) < 0 || unlockpt(m) < 0 ||
+		    ptsname_r(m, pty_name, sizeof(pty_name)) != 0) {
+			if (m >= 0)
+				close(m);
+			goto sys_fail;
+		}
+		ioctl(m, TIOCSWINSZ, &ws);
+		e->pty = 1;
+		e->out_fd = m;
+		a.pty_name = pty_name;
+	} else {
+		if (pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0)
+			goto sys_fail;
+		if ((req.flags & SBX_EXEC_STDIN) && pipe2(in, O_CLOEXEC) < 0)
+			goto sys_fail;
+		a.out_w = out[1];
+		a.err_w = err[1];
+		a.in_r = in[0];
+	}
+	a.errpipe_w = ep_[1];
+	cg_make(e, a.join);
+	e->used = 1;
+	e->id = id;
+	e->t0 = now_ns();
+	pid = fork();
+	if (pid == 0)
+		child(&a);
+	if (pid < 0) {
+		int saved = errno;
+
+		for (i = 0; i < 2; i++)
+			if (a.join[i] >= 0)
+				close(a.join[i]);
+		errno = saved;
+		goto sys_fail;
+	}
+	for (i = 0; i < 2; i++)
+		if (a.join[i] >= 0)
+			close(a.join[i]);
+	e->pid = pid;
+	close(ep_[1]);
+	e->errpipe = ep_[0];
+	if (!e->pty) {
+		close(out[1]);
+		close(err[1]);
+		e->out_fd = out[0];
+		e->err_fd = err[0];
+		if (in[0] >= 0) {
+			close(in[0]);
+			e->in_fd = in[1];
+		}
+	} else if (req.flags & SBX_EXEC_STDIN) {
+		e->in_fd = e->out_fd;
+	}
+	e->stdin_wanted = !!(req.flags & SBX_EXEC_STDIN);
+	e->limit = req.output_limit;
+	e->window = SBX_WINDOW;
+	if (req.timeout_ms)
+		e->deadline = e->t0 + req.timeout_ms * 1000000ull;
+	set_nonblock(e->errpipe);
+	ep_add(e->errpipe, K_ERRPIPE, slot_of(e), EPOLLIN);
+	if (e->out_fd >= 0)
+		set_nonblock(e->out_fd);
+	if (e->err_fd >= 0)
+		set_nonblock(e->err_fd);
+	if (e->in_fd >= 0 && !e->pty)
+		set_nonblock(e->in_fd);
+	interest_dirty = 1;
+	return;
+sys_fail:
+	{
+		int saved = errno;
+
+		for (i = 0; i < 2; i++) {
+			if (out[i] >= 0)
+				close(out[i]);
+			if (err[i] >= 0)
+				close(err[i]);
+			if (in[i] >= 0)
+				close(in[i]);
+			if (ep_[i] >= 0)
+				close(ep_[i]);
+		}
+		if (e->pty && e->out_fd >= 0)
+			close(e->out_fd);
+		cg_release(e);
+		memset(e, 0, sizeof(*e));
+		e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+		send_error(id, saved, "exec: %s", strerror(saved));
+	}
+}
+
+static void on_errpipe(struct exec *e)
+{
+	uint8_t msg[400];
+	ssize_t n = read(e->errpipe, msg, sizeof(msg));
+
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return;
+	close_fd(&e->errpipe);
+	if (n <= 0) {
+		struct sbx_started st = {.pid = (uint32_t)e->pid};
+
+		e->started = 1;
+		send_frame(SBX_STARTED, e->id, &st, sizeof(st), NULL, 0);
+		interest_dirty = 1;
+		maybe_finish(e, now_ns());
+		return;
+	}
+	e->failed = 1;
+	{
+		int32_t code = EIO;
+
+		if (n >= 4)
+			memcpy(&code, msg, 4);
+		send_error(e->id, code, "%.*s", n > 4 ? (int)(n - 4) : 0, (char *)msg + 4);
+	}
+	exec_close_io(e);
+	maybe_finish(e, now_ns());
+}
+
+static void on_output(struct exec *e, int which)
+{
+	int *fd = which == K_OUT ? &e->out_fd : &e->err_fd;
+	uint8_t data[SBX_MAX_DATA];
+	size_t want = sizeof(data);
+	ssize_t n;
+
+	if (e->window <= 0 || outq_pending() >= OUTQ_HIGH) {
+		interest_dirty = 1;
+		return;
+	}
+	if ((uint64_t)e->window < want)
+		want = (size_t)e->window;
+	n = read(*fd, data, want);
+	if (n < 0 && (errno == EAGAIN || errno == EINTR))
+		return;
+	if (n <= 0) { /* EOF; EIO on a pty master once the slave side is gone */
+		if (e->pty && e->in_fd == e->out_fd)
+			e->in_fd = -1;
+		close_fd(fd);
+		maybe_finish(e, now_ns());
+		return;
+	}
+	if (e->limit && e->total + (uint64_t)n > e->limit) {
+		n = (ssize_t)(e->limit - e->total);
+		if (n > 0)
+			send_frame(which == K_OUT ? SBX_STDOUT : SBX_STDERR, e->id, data, (size_t)n,
+				   NULL, 0);
+		e->total = e->limit;
+		if (!e->reason)
+			e->reason = SBX_OUTPUT_LIMIT;
+		kill_tree(e);
+		if (e->pty && e->in_fd == e->out_fd)
+			e->in_fd = -1;
+		close_fd(&e->out_fd);
+		close_fd(&e->err_fd);
+		maybe_finish(e, now_ns());
+		return;
+	}
+	e->total += (uint64_t)n;
+	e->window -= n;
+	send_frame(which == K_OUT ? SBX_STDOUT : SBX_STDERR, e->id, data, (size_t)n, NULL, 0);
+	if (e->window <= 0)
+		interest_dirty = 1;
+}
+
+static void on_stdin_writable(struct exec *e)
+{
+	while (e->in.len > e->in.off) {
+		ssize_t n = write(e->in_fd, e->in.p + e->in.off, e->in.len - e->in.off);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		if (n < 0) { /* EPIPE: the process closed its stdin */
+			buf_free(&e->in);
+			if (!e->pty)
+				close_fd(&e->in_fd);
+			interest_dirty = 1;
+			return;
+		}
+		e->in.off += (size_t)n;
+	}
+	e->in.off = e->in.len = 0;
+	if (e->stdin_eof) {
+		if (e->pty) {
+			char eof = 4; /* VEOF in canonical mode */
+
+			(void)!write(e->in_fd, &eof, 1);
+			e->stdin_eof = 0;
+		} else {
+			close_fd(&e->in_fd);
+		}
+	}
+	interest_dirty = 1;
+}
+
+static void update_interest(void)
+{
+	int high = outq_pending() >= OUTQ_HIGH;
+	unsigned i;
+
+	for (i = 0; i < SBX_MAX_EXECS; i++) {
+		struct exec *e = &execs[i];
+		uint32_t rd;
+
+		if (!e->used)
+			continue;
+		rd = (e->started && e->window > 0 && !high) ? EPOLLIN : 0;
+		if (e->pty && e->out_fd >= 0) {
+			uint32_t wr = (e->in.len > e->in.off) ? EPOLLOUT : 0;
+
+			ep_set(e->out_fd, K_OUT, (int)i, rd | wr);
+			continue;
+		}
+		if (e->out_fd >= 0)
+			ep_set(e->out_fd, K_OUT, (int)i, rd);
+		if (e->err_fd >= 0)
+			ep_set(e->err_fd, K_ERR, (int)i, rd);
+		if (e->in_fd >= 0)
+			ep_set(e->in_fd, K_IN, (int)i, (e->in.len > e->in.off) ? EPOLLOUT : 0);
+	}
+	if (client_fd >= 0)
+		ep_set(client_fd, K_CLIENT, 0, EPOLLIN | (outq_pending() ? EPOLLOUT : 0));
+	interest_dirty = 0;
+}
+
+/* ---- client ------------------------------------------------------------ */
+
+static void drop_client(void)
+{
+	unsigned i;
+
+	close_fd(&client_fd);
+	outq.off = outq.len = 0;
+	inlen = 0;
+	for (i = 0; i < SBX_MAX_EXECS; i++) {
+		struct exec *e = &execs[i];
+
+		if (!e->used || e->orphan)
+			continue;
+		e->orphan = 1;
+		kill_tree(e);
+		exec_close_io(e);
+		maybe_finish(e, now_ns());
+	}
+}
+
+static void handle_frame(const struct sbx_hdr *h, uint8_t *p)
+{
+	struct exec *e;
+
+	if (h->type == SBX_HELLO) {
+		struct sbx_hello hello = {.version = SBX_PROTO_VERSION, .cgroup_mode = (uint32_t)cg_mode};
+		unsigned i;
+
+		for (i = 0; i < SBX_MAX_EXECS; i++)
+			hello.execs += execs[i].used && !execs[i].orphan;
+		send_frame(SBX_HELLO_OK, 0, &hello, sizeof(hello), NULL, 0);
+		return;
+	}
+	if (h->type == SBX_EXEC) {
+		handle_exec(h->exec_id, p, h->len);
+		return;
+	}
+	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)
+		return send_error(h->exec_id, EINVAL, "unknown message type %u", h->type);
+	e = find_exec(h->exec_id);
+	if (!e)
+		return send_error(h->exec_id, ESRCH, "no exec %u", h->exec_id);
+	switch (h->type) {
+	case SBX_STDIN:
+		if (!h->len || h->len > SBX_MAX_DATA)
+			return send_error(h->exec_id, EINVAL, "stdin: %u bytes out of range", h->len);
+		if (!e->stdin_wanted || e->in_fd < 0 || e->stdin_eof)
+			return; /* the process is gone or closed its stdin: drop, like a pipe */
+		if (e->in.len - e->in.off + h->len > STDIN_MAX)
+			return send_error(h->exec_id, ENOBUFS, "stdin: more than %u bytes pending",
+					  STDIN_MAX);
+		if (buf_reserve(&e->in, h->len) < 0)
+			return send_error(h->exec_id, ENOMEM, "stdin: out of memory");
+		memcpy(e->in.p + e->in.len, p, h->len);
+		e->in.len += h->len;
+		interest_dirty = 1;
+		return;
+	case SBX_STDIN_EOF:
+		if (h->len)
+			return send_error(h->exec_id, EINVAL, "stdin_eof: unexpected payload");
+		if (e->in_fd < 0 || !e->stdin_wanted)
+			return;
+		e->stdin_eof = 1;
+		if (e->in.len == e->in.off)
+			on_stdin_writable(e);
+		return;
+	case SBX_SIGNAL: {
+		struct sbx_signal s;
+
+		if (h->len != sizeof(s))
+			return send_error(h->exec_id, EINVAL, "signal: bad payload size %u", h->len);
+		memcpy(&s, p, sizeof(s));
+		if (s.sig < 1 || s.sig > 64)
+			return send_error(h->exec_id, EINVAL, "signal: %d out of range", s.sig);
+		if (!e->reaped && kill(-e->pid, s.sig) < 0)
+			kill(e->pid, s.sig);
+		return;
+	}
+	case SBX_RESIZE: {
+		struct sbx_resize r;
+		struct winsize ws = {0};
+
+		if (h->len != sizeof(r))
+			return send_error(h->exec_id, EINVAL, "resize: bad payload size %u", h->len);
+		memcpy(&r, p, sizeof(r));
+		if (!e->pty || e->out_fd < 0)
+			return send_error(h->exec_id, ENOTTY, "resize: exec %u has no pty", h->exec_id);
+		ws.ws_row = r.rows;
+		ws.ws_col = r.cols;
+		ioctl(e->out_fd, TIOCSWINSZ, &ws);
+		return;
+	}
+	case SBX_KILL:
+		if (h->len)
+			return send_error(h->exec_id, EINVAL, "kill: unexpected payload");
+		if (!e->reason)
+			e->reason = SBX_KILLED;
+		kill_tree(e);
+		return;
+	case SBX_CREDIT: {
+		struct sbx_credit c;
+
+		if (h->len != sizeof(c))
+			return send_error(h->exec_id, EINVAL, "credit: bad payload size %u", h->len);
+		memcpy(&c, p, sizeof(c));
+		if (e->window < (int64_t)64 << 20)
+			e->window += c.bytes;
+		interest_dirty = 1;
+		return;
+	}
+	}
+}
+
+static void on_client_readable(void)
+{
+	for (;;) {
+		size_t off = 0;
+		ssize_t n = read(client_fd, inbuf + inlen, sizeof(inbuf) - inlen);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			return;
+		if (n <= 0) {
+			drop_client();
+			return;
+		}
+		inlen += (size_t)n;
+		while (inlen - off >= sizeof(struct sbx_hdr)) {
+			struct sbx_hdr h;
+
+			memcpy(&h, inbuf + off, sizeof(h));
+			if (h.len > SBX_MAX_PAYLOAD) {
+				send_error(h.exec_id, EMSGSIZE, "frame of %u bytes exceeds %u", h.len,
+					   SBX_MAX_PAYLOAD);
+				flush_client();
+				drop_client();
+				return;
+			}
+			if (inlen - off < sizeof(h) + h.len)
+				break;
+			handle_frame(&h, inbuf + off + sizeof(h));
+			off += sizeof(h) + h.len;
+			if (client_fd < 0)
+				return;
+		}
+		memmove(inbuf, inbuf + off, inlen - off);
+		inlen -= off;
+	}
+}
+
+static void flush_client(void)
+{
+	while (client_fd >= 0 && outq_pending()) {
+		ssize_t n = send(client_fd, outq.p + outq.off, outq_pending(), MSG_NOSIGNAL);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && errno == EAGAIN)
+			break;
+		if (n < 0) {
+			drop_client();
+			return;
+		}
+		outq.off += (size_t)n;
+	}
+	if (outq.off == outq.len) {
+		outq.off = outq.len = 0;
+		if (outq.cap > (1u << 20)) { /* give memory back after a burst */
+			free(outq.p);
+			memset(&outq, 0, sizeof(outq));
+		}
+	}
+	interest_dirty = 1;
+}
+
+static void on_accept(void)
+{
+	int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+
+	if (fd < 0)
+		return;
+	if (client_fd >= 0)
+		drop_client(); /* a restarted daemon takes over */
+	client_fd = fd;
+	ep_add(client_fd, K_CLIENT, 0, EPOLLIN);
+}
+
+static void on_sigchld(void)
+{
+	struct signalfd_siginfo si;
+	struct rusage ru;
+	int status;
+	pid_t pid;
+	uint64_t now = now_ns();
+
+	while (read(sig_fd, &si, sizeof(si)) == sizeof(si))
+		;
+	while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
+		unsigned i;
+
+		for (i = 0; i < SBX_MAX_EXECS; i++) {
+			struct exec *e = &execs[i];
+
+			if (!e->used || e->pid != pid || e->reaped)
+				continue;
+			e->reaped = 1;
+			e->status = status;
+			e->ru = ru;
+			e->t_end = now;
+			e->drain_deadline = now + DRAIN_NS;
+			maybe_finish(e, now);
+			break;
+		}
+	}
+	if (n_pending_rm)
+		cg_retry_pending();
+}
+
+static void check_deadlines(uint64_t now)
+{
+	unsigned i;
+
+	for (i = 0; i < SBX_MAX_EXECS; i++) {
+		struct exec *e = &execs[i];
+
+		if (!e->used)
+			continue;
+		if (e->deadline && now >= e->deadline && !e->reaped) {
+			if (!e->reason)
+				e->reason = SBX_TIMEOUT;
+			e->deadline = 0;
+			kill_tree(e);
+		}
+		if (e->reaped)
+			maybe_finish(e, now);
+	}
+}
+
+static int next_timeout_ms(uint64_t now)
+{
+	uint64_t next = UINT64_MAX;
+	unsigned i;
+
+	for (i = 0; i < SBX_MAX_EXECS; i++) {
+		struct exec *e = &execs[i];
+
+		if (!e->used)
+			continue;
+		if (e->deadline && !e->reaped && e->deadline < next)
+			next = e->deadline;
+		if (e->reaped && e->started && e->drain_deadline < next)
+			next = e->drain_deadline;
+	}
+	if (next == UINT64_MAX)
+		return n_pending_rm ? 1000 : -1;
+	if (next <= now)
+		return 0;
+	return (int)((next - now + 999999) / 1000000);
+}
+
+static int parse_fd(const char *s)
+{
+	char *end;
+	long v = strtol(s, &end, 10);
+
+	if (*end || v < 0 || v > INT_MAX)
+		return -1;
+	fcntl((int)v, F_SETFD, FD_CLOEXEC);
+	return (int)v;
+}
+
+int main(int argc, char **argv)
+{
+	struct epoll_event evs[64];
+	sigset_t mask;
+	unsigned i;
+	int opt;
+
+	while ((opt = getopt(argc, argv, "l:f:m:u:")) != -1) {
+		switch (opt) {
+		case 'l': listen_fd = parse_fd(optarg); break;
+		case 'f': cg_freezer = parse_fd(optarg); break;
+		case 'm': cg_memory = parse_fd(optarg); break;
+		case 'u': cg_v2 = parse_fd(optarg); break;
+		default:
+			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD]");
+			return 2;
+		}
+	}
+	if (listen_fd < 0) {
+		logmsg("sbx-init: -l LISTEN_FD is required");
+		return 2;
+	}
+	if (cg_v2 >= 0)
+		cg_mode = SBX_CGROUP_V2;
+	else if (cg_freezer >= 0)
+		cg_mode = SBX_CGROUP_V1;
+	/* Not dumpable: /proc/1/{mem,fd,...} need ptrace rights over a
+	 * non-dumpable task, which the workload's capabilities are checked
+	 * against (tightened further by the confinement layer). */
+	prctl(PR_SET_DUMPABLE, 0);
+	signal(SIGPIPE, SIG_IGN);
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+	ep = epoll_create1(EPOLL_CLOEXEC);
+	if (sig_fd < 0 || ep < 0) {
+		logmsg("sbx-init: signalfd/epoll: %s", strerror(errno));
+		return 1;
+	}
+	if (listen(listen_fd, 8) < 0) {
+		logmsg("sbx-init: listen: %s", strerror(errno));
+		return 1;
+	}
+	set_nonblock(listen_fd);
+	for (i = 0; i < SBX_MAX_EXECS; i++)
+		execs[i].out_fd = execs[i].err_fd = execs[i].in_fd = execs[i].errpipe = -1;
+	ep_add(listen_fd, K_LISTEN, 0, EPOLLIN);
+	ep_add(sig_fd, K_SIG, 0, EPOLLIN);
+	for (;;) {
+		uint64_t now = now_ns();
+		int n, k;
+
+		if (interest_dirty)
+			update_interest();
+		n = epoll_wait(ep, evs, 64, next_timeout_ms(now));
+		if (n < 0 && errno != EINTR) {
+			logmsg("sbx-init: epoll_wait: %s", strerror(errno));
+			sleep(1);
+		}
+		for (k = 0; k < n; k++) {
+			int kind = (int)(evs[k].data.u64 & 0xff);
+			struct exec *e = &execs[(evs[k].data.u64 >> 8) % SBX_MAX_EXECS];
+
+			switch (kind) {
+			case K_LISTEN: on_accept(); break;
+			case K_SIG: on_sigchld(); break;
+			case K_CLIENT:
+				if (client_fd < 0)
+					break;
+				if (evs[k].events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+					on_client_readable();
+				if (client_fd >= 0 && (evs[k].events & EPOLLOUT))
+					flush_client();
+				break;
+			case K_ERRPIPE:
+				if (e->used && e->errpipe >= 0)
+					on_errpipe(e);
+				break;
+			case K_OUT:
+				if (!e->used || e->out_fd < 0)
+					break;
+				if (e->pty && (evs[k].events & EPOLLOUT) && e->in_fd >= 0)
+					on_stdin_writable(e);
+				if (e->out_fd >= 0 && (evs[k].events & (EPOLLIN | EPOLLHUP | EPOLLERR)))
+					on_output(e, K_OUT);
+				break;
+			case K_ERR:
+				if (e->used && e->err_fd >= 0)
+					on_output(e, K_ERR);
+				break;
+			case K_IN:
+				if (e->used && e->in_fd >= 0)
+					on_stdin_writable(e);
+				break;
+			}
+		}
+		check_deadlines(now_ns());
+		if (outq_pending())
+			flush_client();
+	}
+}

@@ -1,0 +1,715 @@
+/* edged-spawner: make one container sandbox and exec sbx-init as its PID 1.
+ *
+ * Started by the daemon with posix_spawn (vfork semantics: the Python daemon
+ * is never forked); exits as soon as sbx-init runs, leaving sbx-init parented
+ * to the host's init, so that a sandbox outlives a daemon restart.
+ *
+ * Usage:
+ *   edged-spawner --status-fd N --root DIR --ctl SOCKET --log FILE --init SBX_INIT
+ *                 --uid-base N --id-count N --hostname NAME --disk-bytes N
+ *                 --lower DIR [--lower DIR...]          (bottom first)
+ *                 [--join CGROUP_DIR...]                 (cgroups to enter)
+ *                 [--cg-freezer DIR --cg-memory DIR | --cg-v2 DIR]  (for sbx-init)
+ * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
+ * "error ERRNO MESSAGE", and exits 0 or 1.
+ *
+ * Order of work, and why:
+ *  1. Enter the sandbox's cgroups, so that everything after is accounted and
+ *     the cgroup namespace made next is rooted there.
+ *  2. clone3 the child into new user, mount, pid, net, ipc, uts and cgroup
+ *     namespaces.  It waits until step 4 is done.
+ *  3. Write its uid/gid maps: sandbox 0..count-1 = host base..base+count-1, so
+ *     sandbox root is an unprivileged host uid.
+ *  4. Here, as host root, build the rootfs as detached mounts (nothing ever
+ *     appears in the host's mount table, and a crash leaves nothing behind):
+ *     each lower cloned with open_tree and id-mapped through the child's user
+ *     namespace (host uid 0 files appear owned by sandbox root; needs
+ *     CAP_SYS_ADMIN in the initial namespace, hence here and not in the
+ *     child), a per-sandbox tmpfs of --disk-bytes holding upper and work, and
+ *     an overlay over them configured by fd (lowerdir+, Linux >= 6.13).  The
+ *     overlay's mount fd goes to the child over a socketpair.
+ *  5. The child attaches it, mounts /proc, /dev, /sys, sets the hostname,
+ *     brings loopback up, pivots into it and execs sbx-init from an fd opened
+ *     on the host.  Confinement (seccomp, Landlock, capability drop,
+ *     no_new_privs) belongs between pivot_root and the exec: see the
+ *     "confinement" comment in child_main.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/mount.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAX_LOWERS 64
+#define MAX_JOIN 16
+
+struct opts {
+	int status_fd;
+	const char *root, *ctl, *log, *init, *hostname;
+	unsigned long uid_base, id_count;
+	unsigned long long disk_bytes;
+	const char *lowers[MAX_LOWERS];
+	int n_lowers;
+	const char *join[MAX_JOIN];
+	int n_join;
+	const char *cg_freezer, *cg_memory, *cg_v2;
+};
+
+struct err {
+	int code;
+	char msg[512];
+};
+
+static int fail(struct err *e, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+static int fail(struct err *e, int code, const char *fmt, ...)
+{
+	va_list ap;
+	int n;
+
+	e->code = code ? code : EIO;
+	va_start(ap, fmt);
+	n = vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+	va_end(ap);
+	(void)n;
+	return -1;
+}
+
+static void closep(int *fd)
+{
+	if (*fd >= 0)
+		close(*fd);
+}
+#define cleanup_close __attribute__((cleanup(closep)))
+
+static int write_file(const char *path, const char *text, struct err *e)
+{
+	cleanup_close int fd = open(path, O_WRONLY | O_CLOEXEC);
+
+	if (fd < 0)
+		return fail(e, errno, "open `%s`", path);
+	if (write(fd, text, strlen(text)) != (ssize_t)strlen(text))
+		return fail(e, errno, "write `%s`", path);
+	return 0;
+}
+
+/* The kernel explains fsconfig failures in the fs context's log. */
+static int fs_fail(struct err *e, int fsfd, int code, const char *what)
+{
+	char log[256];
+	ssize_t n = read(fsfd, log, sizeof(log) - 1);
+
+	if (n > 0) {
+		log[n] = 0;
+		if (log[n - 1] == '\n')
+			log[n - 1] = 0;
+		return fail(e, code, "%s: %s (%s)", what, strerror(code), log);
+	}
+	return fail(e, code, "%s: %s", what, strerror(code));
+}
+
+static int send_fd(int sock, int fd)
+{
+	char byte = 'M';
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} c;
+	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
+			   .msg_controllen = sizeof(c.buf)};
+	struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+
+	memset(c.buf, 0, sizeof(c.buf));
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -1;
+}
+
+static int recv_fd(int sock)
+{
+	char byte;
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} c;
+	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
+			   .msg_controllen = sizeof(c.buf)};
+	struct cmsghdr *cm;
+	int fd;
+
+	if (recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1)
+		return -1;
+	cm = CMSG_FIRSTHDR(&m);
+	if (!cm || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len != CMSG_LEN(sizeof(int))) {
+		errno = EPROTO;
+		return -1;
+	}
+	memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	return fd;
+}
+
+/* ---- the child: runs inside the new namespaces ------------------------- */
+
+struct child_fds {
+	int sync;        /* socketpair end */
+	int listen;      /* control socket, bound */
+	int init_exe;    /* sbx-init binary */
+	int log;         /* sbx-init's stderr */
+	int cg_a, cg_b;  /* cgroup dirs for sbx-init, or -1 */
+};
+
+static int bind_dev(const char *name, struct err *e)
+{
+	char host[64], target[64];
+	cleanup_close int fd = -1;
+
+	snprintf(host, sizeof(host), "/dev/%s", name);
+	snprintf(target, sizeof(target), "dev/%s", name);
+	fd = open(target, O_CREAT | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0666);
+	if (fd < 0)
+		return fail(e, errno, "create `%s`", target);
+	if (mount(host, target, NULL, MS_BIND, NULL) < 0)
+		return fail(e, errno, "bind `%s` on `%s`", host, target);
+	return 0;
+}
+
+static int ensure_dir(const char *path, mode_t mode, struct err *e)
+{
+	struct stat st;
+
+	if (lstat(path, &st) == 0) {
+		if (S_ISDIR(st.st_mode))
+			return 0;
+		return fail(e, ENOTDIR, "rootfs `/%s` is not a directory", path);
+	}
+	if (mkdir(path, mode) < 0 && errno != EEXIST)
+		return fail(e, errno, "mkdir `/%s`", path);
+	if (mode & 07000)
+		chmod(path, mode);
+	return 0;
+}
+
+static int make_dev(struct err *e)
+{
+	static const char *const nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
+	static const char *const links[][2] = {
+		{"pts/ptmx", "dev/ptmx"},     {"/proc/self/fd", "dev/fd"},
+		{"/proc/self/fd/0", "dev/stdin"}, {"/proc/self/fd/1", "dev/stdout"},
+		{"/proc/self/fd/2", "dev/stderr"},
+	};
+	size_t i;
+
+	if (mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64") < 0)
+		return fail(e, errno, "mount tmpfs on `/dev`");
+	for (i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++)
+		if (bind_dev(nodes[i], e) < 0)
+			return -1;
+	if (mkdir("dev/pts", 0755) < 0 || mkdir("dev/shm", 01777) < 0)
+		return fail(e, errno, "mkdir in `/dev`");
+	chmod("dev/shm", 01777);
+	if (mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+		  "newinstance,ptmxmode=0666,mode=0620") < 0)
+		return fail(e, errno, "mount devpts on `/dev/pts`");
+	if (mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m") < 0)
+		return fail(e, errno, "mount tmpfs on `/dev/shm`");
+	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++)
+		if (symlink(links[i][0], links[i][1]) < 0)
+			return fail(e, errno, "symlink `%s`", links[i][1]);
+	return 0;
+}
+
+static int loopback_up(struct err *e)
+{
+	struct ifreq ifr;
+	cleanup_close int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+
+	if (s < 0)
+		return fail(e, errno, "socket for `lo`");
+	memset(&ifr, 0, sizeof(ifr));
+	strcpy(ifr.ifr_name, "lo");
+	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+		return fail(e, errno, "SIOCGIFFLAGS `lo`");
+	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+		return fail(e, errno, "SIOCSIFFLAGS `lo`");
+	return 0;
+}
+
+static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
+{
+	cleanup_close int rootmnt = recv_fd(f->sync);
+
+	if (rootmnt < 0)
+		return fail(e, errno ? errno : EPROTO, "receive the rootfs mount");
+	/* The maps are written now: become root of the new user namespace. */
+	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+		return fail(e, errno, "setresuid(0) in the user namespace");
+	if (setgroups(0, NULL) < 0)
+		return fail(e, errno, "setgroups");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		return fail(e, errno, "make `/` private");
+	if (move_mount(rootmnt, "", AT_FDCWD, o->root, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return fail(e, errno, "attach the rootfs on `%s`", o->root);
+	if (chdir(o->root) < 0)
+		return fail(e, errno, "chdir `%s`", o->root);
+	if (ensure_dir("proc", 0555, e) || ensure_dir("dev", 0755, e) || ensure_dir("sys", 0555, e) ||
+	    ensure_dir("tmp", 01777, e))
+		return -1;
+	if (mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		return fail(e, errno, "mount proc on `/proc`");
+	if (make_dev(e) < 0)
+		return -1;
+	if (mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+		return fail(e, errno, "mount sysfs on `/sys`");
+	if (sethostname(o->hostname, strlen(o->hostname)) < 0)
+		return fail(e, errno, "sethostname `%s`", o->hostname);
+	if (loopback_up(e) < 0)
+		return -1;
+	/* pivot_root(".", ".") stacks the old root under the new one; detaching
+	 * it leaves no path to the host's filesystem. */
+	if (syscall(SYS_pivot_root, ".", ".") < 0)
+		return fail(e, errno, "pivot_root into `%s`", o->root);
+	if (umount2(".", MNT_DETACH) < 0)
+		return fail(e, errno, "detach the old root");
+	if (chdir("/") < 0)
+		return fail(e, errno, "chdir `/`");
+	return 0;
+}
+
+/* Put `fd` at number `to` (without close-on-exec). */
+static int place_fd(int fd, int to)
+{
+	if (fd == to)
+		return fcntl(fd, F_SETFD, 0);
+	return dup3(fd, to, 0) < 0 ? -1 : 0;
+}
+
+static void child_main(const struct opts *o, struct child_fds *f)
+{
+	struct err e = {0};
+	char *argv[12];
+	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
+	int argc = 0, hi = 100, nul;
+
+	if (child_setup(o, f, &e) < 0)
+		goto out;
+	/* confinement (issue 5): seccomp filter, Landlock ruleset, capability
+	 * bounding set and no_new_privs are applied here: after pivot_root, so
+	 * they see the sandbox's paths, and before the exec, so that sbx-init
+	 * and all it starts inherit them. */
+
+	/* Move the fds sbx-init keeps to 3..6 (via high numbers, so no dup
+	 * clobbers another) and close everything else.  The sync socket stays
+	 * open, close-on-exec: the spawner sees the exec happen as EOF. */
+	{
+		int *src[] = {&f->listen, &f->cg_a, &f->cg_b, &f->init_exe};
+		int i, n = 0, sync_hi = fcntl(f->sync, F_DUPFD_CLOEXEC, 200);
+
+		if (sync_hi < 0)
+			_exit(1);
+		f->sync = sync_hi;
+		for (i = 0; i < 4; i++) {
+			if (*src[i] < 0)
+				continue;
+			*src[i] = fcntl(*src[i], F_DUPFD_CLOEXEC, hi++);
+			if (*src[i] < 0) {
+				fail(&e, errno, "dup");
+				goto out;
+			}
+		}
+		for (i = 0; i < 4; i++) {
+			if (*src[i] < 0)
+				continue;
+			if (place_fd(*src[i], 3 + n) < 0) {
+				fail(&e, errno, "dup");
+				goto out;
+			}
+			*src[i] = 3 + n++;
+		}
+		nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+		if (nul < 0 || dup3(nul, 0, 0) < 0 || dup3(nul, 1, 0) < 0 || dup3(f->log, 2, 0) < 0) {
+			fail(&e, errno, "stdio for sbx-init");
+			goto out;
+		}
+		fcntl(f->init_exe, F_SETFD, FD_CLOEXEC);
+		syscall(SYS_close_range, (unsigned)(3 + n), (unsigned)(sync_hi - 1), 0u);
+		syscall(SYS_close_range, (unsigned)(sync_hi + 1), ~0u, 0u);
+	}
+	{
+		static char lfd[16], afd[16], bfd[16];
+
+		argv[argc++] = "sbx-init";
+		snprintf(lfd, sizeof(lfd), "%d", f->listen);
+		argv[argc++] = "-l";
+		argv[argc++] = lfd;
+		if (o->cg_v2) {
+			snprintf(afd, sizeof(afd), "%d", f->cg_a);
+			argv[argc++] = "-u";
+			argv[argc++] = afd;
+		} else if (o->cg_freezer) {
+			snprintf(afd, sizeof(afd), "%d", f->cg_a);
+			argv[argc++] = "-f";
+			argv[argc++] = afd;
+			if (f->cg_b >= 0) {
+				snprintf(bfd, sizeof(bfd), "%d", f->cg_b);
+				argv[argc++] = "-m";
+				argv[argc++] = bfd;
+			}
+		}
+		argv[argc] = NULL;
+	}
+	syscall(SYS_execveat, f->init_exe, "", argv, envp, AT_EMPTY_PATH);
+	fail(&e, errno, "exec sbx-init");
+out:
+	{
+		char line[600];
+		int n = snprintf(line, sizeof(line), "%d %s", e.code, e.msg);
+
+		(void)!write(f->sync, line, (size_t)(n > 0 ? n : 0));
+	}
+	_exit(1);
+}
+
+/* ---- the parent: host root ------------------------------------------- */
+
+static int write_maps(pid_t pid, const struct opts *o, struct err *e)
+{
+	char path[64], map[64];
+
+	snprintf(map, sizeof(map), "0 %lu %lu\n", o->uid_base, o->id_count);
+	snprintf(path, sizeof(path), "/proc/%d/uid_map", pid);
+	if (write_file(path, map, e) < 0)
+		return -1;
+	snprintf(path, sizeof(path), "/proc/%d/gid_map", pid);
+	return write_file(path, map, e);
+}
+
+/* An id-mapped, read-only, detached clone of one lower layer. */
+static int idmapped_lower(const char *path, int userns, struct err *e)
+{
+	struct mount_attr attr = {
+		.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
+		.userns_fd = (uint64_t)userns,
+	};
+	int fd = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+
+	if (fd < 0)
+		return fail(e, errno, "open_tree lower `%s`", path);
+	if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
+		int saved = errno;
+
+		close(fd);
+		return fail(e, saved, "id-map lower `%s` (filesystem without idmapped mounts?)", path);
+	}
+	return fd;
+}
+
+static int build_rootfs(const struct opts *o, pid_t child, struct err *e)
+{
+	char path[64], num[32];
+	cleanup_close int userns = -1;
+	cleanup_close int tmpfs = -1, tmpmnt = -1, upper = -1, work = -1, ovl = -1;
+	int lowers[MAX_LOWERS];
+	int i, rc = -1, mnt = -1;
+
+	for (i = 0; i < o->n_lowers; i++)
+		lowers[i] = -1;
+	snprintf(path, sizeof(path), "/proc/%d/ns/user", child);
+	userns = open(path, O_RDONLY | O_CLOEXEC);
+	if (userns < 0)
+		return fail(e, errno, "open `%s`", path);
+	for (i = 0; i < o->n_lowers; i++) {
+		lowers[i] = idmapped_lower(o->lowers[i], userns, e);
+		if (lowers[i] < 0)
+			goto out;
+	}
+
+	tmpfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
+	if (tmpfs < 0) {
+		fail(e, errno, "fsopen tmpfs");
+		goto out;
+	}
+	snprintf(num, sizeof(num), "%llu", o->disk_bytes);
+	if (fsconfig(tmpfs, FSCONFIG_SET_STRING, "size", num, 0) < 0 ||
+	    fsconfig(tmpfs, FSCONFIG_SET_STRING, "mode", "0755", 0) < 0 ||
+	    fsconfig(tmpfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+		fs_fail(e, tmpfs, errno, "scratch tmpfs");
+		goto out;
+	}
+	tmpmnt = fsmount(tmpfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
+	if (tmpmnt < 0) {
+		fail(e, errno, "fsmount scratch tmpfs");
+		goto out;
+	}
+	/* upper's root becomes the sandbox's "/": owned by sandbox root */
+	if (mkdirat(tmpmnt, "upper", 0755) < 0 || mkdirat(tmpmnt, "work", 0700) < 0 ||
+	    fchownat(tmpmnt, "upper", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0) {
+		fail(e, errno, "scratch upper/work");
+		goto out;
+	}
+	upper = openat(tmpmnt, "upper", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	work = openat(tmpmnt, "work", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (upper < 0 || work < 0) {
+		fail(e, errno, "open scratch upper/work");
+		goto out;
+	}
+
+	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
+	if (ovl < 0) {
+		fail(e, errno, "fsopen overlay");
+		goto out;
+	}
+	/* lowerdir+ appends below the layers given so far: top first */
+	for (i = o->n_lowers - 1; i >= 0; i--)
+		if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, lowers[i]) < 0) {
+			fs_fail(e, ovl, errno, "overlay lowerdir+");
+			goto out;
+		}
+	if (fsconfig(ovl, FSCONFIG_SET_FD, "upperdir", NULL, upper) < 0 ||
+	    fsconfig(ovl, FSCONFIG_SET_FD, "workdir", NULL, work) < 0 ||
+	    /* the upper dies with the sandbox: no fsync is worth paying for */
+	    fsconfig(ovl, FSCONFIG_SET_FLAG, "volatile", NULL, 0) < 0 ||
+	    fsconfig(ovl, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+		fs_fail(e, ovl, errno, "overlay");
+		goto out;
+	}
+	mnt = fsmount(ovl, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV);
+	if (mnt < 0) {
+		fail(e, errno, "fsmount overlay");
+		goto out;
+	}
+	rc = mnt;
+out:
+	for (i = 0; i < o->n_lowers; i++)
+		if (lowers[i] >= 0)
+			close(lowers[i]);
+	return rc;
+}
+
+static int open_listen(const char *path, struct err *e)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd;
+
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return fail(e, ENAMETOOLONG, "control socket path `%s`", path);
+	strcpy(sa.sun_path, path);
+	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return fail(e, errno, "socket");
+	if (unlink(path) < 0 && errno != ENOENT) {
+		fail(e, errno, "unlink `%s`", path);
+		close(fd);
+		return -1;
+	}
+	/* listen here too, so the daemon can connect as soon as we report ok;
+	 * sbx-init listens again, which makes it the SO_PEERCRED peer */
+	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(path, 0600) < 0 ||
+	    listen(fd, 8) < 0) {
+		fail(e, errno, "bind `%s`", path);
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+static int join_cgroups(const struct opts *o, struct err *e)
+{
+	char path[4096];
+	int i;
+
+	for (i = 0; i < o->n_join; i++) {
+		snprintf(path, sizeof(path), "%s/cgroup.procs", o->join[i]);
+		if (write_file(path, "0", e) < 0)
+			return -1;
+	}
+	return 0;
+}
+
+static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
+{
+	struct clone_args ca = {
+		.flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC |
+			 CLONE_NEWUTS | CLONE_NEWCGROUP,
+		.exit_signal = SIGCHLD,
+	};
+	struct child_fds f = {.sync = -1, .listen = -1, .init_exe = -1, .log = -1, .cg_a = -1, .cg_b = -1};
+	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
+	cleanup_close int sync_p = -1, rootmnt = -1;
+	int sv[2];
+	char reply[600];
+	ssize_t n;
+	pid_t pid;
+	int status;
+
+	init_exe = open(o->init, O_RDONLY | O_CLOEXEC);
+	if (init_exe < 0)
+		return fail(e, errno, "open sbx-init `%s`", o->init);
+	log_fd = open(o->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+	if (log_fd < 0)
+		return fail(e, errno, "open `%s`", o->log);
+	if (o->cg_v2 || o->cg_freezer) {
+		cg_a = open(o->cg_v2 ? o->cg_v2 : o->cg_freezer, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (cg_a < 0)
+			return fail(e, errno, "open cgroup `%s`", o->cg_v2 ? o->cg_v2 : o->cg_freezer);
+	}
+	if (o->cg_memory && !o->cg_v2) {
+		cg_b = open(o->cg_memory, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		if (cg_b < 0)
+			return fail(e, errno, "open cgroup `%s`", o->cg_memory);
+	}
+	if (join_cgroups(o, e) < 0)
+		return -1;
+	listen_fd = open_listen(o->ctl, e);
+	if (listen_fd < 0)
+		return -1;
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+		return fail(e, errno, "socketpair");
+	sync_p = sv[0];
+	pid = (pid_t)syscall(SYS_clone3, &ca, sizeof(ca));
+	if (pid < 0) {
+		close(sv[1]);
+		return fail(e, errno, "clone3 with new namespaces");
+	}
+	if (pid == 0) {
+		f.sync = sv[1];
+		f.listen = listen_fd;
+		f.init_exe = init_exe;
+		f.log = log_fd;
+		f.cg_a = cg_a;
+		f.cg_b = cg_b;
+		close(sv[0]);
+		child_main(o, &f);
+	}
+	close(sv[1]);
+	if (write_maps(pid, o, e) < 0)
+		goto kill_child;
+	rootmnt = build_rootfs(o, pid, e);
+	if (rootmnt < 0)
+		goto kill_child;
+	if (send_fd(sync_p, rootmnt) < 0) {
+		fail(e, errno, "send the rootfs to the child");
+		goto kill_child;
+	}
+	n = read(sync_p, reply, sizeof(reply) - 1);
+	if (n > 0) {
+		int code = 0, off = 0;
+
+		reply[n] = 0;
+		sscanf(reply, "%d %n", &code, &off);
+		fail(e, code, "%s", reply + off);
+		goto kill_child;
+	}
+	if (waitpid(pid, &status, WNOHANG) == pid)
+		return fail(e, ECHILD, "sandbox child died before exec (status %#x)", status);
+	*out_pid = pid;
+	return 0;
+kill_child:
+	kill(pid, SIGKILL);
+	waitpid(pid, &status, 0);
+	return -1;
+}
+
+static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
+{
+	int i;
+
+	memset(o, 0, sizeof(*o));
+	o->status_fd = -1;
+	o->hostname = "sandbox";
+	o->id_count = 65536;
+	for (i = 1; i < argc; i++) {
+		const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+
+		if (!v)
+			return fail(e, EINVAL, "option `%s` needs a value", k);
+		i++;
+		if (!strcmp(k, "--status-fd"))
+			o->status_fd = atoi(v);
+		else if (!strcmp(k, "--root"))
+			o->root = v;
+		else if (!strcmp(k, "--ctl"))
+			o->ctl = v;
+		else if (!strcmp(k, "--log"))
+			o->log = v;
+		else if (!strcmp(k, "--init"))
+			o->init = v;
+		else if (!strcmp(k, "--hostname"))
+			o->hostname = v;
+		else if (!strcmp(k, "--uid-base"))
+			o->uid_base = strtoul(v, NULL, 10);
+		else if (!strcmp(k, "--id-count"))
+			o->id_count = strtoul(v, NULL, 10);
+		else if (!strcmp(k, "--disk-bytes"))
+			o->disk_bytes = strtoull(v, NULL, 10);
+		else if (!strcmp(k, "--lower")) {
+			if (o->n_lowers == MAX_LOWERS)
+				return fail(e, EINVAL, "more than %d lowers", MAX_LOWERS);
+			o->lowers[o->n_lowers++] = v;
+		} else if (!strcmp(k, "--join")) {
+			if (o->n_join == MAX_JOIN)
+				return fail(e, EINVAL, "more than %d cgroups to join", MAX_JOIN);
+			o->join[o->n_join++] = v;
+		} else if (!strcmp(k, "--cg-freezer"))
+			o->cg_freezer = v;
+		else if (!strcmp(k, "--cg-memory"))
+			o->cg_memory = v;
+		else if (!strcmp(k, "--cg-v2"))
+			o->cg_v2 = v;
+		else
+			return fail(e, EINVAL, "unknown option `%s`", k);
+	}
+	if (!o->root || !o->ctl || !o->log || !o->init || !o->n_lowers)
+		return fail(e, EINVAL, "--root, --ctl, --log, --init and --lower are required");
+	if (!o->uid_base || !o->id_count)
+		return fail(e, EINVAL, "--uid-base must be a nonzero host uid (sandbox root is not host root)");
+	if (!o->disk_bytes)
+		return fail(e, EINVAL, "--disk-bytes must be positive");
+	if (strlen(o->hostname) > 64)
+		return fail(e, EINVAL, "hostname `%s` is longer than 64 bytes", o->hostname);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	struct err e = {0};
+	struct opts o;
+	char line[700];
+	pid_t pid = 0;
+	int n, rc;
+
+	rc = parse_args(argc, argv, &o, &e);
+	if (o.status_fd < 0)
+		o.status_fd = 2;
+	fcntl(o.status_fd, F_SETFD, FD_CLOEXEC);
+	if (rc == 0)
+		rc = spawn(&o, &pid, &e);
+	if (rc == 0)
+		n = snprintf(line, sizeof(line), "ok %d\n", pid);
+	else
+		n = snprintf(line, sizeof(line), "error %d %s\n", e.code, e.msg);
+	(void)!write(o.status_fd, line, (size_t)(n > 0 ? n : 0));
+	return rc == 0 ? 0 : 1;
+}
