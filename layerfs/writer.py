@@ -10,6 +10,7 @@ order of ``children`` or ``xattrs`` dicts (format facts: ``csrc/include/erofs_fs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import struct
@@ -248,9 +249,7 @@ def write_image(tree: Tree, out: str | os.PathLike[str] | int,
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return stats
