@@ -33,7 +33,7 @@ class Bar:
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty() if enabled is None else enabled
-        self._t0 = time.monotonic()
+        self._t0: float | None = None  # first report: earlier stages are not in the rate
         self._last = 0.0
         self._drawn = False
 
@@ -41,6 +41,8 @@ class Bar:
         if not self.enabled:
             return
         now = time.monotonic()
+        if self._t0 is None:
+            self._t0 = now
         if now - self._last < 0.1 and done != total:
             return
         self._last = now
