@@ -1,0 +1,94 @@
+"""Daemon lifecycle: socket permissions, graceful shutdown (stop or keep sandboxes), restart
+recovery (adopt or destroy), leftovers cleaned, signal handlers restored."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+from pathlib import Path
+
+from edged.client import Sandbox
+from edged.config import Config
+from edged.daemon import Server
+from tests.edged.fakes import FakeBackend, digest, fake_layers
+
+
+def test_socket_mode_and_removed_on_exit(make_node) -> None:
+    node = make_node()
+    st = os.stat(node.socket)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    node.stop()
+    assert not os.path.exists(node.socket)
+
+
+def test_shutdown_stop_destroys_everything(make_node) -> None:
+    node = make_node(on_shutdown="stop")
+    for i in range(3):
+        Sandbox.create(layers=[digest(1), digest(2)], id=f"s{i}", socket=node.socket)
+    assert len(node.layer_ops.mounted) == 2
+    node.stop()
+    assert node.backend.live == {}
+    assert node.layer_ops.mounted == {}
+    assert not list(Path(node.server.config.state_dir, "sandboxes").glob("*.json"))
+
+
+def test_restart_adopts_live_sandboxes(make_node) -> None:
+    node = make_node(on_shutdown="keep")
+    sbx = Sandbox.create(layers=[digest(1)], id="keep-me", labels={"x": "y"},
+                         socket=node.socket)
+    sbx.files.write("/state", "persisted")
+    Sandbox.create(layers=[digest(1)], id="dies", socket=node.socket)
+    node.stop()
+    assert set(node.backend.live) == {"keep-me", "dies"}
+    # "dies" vanishes while no daemon runs; a half-made one is left behind
+    del node.backend.live["dies"]
+    node.backend.leftovers.add("half-made")
+    node2 = make_node(backend=node.backend, on_start="adopt")
+    assert node2.server.recovered["adopted"] == ["keep-me"]
+    assert node2.server.recovered["lost"] == ["dies"]
+    assert node2.server.recovered["cleaned"] == ["half-made"]
+    again = Sandbox.connect("keep-me", socket=node2.socket)
+    assert again.info["labels"] == {"x": "y"} and again.info["state"] == "running"
+    assert again.files.read("/state") == "persisted"
+    assert again.exec("echo alive").stdout == "alive\n"
+    info = Sandbox.list(socket=node2.socket)
+    assert [s.id for s in info] == ["keep-me"]
+    assert node2.server.manager.layers.refs() == {digest(1): 1}
+    again.kill()
+    assert node2.layer_ops.mounted == {}
+
+
+def test_restart_destroy_policy(make_node) -> None:
+    node = make_node(on_shutdown="keep")
+    Sandbox.create(layers=[digest(1)], id="a", socket=node.socket)
+    node.stop()
+    node.backend.live["stranger"] = node.backend.root / "stranger"
+    node2 = make_node(backend=node.backend, on_start="destroy")
+    assert sorted(node2.server.recovered["destroyed"]) == ["a", "stranger"]
+    assert node.backend.live == {}
+    assert Sandbox.list(socket=node2.socket) == []
+
+
+def test_signal_handlers_installed_and_restored(tmp_path, sockdir) -> None:
+    be = FakeBackend(tmp_path / "sbx")
+    layers, _ = fake_layers(tmp_path, {digest(1)})
+    cfg = Config(socket=str(sockdir / "s.sock"), state_dir=str(tmp_path / "st"),
+                 runtime_dir=str(tmp_path / "rt"), cpus=1, memory_bytes=1 << 30)
+    server = Server(cfg, backend=be, layers=layers)
+    before = signal.getsignal(signal.SIGTERM)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(server.serve())
+        await server.started.wait()
+        # asyncio's handler: the C-level handler is its wakeup trampoline, not ours
+        assert asyncio.get_running_loop()._signal_handlers.get(signal.SIGTERM)
+        await server.manager.create({"id": "x", "layers": [digest(1)]})
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert server.should_exit and not server.force_exit
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert be.live == {}  # on_shutdown defaults to stop
