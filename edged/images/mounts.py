@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from edged.errors import BackendError, EdgedError, NotFound
 from edged.images.registry import check_digest
@@ -53,12 +52,13 @@ class LayerMounts:
 
     @classmethod
     def for_layerfs(cls, store_dir: str, cache_dir: Path, mount_dir: Path) -> LayerMounts:
-        """Wire the real layerfs store (``layerfs.store.Store``) and EROFS mounts
-        (``layerfs.mount``); imported lazily so the daemon starts without them."""
-        from layerfs import mount as lmount  # type: ignore[attr-defined,unused-ignore]
-        from layerfs import store as lstore  # type: ignore[attr-defined,unused-ignore]
+        """Wire the real layerfs store (:class:`layerfs.store.Store`, created if absent) and
+        file-backed EROFS mounts (:mod:`layerfs.mount`); imported here, not at module load,
+        so the SDK-free parts of edged stay importable without the C core."""
+        from layerfs import mount as lmount
+        from layerfs.store import Store
 
-        st: Any = lstore.Store(store_dir or None)
+        st = Store(store_dir or None)
 
         def has(d: str) -> bool:
             try:
@@ -67,15 +67,11 @@ class LayerMounts:
                 return False
             return True
 
-        def is_mounted(mp: str) -> bool:
-            return any(str(m) == mp or getattr(m, "mountpoint", None) == mp
-                       for m in lmount.mounted_erofs())
-
         ops = LayerOps(
             export=lambda d, out: st.export(d, out),
             mount=lambda img, mp: lmount.mount_erofs(img, mp),
             umount=lambda mp: lmount.umount(mp),
-            is_mounted=is_mounted,
+            is_mounted=os.path.ismount,
             has=has,
         )
         return cls(ops, cache_dir, mount_dir)
