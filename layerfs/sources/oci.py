@@ -250,12 +250,12 @@ def load_oci(layout: str | os.PathLike[str], ref: str | None = None, *,
             label = f"{lay.label} {what} {digest}"
             try:
                 tree = load_tar(path, workdir=wd, name=label)
-                if not flatten:
-                    convert_layer(tree, label=label)
             except IsADirectoryError:
                 raise lay.fail(f"{what} {digest}: blob is a directory") from None
             layers.append(OciLayer(tree=tree, blob_digest=digest, media_type=mt, index=i,
                                    blobs=(digest,)))
+            if not flatten:
+                convert_layer(tree, label=label)
         if not flatten:
             return layers
         merged = _flatten_layers(layers)
