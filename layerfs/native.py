@@ -9,7 +9,7 @@ from typing import Any
 from layerfs.errors import ImageFormatError, NativeError
 
 try:
-    from layerfs import _native
+    from layerfs import _native  # type: ignore[attr-defined]
 except ImportError as exc:  # pragma: no cover - only without a build
     raise ImportError(
         "layerfs._native is not built: run `pip install -e .` (see README)"

@@ -235,4 +235,4 @@ class Tree:
             yield parts, node
             if node.children:
                 for name in sorted(node.children):
-                    queue.append((parts + (name,), node.children[name]))
+                    queue.append(((*parts, name), node.children[name]))
