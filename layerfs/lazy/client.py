@@ -1,0 +1,219 @@
+"""Talk to a node's lazy layer server, and start or stop it.
+
+The server listens on ``CACHE/control.sock`` (HTTP/1.1 + JSON)::
+
+    GET    /v1/health                      {"ok": true, "pid": N}
+    GET    /v1/stats                       {"cache": {...}, "layers": {digest: {...}}}
+    POST   /v1/layers   {"digest", "remote"}  register; the layer's stats (with "file")
+    DELETE /v1/layers/{digest}             unregister
+    POST   /v1/prefetch {"digest", "chunks"?}  {"queued": n}
+    POST   /v1/trace    {"digest", "save"?, "reset"?}  {"chunks": [...]}
+    POST   /v1/evict    {"target": bytes}  {"freed": bytes}
+
+Errors come back as ``{"error": {"code", "message"}}`` and raise :class:`LazyServerError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from layerfs.errors import LayerfsError, NotFoundError
+from layerfs.lazy.cache import ChunkCache
+
+DEFAULT_CACHE = "/var/cache/layerfs"
+
+
+def default_cache() -> str:
+    """The node cache directory: ``$LAYERFS_CACHE`` or ``/var/cache/layerfs``."""
+    return os.environ.get("LAYERFS_CACHE") or DEFAULT_CACHE
+
+
+class LazyServerError(LayerfsError, OSError):
+    """The lazy server is not running, or refused a request (message says why)."""
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        try:
+            s.connect(self._path)
+        except OSError:
+            s.close()
+            raise
+        self.sock = s
+
+
+class LazyClient:
+    """A client of the lazy server of cache directory ``cache`` (blocking calls).
+    ``timeout``: seconds per request."""
+
+    def __init__(self, cache: str | None = None, *, timeout: float = 60.0) -> None:
+        self.cache = os.path.abspath(cache or default_cache())
+        self.sock = os.path.join(self.cache, "control.sock")
+        self.timeout = timeout
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        conn = _UnixConnection(self.sock, self.timeout)
+        try:
+            payload = json.dumps(body).encode() if body is not None else None
+            headers = {"Content-Type": "application/json"} if payload else {}
+            conn.request(method, path, body=payload, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        except OSError as exc:
+            raise LazyServerError(exc.errno or 0, f"lazy server of {self.cache}: {method} "
+                                                  f"{path}: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            obj = {"error": {"message": data[:200].decode("utf-8", "replace")}}
+        if resp.status >= 400:
+            msg = obj.get("error", {}).get("message", "") if isinstance(obj, dict) else ""
+            if resp.status == 404:
+                raise NotFoundError(msg)
+            raise LazyServerError(0, f"lazy server of {self.cache}: {method} {path}: HTTP "
+                                     f"{resp.status}: {msg}")
+        return obj
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/v1/health"))
+
+    def alive(self) -> bool:
+        try:
+            self.health()
+        except LazyServerError:
+            return False
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """Cache and per-layer metrics (see ``LazyServer.layer_stats``)."""
+        return dict(self._call("GET", "/v1/stats"))
+
+    def register(self, digest: str, remote: str) -> dict[str, Any]:
+        """Expose layer ``digest`` from ``remote``; returns its stats, whose ``"file"``
+        is the lazy image file to mount."""
+        return dict(self._call("POST", "/v1/layers", {"digest": digest, "remote": remote}))
+
+    def unregister(self, digest: str) -> None:
+        self._call("DELETE", f"/v1/layers/{digest}")
+
+    def prefetch(self, digest: str, chunks: list[int] | None = None) -> int:
+        """Queue background fetches (default: the recorded trace); returns how many."""
+        body: dict[str, Any] = {"digest": digest}
+        if chunks is not None:
+            body["chunks"] = chunks
+        return int(self._call("POST", "/v1/prefetch", body)["queued"])
+
+    def trace(self, digest: str, *, save: bool = False, reset: bool = False) -> list[int]:
+        return list(self._call("POST", "/v1/trace",
+                               {"digest": digest, "save": save, "reset": reset})["chunks"])
+
+    def evict(self, target: int) -> int:
+        return int(self._call("POST", "/v1/evict", {"target": target})["freed"])
+
+    def server_pid(self) -> int | None:
+        """PID of the server process (not the supervisor), if one is recorded."""
+        try:
+            with open(os.path.join(self.cache, "server.pid")) as f:
+                return int(f.read())
+        except (FileNotFoundError, ValueError):
+            return None
+
+
+def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
+          attempt_timeout: float = 10.0, cache_limit: int | None = None,
+          wait: float = 20.0) -> subprocess.Popen[bytes] | None:
+    """Start the supervisor and lazy server for ``cache`` unless one answers already, and
+    wait until it answers. Returns the supervisor's Popen (None if it was running); it
+    runs in its own session, so it outlives the caller.
+
+    Raises :class:`LazyServerError` (with the end of its log) if it does not come up
+    within ``wait`` seconds."""
+    client = LazyClient(cache)
+    if client.alive():
+        return None
+    ChunkCache(client.cache)  # create or check the layout before anything mounts
+    cmd = [sys.executable, "-m", "layerfs.lazy.supervisor", "--cache", client.cache,
+           "--fetch-timeout", str(fetch_timeout), "--attempt-timeout", str(attempt_timeout)]
+    if cache_limit is not None:
+        cmd += ["--cache-limit", str(cache_limit)]
+    with open(os.path.join(client.cache, "server.log"), "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                                start_new_session=True, close_fds=True)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if client.alive():
+            return proc
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+    proc.wait()
+    raise LazyServerError(0, f"lazy server of {client.cache} did not start: "
+                             f"{_log_tail(client.cache)}")
+
+
+def _log_tail(cache: str) -> str:
+    try:
+        with open(os.path.join(cache, "server.log"), "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 600))
+            return f.read().decode("utf-8", "replace").strip()
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def stop(cache: str | None = None, *, proc: subprocess.Popen[bytes] | None = None,
+         wait: float = 20.0) -> bool:
+    """Stop the supervisor of ``cache`` (SIGTERM; SIGKILL after ``wait`` seconds), which
+    stops the server and unmounts the FUSE mount. Returns False if none was running."""
+    cache = os.path.abspath(cache or default_cache())
+    pid: int | None = proc.pid if proc is not None else None
+    if pid is None:
+        try:
+            with open(os.path.join(cache, "supervisor.pid")) as f:
+                pid = int(f.read())
+        except (FileNotFoundError, ValueError):
+            return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc is not None:
+            if proc.poll() is not None:
+                return True
+        elif not os.path.exists(f"/proc/{pid}") or _zombie(pid):
+            return True
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if proc is not None:
+        proc.wait()
+    return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True

@@ -1,0 +1,527 @@
+"""The lazy layer server process: the C FUSE file server (csrc/lib/lazy.c) plus the
+Python side that fetches chunks.
+
+Run by the supervisor (:mod:`layerfs.lazy.supervisor`) as
+``python -m layerfs.lazy.server --cache DIR --fuse-fd N [--resumed]``, with the /dev/fuse
+fd inherited. The C side answers cached reads itself and queues each missing chunk once;
+this process wakes on the C side's eventfd, fetches the chunk from the layer's remote
+(aiohttp or a shared directory), verifies it against its digest, writes it to the cache
+atomically and hands it back to C, which answers every read parked on it.
+
+Faults. A remote that fails or is slow is retried with exponential backoff (50 ms doubling
+to 2 s) until ``fetch_timeout`` seconds have passed since the read asked for the chunk;
+then the waiting reads get EIO and one log line names the layer, chunk and remote. A chunk
+that does not match its digest is discarded and fetched again, never served. A full cache
+disk evicts unneeded chunks and retries once, then fails the reads with EIO and logs
+ENOSPC; nothing partial is left in the cache.
+
+Control: an HTTP/JSON API on ``ROOT/control.sock`` (see :mod:`layerfs.lazy.client`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import resource
+import sys
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from layerfs.errors import CorruptError, LayerfsError, NotFoundError
+from layerfs.lazy.cache import CacheFullError, ChunkCache
+from layerfs.manifest import Manifest, check_digest
+from layerfs.native import check, ffi, lib, new_error
+from layerfs.remote.base import Remote, RemoteError, open_remote
+
+log = logging.getLogger("layerfs.lazy")
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""Upper bounds (seconds) of the fetch latency histogram; one more bucket is +Inf."""
+
+
+class FetchFailed(LayerfsError, OSError):
+    """A chunk could not be fetched within the bound."""
+
+
+@dataclass
+class Layer:
+    """One registered layer and its Python-side metrics."""
+
+    digest: str
+    slot: int
+    remote: str
+    manifest: Manifest
+    bytes_fetched: int = 0
+    chunks_fetched: int = 0
+    corrupt: int = 0
+    fetch_failures: int = 0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.digest[7:] + ".erofs"
+
+    def observe(self, seconds: float, nbytes: int) -> None:
+        self.latency_counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.latency_sum += seconds
+        self.bytes_fetched += nbytes
+        self.chunks_fetched += 1
+
+
+class LazyServer:
+    """The Python side of the lazy file server; see the module docstring.
+
+    ``fetch_timeout``: seconds after which a read waiting for a chunk fails with EIO.
+    ``attempt_timeout``: seconds one request to a remote may take. ``concurrency``:
+    fetches in flight at once. ``cache_limit``: bytes the cache may hold (LRU eviction of
+    chunks no read is using), ``None`` for no limit.
+    """
+
+    def __init__(self, cache: ChunkCache, fuse_fd: int, *, resumed: bool = False,
+                 fetch_timeout: float = 30.0, attempt_timeout: float = 10.0,
+                 concurrency: int = 8, max_threads: int = 8) -> None:
+        self.cache = cache
+        self.fuse_fd = fuse_fd
+        self.resumed = resumed
+        self.fetch_timeout = fetch_timeout
+        self.attempt_timeout = attempt_timeout
+        self.max_threads = max_threads
+        self.layers: dict[str, Layer] = {}
+        self.by_slot: dict[int, Layer] = {}
+        self._concurrency = concurrency
+        self._remotes: dict[str, Remote] = {}
+        self._flights: dict[str, asyncio.Task[str]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._ondemand = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._stop = asyncio.Event()
+        self._cache_bytes = 0
+        self._next_slot = 0
+        self.lz: Any = None
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Create the C server, restore registered layers and present chunks, start the
+        FUSE loop and watch the fetch queue. Call from inside the event loop."""
+        self._sem = asyncio.Semaphore(self._concurrency)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            # One fd per cached chunk keeps the warm path a single pread.
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        err = new_error()
+        lz = lib.lfs_lazy_new(self.fuse_fd, 1 if self.resumed else 0, err)
+        if lz == ffi.NULL:
+            check(-1, err, "lazy server")
+        self.lz = lz
+        usage = self.cache.usage()
+        self._cache_bytes = usage.bytes
+        for digest, rec in self.cache.layers().items():
+            self._next_slot = max(self._next_slot, int(rec["slot"]) + 1)
+            if rec.get("removed"):
+                continue
+            m = Manifest.from_json(rec["manifest"].encode(), where=f"cache layer {digest}")
+            self._add(Layer(digest, int(rec["slot"]), rec["remote"], m))
+        check(lib.lfs_lazy_start(self.lz, self.max_threads, err), err, "lazy server start")
+        asyncio.get_running_loop().add_reader(lib.lfs_lazy_event_fd(self.lz), self._on_event)
+        log.info("lazy server pid %d: %d layer(s), %d cached chunk(s) (%d bytes)%s",
+                 os.getpid(), len(self.layers), usage.chunks, usage.bytes,
+                 ", resumed" if self.resumed else "")
+
+    def _add(self, layer: Layer) -> None:
+        err = new_error()
+        m = layer.manifest
+        check(lib.lfs_lazy_add_layer(self.lz, layer.slot, layer.name.encode(), m.size,
+                                     m.chunk_size, err), err, f"layer {layer.digest}")
+        self.layers[layer.digest] = layer
+        self.by_slot[layer.slot] = layer
+        for i, c in enumerate(m.chunks):
+            path = self.cache.chunk_path(c.digest)
+            if (os.path.exists(path)
+                    and lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1
+                    and lib.lfs_lazy_chunk_ready(self.lz, layer.slot, i, path.encode(),
+                                                 err) < 0):
+                # A cached file of the wrong size (an older writer?): drop it.
+                log.warning("cache: %s; removing it", ffi.string(err.msg).decode())
+                self._cache_bytes -= self.cache.remove(c.digest)
+
+    def _remote(self, url: str) -> Remote:
+        r = self._remotes.get(url)
+        if r is None:
+            r = self._remotes[url] = open_remote(url, timeout=self.attempt_timeout) \
+                if not url.startswith(("file:", "/")) else open_remote(url)
+        return r
+
+    async def register(self, digest: str, remote: str) -> Layer:
+        """Expose layer ``digest`` (manifest from ``remote``) as ``<hex>.erofs``.
+        Idempotent. Raises NotFoundError/RemoteError from the remote."""
+        check_digest(digest)
+        if digest in self.layers:
+            return self.layers[digest]
+        m = await self._remote(remote).manifest(digest)
+        if digest in self.layers:  # registered while we waited
+            return self.layers[digest]
+        layer = Layer(digest, self._next_slot, remote, m)
+        self._next_slot += 1
+        self.cache.save_layer(digest, {"slot": layer.slot, "remote": remote,
+                                       "manifest": m.to_json().decode()})
+        self._add(layer)
+        log.info("registered layer %s (%d bytes, %d chunks) from %s in slot %d",
+                 digest, m.size, len(m.chunks), remote, layer.slot)
+        return layer
+
+    def unregister(self, digest: str) -> None:
+        layer = self.layers.pop(digest, None)
+        if layer is None:
+            raise NotFoundError(f"layer {digest} is not registered")
+        del self.by_slot[layer.slot]
+        err = new_error()
+        lib.lfs_lazy_remove_layer(self.lz, layer.slot, err)
+        # The slot stays taken (kernel dentries may still name it).
+        self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
+
+    # -- fetching -----------------------------------------------------------------------
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _on_event(self) -> None:
+        slot = ffi.new("uint32_t *")
+        idx = ffi.new("uint32_t *")
+        while lib.lfs_lazy_next_fetch(self.lz, slot, idx) == 1:
+            layer = self.by_slot.get(int(slot[0]))
+            if layer is None:
+                lib.lfs_lazy_chunk_failed(self.lz, slot[0], idx[0], errno.EIO)
+                continue
+            self._ondemand += 1
+            self._idle.clear()
+            self._spawn(self._fetch(layer, int(idx[0]), ondemand=True))
+        if lib.lfs_lazy_stopped(self.lz):
+            self._stop.set()
+
+    async def _fetch(self, layer: Layer, index: int, *, ondemand: bool) -> None:
+        ref = layer.manifest.chunks[index]
+        try:
+            path = await self._get_chunk(layer, index)
+        except FetchFailed as exc:
+            layer.fetch_failures += 1
+            log.error("%s", exc)
+            lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
+        else:
+            err = new_error()
+            if lib.lfs_lazy_chunk_ready(self.lz, layer.slot, index, path.encode(), err) < 0:
+                log.error("layer %s chunk %d (%s): %s", layer.digest, index, ref.digest,
+                          ffi.string(err.msg).decode())
+        finally:
+            if ondemand:
+                self._ondemand -= 1
+                if self._ondemand == 0:
+                    self._idle.set()
+
+    async def _get_chunk(self, layer: Layer, index: int) -> str:
+        digest = layer.manifest.chunks[index].digest
+        t = self._flights.get(digest)
+        if t is None:
+            # Layers sharing a chunk share its one fetch.
+            t = asyncio.get_running_loop().create_task(self._download(layer, index))
+            self._flights[digest] = t
+            t.add_done_callback(lambda _t: self._flights.pop(digest, None))
+        return await asyncio.shield(t)
+
+    async def _download(self, layer: Layer, index: int) -> str:
+        loop = asyncio.get_running_loop()
+        ref = layer.manifest.chunks[index]
+        length = layer.manifest.chunk_length(index)
+        path = self.cache.chunk_path(ref.digest)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_size == length:
+                return path
+        remote = self._remote(layer.remote)
+        deadline = loop.time() + self.fetch_timeout
+        delay, attempts, evicted = 0.05, 0, False
+        last: BaseException | None = None
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            attempts += 1
+            try:
+                async with self._sem:
+                    t0 = time.monotonic()
+                    data = await asyncio.wait_for(remote.chunk(ref.digest, length=length),
+                                                  min(remaining, self.attempt_timeout))
+                    spent = time.monotonic() - t0
+                path = await asyncio.to_thread(self.cache.put, ref.digest, data)
+                self._cache_bytes += len(data)
+                layer.observe(spent, len(data))
+                if self.cache.limit is not None and self._cache_bytes > self.cache.limit:
+                    self.evict(self.cache.limit)
+                return path
+            except CorruptError as exc:
+                layer.corrupt += 1
+                log.warning("layer %s chunk %d: %s; discarded, fetching again",
+                            layer.digest, index, exc)
+                last = exc
+            except CacheFullError as exc:
+                last = exc
+                if evicted:
+                    break
+                evicted = True
+                self.evict(max(0, self._cache_bytes - 4 * layer.manifest.chunk_size))
+                continue
+            except (RemoteError, NotFoundError, TimeoutError, OSError) as exc:
+                last = exc
+            await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
+            delay = min(delay * 2, 2.0)
+        why = f"{type(last).__name__}: {last}" if last is not None else "no attempt"
+        code = errno.ENOSPC if isinstance(last, CacheFullError) else errno.EIO
+        raise FetchFailed(code, f"layer {layer.digest} chunk {index} ({ref.digest}) from "
+                                f"remote {layer.remote}: gave up after {attempts} attempt(s) "
+                                f"in {self.fetch_timeout:g} s; last error: {why}")
+
+    async def prefetch(self, digest: str, indexes: list[int] | None = None,
+                       workers: int = 4) -> int:
+        """Fetch chunks of layer ``digest`` in the background, after on-demand fetches
+        (a prefetch fetch starts only when none is in flight). ``indexes`` default to the
+        recorded access trace. Returns how many chunks were queued."""
+        layer = self.layers.get(digest)
+        if layer is None:
+            raise NotFoundError(f"layer {digest} is not registered")
+        todo = [i for i in (indexes if indexes is not None else self.cache.trace(digest))
+                if 0 <= i < len(layer.manifest.chunks)]
+        queue = list(reversed(todo))
+
+        async def worker() -> None:
+            while queue:
+                await self._idle.wait()
+                i = queue.pop()
+                if lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
+                    await self._fetch(layer, i, ondemand=False)
+
+        for _ in range(max(1, workers)):
+            self._spawn(worker())
+        return len(todo)
+
+    def trace(self, digest: str, *, save: bool = False, reset: bool = False) -> list[int]:
+        """Chunk indexes of layer ``digest`` in first-read order since the last reset;
+        ``save`` records them as the layer's prefetch list."""
+        layer = self.layers.get(digest)
+        if layer is None:
+            raise NotFoundError(f"layer {digest} is not registered")
+        n = len(layer.manifest.chunks)
+        buf = ffi.new("uint32_t[]", max(1, n))
+        got = lib.lfs_lazy_trace(self.lz, layer.slot, buf, n, 1 if reset else 0)
+        out = [int(buf[i]) for i in range(min(got, n))]
+        if save:
+            self.cache.save_trace(digest, out)
+        return out
+
+    def evict(self, target: int) -> int:
+        """Evict cached chunks until the cache holds at most ``target`` bytes: first
+        chunks of no registered layer, then least recently read ones that no read is
+        using right now. Returns the bytes freed."""
+        holders: dict[str, list[tuple[Layer, int]]] = {}
+        for layer in self.layers.values():
+            for i, c in enumerate(layer.manifest.chunks):
+                holders.setdefault(c.digest, []).append((layer, i))
+        atime = ffi.new("uint64_t *")
+        cands: list[tuple[int, str]] = []
+        for digest, _size in self.cache.chunks():
+            hs = holders.get(digest)
+            if not hs:
+                cands.append((-1, digest))
+                continue
+            newest = 0
+            for layer, i in hs:
+                if lib.lfs_lazy_chunk_info(self.lz, layer.slot, i, atime) == \
+                        lib.LFS_LAZY_FETCHING:
+                    newest = -2
+                    break
+                newest = max(newest, int(atime[0]))
+            if newest != -2:
+                cands.append((newest, digest))
+        cands.sort()
+        freed = 0
+        for _, digest in cands:
+            if self._cache_bytes <= target:
+                break
+            busy = False
+            for layer, i in holders.get(digest, []):
+                st = lib.lfs_lazy_chunk_info(self.lz, layer.slot, i, ffi.NULL)
+                if st == lib.LFS_LAZY_PRESENT and lib.lfs_lazy_chunk_evict(
+                        self.lz, layer.slot, i) != 1:
+                    busy = True
+            if busy:
+                continue
+            n = self.cache.remove(digest)
+            self._cache_bytes -= n
+            freed += n
+        if freed:
+            log.info("cache: evicted %d bytes, %d bytes left", freed, self._cache_bytes)
+        return freed
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def layer_stats(self, layer: Layer) -> dict[str, Any]:
+        st = ffi.new("struct lfs_lazy_stats *")
+        lib.lfs_lazy_layer_stats(self.lz, layer.slot, st)
+        m = layer.manifest
+        return {
+            "digest": layer.digest, "slot": layer.slot, "remote": layer.remote,
+            "file": os.path.join(self.cache.path("fuse"), layer.name),
+            "size": m.size, "chunks": len(m.chunks), "chunk_size": m.chunk_size,
+            "present_chunks": int(st.present), "inflight": int(st.inflight),
+            "bytes_fetched": layer.bytes_fetched, "chunks_fetched": layer.chunks_fetched,
+            "fraction_fetched": layer.bytes_fetched / m.size if m.size else 0.0,
+            "fraction_present": int(st.present) / len(m.chunks) if m.chunks else 0.0,
+            "reads": int(st.reads), "read_bytes": int(st.read_bytes), "hits": int(st.hits),
+            "misses": int(st.misses), "hit_ratio": int(st.hits) / int(st.reads)
+            if st.reads else 0.0,
+            "queued": int(st.fetches), "failed": int(st.failed), "errors": int(st.errors),
+            "corrupt": layer.corrupt, "touched_chunks": int(st.touched),
+            "fetch_latency": {"buckets": list(LATENCY_BUCKETS),
+                              "counts": list(layer.latency_counts),
+                              "sum": layer.latency_sum, "count": sum(layer.latency_counts)},
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "pid": os.getpid(), "resumed": self.resumed,
+            "cache": {"root": self.cache.root, "bytes": self._cache_bytes,
+                      "limit": self.cache.limit},
+            "layers": {d: self.layer_stats(layer) for d, layer in self.layers.items()},
+        }
+
+    # -- control API --------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        routes = web.RouteTableDef()
+
+        def fail(status: int, exc: BaseException) -> web.Response:
+            return web.json_response({"error": {"code": type(exc).__name__,
+                                                "message": str(exc)}}, status=status)
+
+        async def body(request: web.Request) -> dict[str, Any]:
+            try:
+                obj = await request.json() if request.can_read_body else {}
+            except ValueError as exc:
+                raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from None
+            return obj if isinstance(obj, dict) else {}
+
+        @routes.get("/v1/health")
+        async def health(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True, "pid": os.getpid()})
+
+        @routes.get("/v1/stats")
+        async def stats(request: web.Request) -> web.Response:
+            return web.json_response(self.stats())
+
+        @routes.post("/v1/layers")
+        async def register(request: web.Request) -> web.Response:
+            b = await body(request)
+            try:
+                layer = await self.register(str(b.get("digest")), str(b.get("remote")))
+            except NotFoundError as exc:
+                return fail(404, exc)
+            except (RemoteError, OSError) as exc:
+                return fail(502, exc)
+            except (LayerfsError, ValueError) as exc:
+                return fail(400, exc)
+            return web.json_response(self.layer_stats(layer))
+
+        @routes.delete("/v1/layers/{digest}")
+        async def unregister(request: web.Request) -> web.Response:
+            try:
+                self.unregister(request.match_info["digest"])
+            except NotFoundError as exc:
+                return fail(404, exc)
+            return web.json_response({"ok": True})
+
+        @routes.post("/v1/prefetch")
+        async def prefetch(request: web.Request) -> web.Response:
+            b = await body(request)
+            try:
+                n = await self.prefetch(str(b.get("digest")), b.get("chunks"))
+            except NotFoundError as exc:
+                return fail(404, exc)
+            return web.json_response({"queued": n})
+
+        @routes.post("/v1/trace")
+        async def trace(request: web.Request) -> web.Response:
+            b = await body(request)
+            try:
+                out = self.trace(str(b.get("digest")), save=bool(b.get("save")),
+                                 reset=bool(b.get("reset")))
+            except NotFoundError as exc:
+                return fail(404, exc)
+            return web.json_response({"chunks": out})
+
+        @routes.post("/v1/evict")
+        async def evict(request: web.Request) -> web.Response:
+            b = await body(request)
+            return web.json_response({"freed": self.evict(int(b.get("target", 0)))})
+
+        app = web.Application()
+        app.add_routes(routes)
+        return app
+
+    async def run(self) -> None:
+        """Serve until the FUSE connection goes away (unmount) or SIGTERM."""
+        import signal
+
+        self.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        sock = self.cache.path("control.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(sock)
+        await web.UnixSite(runner, sock).start()
+        try:
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+            for r in self._remotes.values():
+                await r.close()
+            log.info("lazy server pid %d: stopping", os.getpid())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m layerfs.lazy.server")
+    p.add_argument("--cache", required=True)
+    p.add_argument("--fuse-fd", type=int, required=True)
+    p.add_argument("--resumed", action="store_true")
+    p.add_argument("--fetch-timeout", type=float, default=30.0)
+    p.add_argument("--attempt-timeout", type=float, default=10.0)
+    p.add_argument("--cache-limit", type=int, default=None)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s layerfs-lazy[%(process)d] %(levelname)s %(message)s")
+    cache = ChunkCache(args.cache, limit=args.cache_limit, server=True)
+    srv = LazyServer(cache, args.fuse_fd, resumed=args.resumed,
+                     fetch_timeout=args.fetch_timeout, attempt_timeout=args.attempt_timeout,
+                     concurrency=args.concurrency)
+    asyncio.run(srv.run())
+    # FUSE worker threads may sit in read(2) on the connection: leave without joining.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
