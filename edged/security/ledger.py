@@ -9,8 +9,9 @@ that drops its oldest events when the reader is too slow (the count is reported)
 
 Bounds: ``rate_per_s`` events per sandbox per second (the excess is counted and reported on the
 next kept event as ``detail["suppressed"]``, so a workload looping on a denied syscall cannot
-fill the disk); ``max_bytes`` on disk (when passed, the ledger compacts: rewrites the retained
-events into one new segment and deletes the rest); events of a sandbox are dropped
+fill the disk); ``max_bytes`` on disk (when passed, the ledger compacts: rewrites the newest
+retained events that fit in half of it into one new segment and deletes the rest; older ones
+count as ``truncated``); events of a sandbox are dropped
 ``retention_s`` seconds after :meth:`Ledger.sandbox_gone`.
 
 Crash safety: appends are whole lines with O_APPEND; a torn last line is skipped on load;
@@ -251,12 +252,24 @@ class Ledger:
         events = sorted((e for s in self._sandboxes.values() for e in s.events),
                         key=lambda e: e.seq)
         old = self._segments()
+        lines = [(json.dumps(e.to_json(), separators=(",", ":")) + "\n").encode()
+                 for e in events]
+        # Keep the newest events that fit in half the budget, so that the disk stays bounded
+        # even when every sandbox is alive, and compaction does not run again at once.
+        budget, keep = self.max_bytes // 2, len(lines)
+        size = 0
+        while keep > 0 and size + len(lines[keep - 1]) <= budget:
+            size += len(lines[keep - 1])
+            keep -= 1
+        for e in events[:keep]:
+            sb = self._sandboxes[e.sandbox_id]
+            sb.events.remove(e)
+            sb.truncated += 1
+        events, lines = events[keep:], lines[keep:]
         first = events[0].seq if events else self._seq + 1
         path = self._dir / f"events-{first:016d}.jsonl"
         tmp = path.with_suffix(".tmp")
-        data = b"".join(
-            (json.dumps(e.to_json(), separators=(",", ":")) + "\n").encode() for e in events
-        )
+        data = b"".join(lines)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
