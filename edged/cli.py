@@ -182,6 +182,12 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run(cfg)
 
 
+def cmd_rollout(a: argparse.Namespace) -> int:
+    from edged.rollout import main as rollout_main
+
+    return rollout_main(list(a.args))
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``edged``."""
     p = argparse.ArgumentParser(prog="edged", description="Node runtime for agent sandboxes")
@@ -235,12 +241,22 @@ def parser() -> argparse.ArgumentParser:
 
     sp = client("node", "capacity, allocations and features of this node")
     sp.set_defaults(fn=cmd_node)
+
+    sp = sub.add_parser("rollout", add_help=False,
+                        help="the main job: build layers, run N sandboxes of a project's tests")
+    sp.add_argument("args", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=cmd_rollout)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``edged``; returns the exit status."""
-    a = parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["rollout"]:  # its own parser: argparse cannot pass options through
+        from edged.rollout import main as rollout_main
+
+        return rollout_main(args[1:])
+    a = parser().parse_args(args)
     if getattr(a, "cmd", None) and a.cmd[0] == "--":
         a.cmd = a.cmd[1:]
     try:

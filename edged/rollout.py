@@ -1,0 +1,266 @@
+"""``edged rollout``: the main job, end to end on one node.
+
+1. Layers (layerfs, deterministic, deduplicated in the store): **base** from a Debian rootfs
+   tarball (``mmdebstrap --variant=minbase --include=python3``, made if missing);
+   **workspace** from a real project's source release fetched from PyPI as an sdist (its test
+   suite included) at ``/work/<project>``; **toolkit** with pytest and the project's test
+   dependencies installed from PyPI into ``/opt/toolkit`` (``PYTHONPATH``).
+2. A daemon (:class:`edged.daemon.Server`, real container backend) on a private socket; the
+   image ``rollout/<project>:latest`` registered.
+3. N sandboxes in parallel (SDK :class:`~edged.client.AsyncSandbox`), each running the
+   project's tests; a per-sandbox summary (create latency, run time, pass/fail counts) and
+   totals. Everything is torn down at the end (sandboxes, daemon, layer mounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_ROOTFS = "/var/cache/edged-test/debian-rootfs.tar"
+DEFAULT_PROJECT = "more-itertools==10.5.0"
+_SUMMARY_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
+
+
+@dataclass
+class Outcome:
+    """One sandbox of the batch. Times in seconds; counts from pytest's summary line."""
+
+    id: str
+    create_s: float
+    run_s: float
+    exit_code: int | None
+    reason: str
+    passed: int
+    failed: int
+    skipped: int
+    summary: str
+
+
+def _log(msg: str) -> None:
+    print(f"rollout: {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_rootfs(path: str) -> str:
+    """The Debian rootfs tarball at ``path``, made with mmdebstrap if missing."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        _log(f"making {path} with mmdebstrap (minbase + python3, bookworm)")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        part = f"{path}.{os.getpid()}.part"
+        try:
+            subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase",
+                            "--include=python3", "bookworm", part], check=True)
+            os.replace(part, path)
+        finally:
+            Path(part).unlink(missing_ok=True)
+    return path
+
+
+def fetch_sdist(requirement: str, dest: Path) -> tuple[str, Path]:
+    """Download ``requirement``'s sdist from PyPI and unpack it; returns (name, source dir)."""
+    dl = dest / "dl"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                    "--no-binary", ":all:", "-d", str(dl), requirement], check=True)
+    (archive,) = list(dl.iterdir())
+    out = dest / "src"
+    with tarfile.open(archive) as tf:
+        tf.extractall(out, filter="data")
+    (top,) = list(out.iterdir())
+    name = re.split(r"[=<>!~ \[]", requirement, maxsplit=1)[0]
+    return name, top
+
+
+def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps: list[str],
+                 work: Path) -> tuple[dict[str, str], str, str]:
+    """Build base, workspace and toolkit layers into the store; returns ({kind: digest},
+    project name, project dir inside the sandbox)."""
+    from layerfs.build import build_layer
+    from layerfs.store import Store
+
+    store = Store(store_dir or None)
+    digests: dict[str, str] = {}
+    t0 = time.monotonic()
+    digests["base"] = build_layer(ensure_rootfs(rootfs), kind="base", store=store).digest
+    _log(f"base layer {digests['base'][:19]} ({time.monotonic() - t0:.1f}s)")
+
+    name, src = fetch_sdist(requirement, work / "sdist")
+    ws = work / "workspace"
+    inside = f"/work/{name}"
+    shutil.copytree(src, ws / inside.lstrip("/"), symlinks=True)
+    t0 = time.monotonic()
+    digests["workspace"] = build_layer(str(ws), kind="workspace", store=store).digest
+    _log(f"workspace layer {digests['workspace'][:19]} from {src.name} "
+         f"({time.monotonic() - t0:.1f}s)")
+
+    tk = work / "toolkit"
+    target = tk / "opt" / "toolkit"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile",
+                    "--target", str(target), "pytest", *test_deps], check=True)
+    t0 = time.monotonic()
+    digests["toolkit"] = build_layer(str(tk), kind="toolkit", store=store).digest
+    _log(f"toolkit layer {digests['toolkit'][:19]} ({time.monotonic() - t0:.1f}s)")
+    return digests, name, inside
+
+
+def parse_pytest(output: str) -> tuple[int, int, int, str]:
+    """(passed, failed+errors, skipped, summary line) from pytest's last summary line."""
+    lines = [x for x in output.strip().splitlines() if _SUMMARY_RE.search(x)]
+    if not lines:
+        return 0, 0, 0, ""
+    last = lines[-1].strip("= ")
+    counts: dict[str, int] = {}
+    for n, kind in _SUMMARY_RE.findall(last):
+        counts[kind.rstrip("s") if kind.startswith("error") else kind] = int(n)
+    return (counts.get("passed", 0), counts.get("failed", 0) + counts.get("error", 0),
+            counts.get("skipped", 0), last)
+
+
+async def run_batch(socket: str, image: str, project_dir: str, n: int, parallel: int,
+                    timeout: float, cpus: float, memory: int) -> list[Outcome]:
+    """Run ``n`` sandboxes (``parallel`` at a time), each running the project's tests."""
+    from edged.client import AsyncSandbox
+
+    sem = asyncio.Semaphore(parallel)
+    cmd = (f"cd {project_dir} && python3 -m pytest -q -p no:cacheprovider "
+           f"-o addopts='' 2>&1 | tail -n 15")
+
+    async def one(i: int) -> Outcome:
+        async with sem:
+            sid = f"rollout-{i}"
+            t0 = time.monotonic()
+            sbx = await AsyncSandbox.create(
+                image=image, id=sid, cpus=cpus, memory_bytes=memory, timeout=timeout + 60,
+                env={"PYTHONPATH": "/opt/toolkit", "PYTHONDONTWRITEBYTECODE": "1",
+                     "HOME": "/tmp", "PATH": "/usr/local/bin:/usr/bin:/bin"},
+                labels={"job": "rollout"}, socket=socket)
+            create_s = time.monotonic() - t0
+            try:
+                t1 = time.monotonic()
+                r = await sbx.exec(["/bin/sh", "-c", cmd], timeout=timeout)
+                run_s = time.monotonic() - t1
+            finally:
+                await sbx.kill()
+                await sbx.close()
+            passed, failed, skipped, summary = parse_pytest(r.stdout)
+            return Outcome(sid, create_s, run_s, r.exit_code, r.reason, passed, failed,
+                           skipped, summary or (r.stdout + r.stderr).strip()[-200:])
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def report(outcomes: list[Outcome], wall_s: float, digests: dict[str, str],
+           requirement: str) -> dict[str, Any]:
+    """Totals of a batch (what ``--json`` prints)."""
+    creates = [o.create_s for o in outcomes]
+    runs = [o.run_s for o in outcomes]
+    ok = [o for o in outcomes if o.exit_code == 0 and o.failed == 0 and o.passed > 0]
+    return {
+        "project": requirement,
+        "layers": digests,
+        "sandboxes": len(outcomes),
+        "succeeded": len(ok),
+        "tests_passed": sum(o.passed for o in outcomes),
+        "tests_failed": sum(o.failed for o in outcomes),
+        "create_s": {"p50": statistics.median(creates), "p99": _pct(creates, 99),
+                     "max": max(creates)},
+        "run_s": {"p50": statistics.median(runs), "max": max(runs)},
+        "wall_s": wall_s,
+        "outcomes": [asdict(o) for o in outcomes],
+    }
+
+
+def print_human(rep: dict[str, Any]) -> None:
+    """The per-sandbox table and the totals."""
+    hdr = f"{'SANDBOX':<12} {'CREATE':>8} {'RUN':>8} {'EXIT':>5} {'PASS':>5} {'FAIL':>5}  SUMMARY"
+    print(hdr)
+    for o in rep["outcomes"]:
+        code = o["exit_code"] if o["exit_code"] is not None else o["reason"]
+        print(f"{o['id']:<12} {o['create_s'] * 1000:>6.1f}ms {o['run_s']:>7.2f}s {code!s:>5} "
+              f"{o['passed']:>5} {o['failed']:>5}  {o['summary'][:60]}")
+    c, r = rep["create_s"], rep["run_s"]
+    print(f"\n{rep['project']}: {rep['succeeded']}/{rep['sandboxes']} sandboxes green, "
+          f"{rep['tests_passed']} tests passed, {rep['tests_failed']} failed; "
+          f"create p50 {c['p50'] * 1000:.1f} ms, p99 {c['p99'] * 1000:.1f} ms; "
+          f"run p50 {r['p50']:.2f} s; wall {rep['wall_s']:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``edged rollout``; returns 0 if every sandbox's tests passed."""
+    p = argparse.ArgumentParser(prog="edged rollout", description=__doc__.split("\n")[0])
+    p.add_argument("-n", type=int, default=4, help="sandboxes (default 4)")
+    p.add_argument("--parallel", type=int, default=4, help="at a time (default 4)")
+    p.add_argument("--project", default=DEFAULT_PROJECT, help="PyPI requirement (sdist)")
+    p.add_argument("--test-dep", action="append", default=[], help="extra test dependency")
+    p.add_argument("--rootfs", default=DEFAULT_ROOTFS, help="Debian rootfs tarball")
+    p.add_argument("--store", default=None, help="layerfs store (default layerfs's)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per test run, seconds")
+    p.add_argument("--cpus", type=float, default=1.0)
+    p.add_argument("--memory", type=int, default=1 << 30, help="bytes per sandbox")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+
+    from edged.config import Config
+    from edged.daemon import Server
+
+    with tempfile.TemporaryDirectory(prefix="edged-rollout-") as tmp:
+        work = Path(tmp)
+        digests, name, inside = build_layers(a.store, a.rootfs, a.project, a.test_dep, work)
+        cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
+                     runtime_dir=str(work / "run"), store_dir=a.store or "",
+                     on_shutdown="stop", default_ttl_s=0.0)
+        server = Server(cfg)
+        errors: list[BaseException] = []
+        loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            try:
+                loop.run_until_complete(server.serve(install_signals=False))
+            except BaseException as e:
+                errors.append(e)
+                server.started.set()
+            finally:
+                loop.close()
+
+        th = threading.Thread(target=serve, name="edged", daemon=True)
+        th.start()
+        try:
+            while not server.started.is_set():
+                time.sleep(0.01)
+            if errors:
+                raise errors[0]
+            assert server.manager is not None
+            image = f"rollout/{name.lower()}:latest"
+            server.manager.images.put(image, [digests["base"], digests["workspace"],
+                                              digests["toolkit"]])
+            _log(f"daemon up; running {a.n} sandboxes of {image}, {a.parallel} at a time")
+            t0 = time.monotonic()
+            outcomes = asyncio.run(run_batch(cfg.socket, image, inside, a.n, a.parallel,
+                                             a.timeout, a.cpus, a.memory))
+            rep = report(outcomes, time.monotonic() - t0, digests, a.project)
+        finally:
+            loop.call_soon_threadsafe(server.handle_exit, 15)
+            th.join(120)
+    if a.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print_human(rep)
+    return 0 if rep["succeeded"] == rep["sandboxes"] else 1
