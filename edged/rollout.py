@@ -135,8 +135,7 @@ async def run_batch(socket: str, image: str, project_dir: str, n: int, parallel:
     from edged.client import AsyncSandbox
 
     sem = asyncio.Semaphore(parallel)
-    cmd = (f"cd {project_dir} && python3 -m pytest -q -p no:cacheprovider "
-           f"-o addopts='' 2>&1 | tail -n 15")
+    argv = ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
 
     async def one(i: int) -> Outcome:
         async with sem:
@@ -150,7 +149,8 @@ async def run_batch(socket: str, image: str, project_dir: str, n: int, parallel:
             create_s = time.monotonic() - t0
             try:
                 t1 = time.monotonic()
-                r = await sbx.exec(["/bin/sh", "-c", cmd], timeout=timeout)
+                r = await sbx.exec(argv, cwd=project_dir, timeout=timeout,
+                                   output_limit=16 << 20)
                 run_s = time.monotonic() - t1
             finally:
                 await sbx.kill()
