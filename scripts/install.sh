@@ -10,6 +10,7 @@ APT_PACKAGES=(
   libzstd-dev libxxhash-dev libssl-dev        # chunk compression, hashing
   libfuse3-dev fuse3                          # lazy layer file server
   libseccomp-dev libcap-dev libbpf-dev        # confinement
+  apparmor xfslibs-dev                        # apparmor_parser compile checks; XFS ioctl headers for tests
   erofs-utils                                 # fsck.erofs / mkfs.erofs: cross-checks, benchmark baseline
   mmdebstrap                                  # real Debian rootfs for tests and the main job
   xfsprogs attr zstd busybox-static bubblewrap util-linux
