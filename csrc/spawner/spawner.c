@@ -263,17 +263,20 @@ static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
 
 	if (rootmnt < 0)
 		return fail(e, errno ? errno : EPROTO, "receive the rootfs mount");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		return fail(e, errno, "make `/` private");
+	/* Still host uid 0 here (unmapped in the new namespace, yet with all its
+	 * capabilities): the owner of the 0700 state dir, so its path can be
+	 * searched; sandbox root could not. */
+	if (move_mount(rootmnt, "", AT_FDCWD, o->root, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return fail(e, errno, "attach the rootfs on `%s`", o->root);
+	if (chdir(o->root) < 0)
+		return fail(e, errno, "chdir `%s`", o->root);
 	/* The maps are written now: become root of the new user namespace. */
 	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
 		return fail(e, errno, "setresuid(0) in the user namespace");
 	if (setgroups(0, NULL) < 0)
 		return fail(e, errno, "setgroups");
-	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
-		return fail(e, errno, "make `/` private");
-	if (move_mount(rootmnt, "", AT_FDCWD, o->root, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-		return fail(e, errno, "attach the rootfs on `%s`", o->root);
-	if (chdir(o->root) < 0)
-		return fail(e, errno, "chdir `%s`", o->root);
 	if (ensure_dir("proc", 0555, e) || ensure_dir("dev", 0755, e) || ensure_dir("sys", 0555, e) ||
 	    ensure_dir("tmp", 01777, e))
 		return -1;

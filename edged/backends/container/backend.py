@@ -1,0 +1,663 @@
+"""The container backend: sandboxes made by ``edged-spawner`` and run by ``sbx-init``.
+
+Per sandbox, on the host:
+- ``<state_dir>/sandboxes/<id>/`` (0700): ``meta.json`` (pid, start time, id range),
+  ``ctl.sock`` (sbx-init's control socket; host-only path), ``init.log`` (sbx-init's
+  stderr), ``root/`` (an empty mount point: the rootfs is mounted on it only inside the
+  sandbox's own mount namespace, so the host's mount table never changes);
+- cgroups beneath the daemon's own (see :mod:`.cgroups`);
+- nothing else: the overlay, its size-limited tmpfs upper and /dev, /proc, /sys all live in
+  the sandbox's mount namespace and vanish with its last process.
+
+Creating a sandbox never forks the daemon: ``os.posix_spawn`` (glibc: clone with CLONE_VM |
+CLONE_VFORK) runs the spawner, which reports ``ok PID`` on a pipe once sbx-init runs. A
+sandbox outlives the daemon (sbx-init is re-parented to the host's init); a restarted daemon
+finds it in the state dir (:meth:`ContainerBackend.list_existing`) and reconnects
+(:meth:`ContainerBackend.adopt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import edged
+from edged.backends.base import ExecEnd, ExecSpec, SandboxSpec
+from edged.backends.container import files
+from edged.backends.container import protocol as P
+from edged.backends.container.cgroups import CgroupManager, SandboxCgroup
+from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
+
+log = logging.getLogger("edged.container")
+
+ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
+BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
+CREDIT_BATCH = 32 << 10
+CONNECT_TIMEOUT_S = 5.0
+EXIT_TIMEOUT_S = 5.0
+_EXEC_USER_ERRNOS = {2, 13, 20, 21, 7, 8, 22, 36, 40}  # ENOENT EACCES ENOTDIR EISDIR E2BIG ...
+
+
+def _starttime(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if gone: with the pid
+    it identifies a process across pid reuse."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode()
+    except OSError:
+        return None
+    return int(data[data.rindex(")") + 2 :].split()[19])
+
+
+class ContainerExec:
+    """A running exec (implements :class:`edged.backends.base.ExecHandle`)."""
+
+    def __init__(self, conn: _Conn, exec_id: int, pty: bool) -> None:
+        self.exec_id = exec_id
+        self._conn = conn
+        self._pty = pty
+        self._q: asyncio.Queue[tuple[str, bytes] | ExecEnd] = asyncio.Queue()
+        self._uncredited = 0
+        self.ended = False
+
+    def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
+        if not self.ended:
+            self._q.put_nowait(item)
+            self.ended = isinstance(item, ExecEnd)
+
+    async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
+        """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
+        sbx-init only as it is consumed, so a consumer that stops reading stops the
+        process once its pipe and the credit window (protocol.WINDOW) are full."""
+        while True:
+            item = await self._q.get()
+            yield item
+            if isinstance(item, ExecEnd):
+                return
+            self._uncredited += len(item[1])
+            if self._uncredited >= CREDIT_BATCH:
+                n, self._uncredited = self._uncredited, 0
+                await self._conn.send_quiet(
+                    P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(n, 0)))
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Send bytes to the process's stdin, in chunks of at most protocol.MAX_DATA."""
+        for i in range(0, len(data), P.MAX_DATA):
+            await self._conn.send(P.frame(P.STDIN, self.exec_id, data[i : i + P.MAX_DATA]))
+
+    async def close_stdin(self) -> None:
+        await self._conn.send(P.frame(P.STDIN_EOF, self.exec_id))
+
+    async def signal(self, sig: int) -> None:
+        """Signal the exec's process group. Raises BadRequest for a signal out of 1..64."""
+        if not 1 <= sig <= 64:
+            raise BadRequest(f"signal {sig} out of range 1..64")
+        await self._conn.send(P.frame(P.SIGNAL_T, self.exec_id, P.SIGNAL.pack(sig, 0)))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the pty's size (characters). Raises BadRequest if not a pty exec."""
+        if not self._pty:
+            raise BadRequest(f"exec {self.exec_id} has no pty")
+        if not (0 < rows < 65536 and 0 < cols < 65536):
+            raise BadRequest(f"pty size {rows}x{cols} out of range")
+        await self._conn.send(P.frame(P.RESIZE_T, self.exec_id, P.RESIZE.pack(rows, cols, 0)))
+
+    async def kill(self) -> None:
+        """Kill the exec's whole process tree (ends with reason ``killed``)."""
+        await self._conn.send(P.frame(P.KILL, self.exec_id))
+
+
+class _Conn:
+    """The control connection to one sbx-init."""
+
+    def __init__(self, sandbox_id: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.sandbox_id = sandbox_id
+        self.reader = reader
+        self.writer = writer
+        self.handles: dict[int, ContainerExec] = {}
+        self.pending: dict[int, asyncio.Future[int]] = {}
+        self.hello: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
+        self.closed = False
+        self._lock = asyncio.Lock()
+        self._task = asyncio.create_task(self._read_loop())
+
+    async def send(self, data: bytes) -> None:
+        if self.closed:
+            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
+        async with self._lock:
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def send_quiet(self, data: bytes) -> None:
+        with contextlib.suppress(InvalidState, ConnectionError):
+            await self.send(data)
+
+    async def _read_loop(self) -> None:
+        dec = P.Decoder()
+        try:
+            while True:
+                data = await self.reader.read(1 << 18)
+                if not data:
+                    break
+                for f in dec.feed(data):
+                    self._dispatch(f)
+        except (ConnectionError, ValueError) as exc:
+            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
+        finally:
+            self._lost()
+
+    def _dispatch(self, f: P.Frame) -> None:
+        if f.type in (P.STDOUT, P.STDERR):
+            h = self.handles.get(f.exec_id)
+            if h:
+                h._push(("stdout" if f.type == P.STDOUT else "stderr", f.payload))
+        elif f.type == P.END:
+            reason, code, sig, _r, dur_ns, peak = P.END_S.unpack(f.payload)
+            h = self.handles.pop(f.exec_id, None)
+            if h:
+                h._push(ExecEnd(reason=P.REASONS.get(reason, "killed"),
+                                exit_code=code if code >= 0 else None,
+                                signal=sig or None, duration_s=dur_ns / 1e9,
+                                peak_memory_bytes=peak or None))
+        elif f.type == P.STARTED:
+            fut = self.pending.pop(f.exec_id, None)
+            if fut and not fut.done():
+                fut.set_result(P.STARTED_S.unpack(f.payload)[0])
+        elif f.type == P.ERROR:
+            code = P.ERROR_S.unpack_from(f.payload)[0]
+            msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
+            fut = self.pending.pop(f.exec_id, None)
+            if fut and not fut.done():
+                self.handles.pop(f.exec_id, None)
+                cls = BadRequest if code in _EXEC_USER_ERRNOS else BackendError
+                fut.set_exception(cls(f"sandbox {self.sandbox_id}: {msg}"))
+            else:
+                log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
+                            f.exec_id, msg)
+        elif f.type == P.HELLO_OK and not self.hello.done():
+            self.hello.set_result(P.HELLO_S.unpack(f.payload))
+
+    def _lost(self) -> None:
+        self.closed = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went away"))
+        self.pending.clear()
+        for h in self.handles.values():
+            h._push(ExecEnd(reason="killed", exit_code=None, signal=signal.SIGKILL,
+                            duration_s=0.0, peak_memory_bytes=None))
+        self.handles.clear()
+        if not self.hello.done():
+            self.hello.set_exception(BackendError(f"sandbox {self.sandbox_id}: no hello"))
+            self.hello.exception()  # retrieved: nobody may be waiting
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._lost()
+
+
+@dataclass
+class _Sandbox:
+    id: str
+    dir: Path
+    pid: int
+    pidfd: int
+    uid_base: int
+    slot: int
+    cg: SandboxCgroup
+    conn: _Conn | None = None
+    paused: bool = False
+    next_exec: int = 1
+    execs: dict[int, ContainerExec] = field(default_factory=dict)
+
+
+class ContainerBackend:
+    """Container sandboxes (implements :class:`edged.backends.base.Backend`).
+
+    ``state_dir``: host directory for per-sandbox state (default ``/run/edged``; a
+    non-default one also gets its own cgroup subtree, so several instances can coexist).
+    ``uid_base``/``id_count``: sandbox slot ``n`` maps its ids 0..id_count-1 to host ids
+    ``uid_base + n*id_count ...``; sandbox root is never host root.
+    ``bin_dir``: where ``edged-spawner`` and ``sbx-init`` are (default: ``edged/_bin``).
+    Raises :class:`edged.errors` exceptions only.
+    """
+
+    name = "container"
+
+    def __init__(self, state_dir: str | os.PathLike[str] = "/run/edged", *,
+                 uid_base: int = 1 << 30, id_count: int = 65536,
+                 bin_dir: str | os.PathLike[str] | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.sandboxes_dir = self.state_dir / "sandboxes"
+        self.uid_base = uid_base
+        self.id_count = id_count
+        self.max_slots = ((1 << 32) - 2 - uid_base) // id_count
+        self.bin_dir = Path(bin_dir) if bin_dir else BIN_DIR
+        subdir = "edged"
+        if self.state_dir.resolve() != Path("/run/edged"):
+            import hashlib
+
+            subdir += "-" + hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:10]
+        self.cgroups = CgroupManager(subdir=subdir)
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._busy: set[str] = set()
+        self._slots: set[int] = set()
+
+    # ---- helpers ------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> _Sandbox:
+        sbx = self._sandboxes.get(sandbox_id)
+        if sbx is None:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        return sbx
+
+    def _alloc_slot(self) -> int:
+        used = set(self._slots)
+        for meta in self._metas().values():
+            used.add(int(meta.get("slot", -1)))
+        for n in range(self.max_slots):
+            if n not in used:
+                self._slots.add(n)
+                return n
+        raise BackendError("no free uid range for another sandbox")
+
+    def _metas(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        with contextlib.suppress(FileNotFoundError):
+            for e in os.scandir(self.sandboxes_dir):
+                with contextlib.suppress(OSError, ValueError):
+                    out[e.name] = json.loads(Path(e.path, "meta.json").read_text())
+        return out
+
+    @staticmethod
+    def _write_meta(d: Path, meta: dict[str, Any]) -> None:
+        tmp = d / "meta.json.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, d / "meta.json")
+
+    @staticmethod
+    def _alive(meta: dict[str, Any]) -> bool:
+        pid = int(meta.get("pid") or 0)
+        return pid > 0 and _starttime(pid) == meta.get("starttime")
+
+    async def _spawn(self, argv: list[str]) -> int:
+        spawner = str(self.bin_dir / "edged-spawner")
+        r, w = os.pipe()
+        try:
+            pid = os.posix_spawn(spawner, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, w, 3)])
+        except OSError as exc:
+            os.close(r)
+            raise BackendError(f"posix_spawn {spawner}: {exc.strerror}") from exc
+        finally:
+            os.close(w)
+        try:
+            out = await _read_to_eof(r)
+        finally:
+            os.close(r)
+            os.waitpid(pid, 0)  # it has closed the pipe by exiting: no wait in practice
+        line = out.decode("utf-8", "replace").strip()
+        if line.startswith("ok "):
+            return int(line.split()[1])
+        _, _, rest = line.partition(" ")
+        code, _, msg = rest.partition(" ")
+        raise BackendError(f"spawner: {msg or line or 'no status'} (errno {code or '?'})")
+
+    async def _connect(self, sbx: _Sandbox) -> None:
+        path = str(sbx.dir / "ctl.sock")
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(path, limit=1 << 20), CONNECT_TIMEOUT_S)
+            conn = _Conn(sbx.id, reader, writer)
+            await conn.send(P.frame(P.HELLO))
+            version, mode, *_ = await asyncio.wait_for(conn.hello, CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError) as exc:
+            raise BackendError(f"sandbox {sbx.id}: connect to sbx-init: {exc}") from exc
+        if version != P.VERSION:
+            await conn.close()
+            raise BackendError(f"sandbox {sbx.id}: sbx-init speaks protocol {version}")
+        log.debug("sandbox %s: sbx-init cgroup mode %s", sbx.id, P.CGROUP_MODES.get(mode))
+        sbx.conn = conn
+
+    async def _wait_exit(self, pidfd: int) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        try:
+            await asyncio.wait_for(fut, EXIT_TIMEOUT_S)
+        except TimeoutError as exc:
+            raise BackendError("sbx-init did not exit after SIGKILL") from exc
+        finally:
+            loop.remove_reader(pidfd)
+
+    async def _teardown(self, sandbox_id: str, meta: dict[str, Any] | None) -> None:
+        """Kill and remove everything of a sandbox, whatever state it is in."""
+        d = self.sandboxes_dir / sandbox_id
+        cg = self.cgroups.path_of(sandbox_id)
+        pidfd = -1
+        if meta and self._alive(meta):
+            with contextlib.suppress(ProcessLookupError):
+                pidfd = os.pidfd_open(int(meta["pid"]))
+        try:
+            # thaw and kill the tasks first: a frozen PID 1 cannot die on v1
+            await asyncio.to_thread(cg.kill_all)
+            if pidfd >= 0:
+                # PID 1 dying takes its whole pid namespace with it
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                await self._wait_exit(pidfd)
+        finally:
+            if pidfd >= 0:
+                os.close(pidfd)
+        await asyncio.to_thread(cg.remove)
+        shutil.rmtree(d, ignore_errors=True)
+        if meta and "slot" in meta:
+            self._slots.discard(int(meta["slot"]))
+
+    # ---- Backend ------------------------------------------------------
+
+    async def probe(self) -> dict[str, object]:
+        """Features: cgroup version and parents, user namespaces, kernel version (overlay
+        layers by fd need Linux >= 6.13; id-mapped mounts >= 5.12), binaries present."""
+        rel = os.uname().release
+        m = re.match(r"(\d+)\.(\d+)", rel)
+        ver = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        try:
+            max_userns = int(Path("/proc/sys/user/max_user_namespaces").read_text())
+        except OSError:
+            max_userns = 0
+        return {
+            "backend": self.name,
+            "kernel": rel,
+            **self.cgroups.features(),
+            "user_namespaces": max_userns > 0,
+            "idmapped_mounts": ver >= (5, 12),
+            "overlay_layers_by_fd": ver >= (6, 13),
+            "spawner": (self.bin_dir / "edged-spawner").exists(),
+            "sbx_init": (self.bin_dir / "sbx-init").exists(),
+            "tree_kill": {"v1": "freezer", "v2": "cgroup.kill"}.get(self.cgroups.version,
+                                                                      "session sweep"),
+        }
+
+    async def create(self, spec: SandboxSpec) -> None:
+        _check_spec(spec)
+        sid = spec.id
+        d = self.sandboxes_dir / sid
+        if sid in self._sandboxes or sid in self._busy or d.exists():
+            raise Conflict(f"sandbox {sid!r} already exists")
+        self._busy.add(sid)
+        meta: dict[str, Any] = {"id": sid}
+        pid = 0
+        try:
+            slot = self._alloc_slot()
+            uid_base = self.uid_base + slot * self.id_count
+            meta.update(slot=slot, uid_base=uid_base)
+            self.sandboxes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.state_dir, 0o700) if self.state_dir != Path("/run") else None
+            d.mkdir(mode=0o700)
+            (d / "root").mkdir()
+            self._write_meta(d, meta)
+            cg = self.cgroups.create(sid, spec.resources, uid_base)
+            argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
+                    "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
+                    "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
+                    "--id-count", str(self.id_count), "--hostname", spec.hostname,
+                    "--disk-bytes", str(spec.resources.disk_bytes)]
+            for lower in spec.lowers:
+                argv += ["--lower", lower]
+            for j in cg.join:
+                argv += ["--join", str(j)]
+            if cg.version == "v1":
+                argv += ["--cg-freezer", str(cg.dirs["freezer"]),
+                         "--cg-memory", str(cg.dirs["memory"])]
+            elif cg.version == "v2":
+                argv += ["--cg-v2", str(cg.dirs["v2"])]
+            pid = await self._spawn(argv)
+            meta.update(pid=pid, starttime=_starttime(pid))
+            self._write_meta(d, meta)
+            sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg)
+            try:
+                await self._connect(sbx)
+            except BaseException:
+                os.close(sbx.pidfd)
+                raise
+            self._sandboxes[sid] = sbx
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await self._teardown(sid, meta)
+            if isinstance(exc, OSError):
+                raise BackendError(f"create sandbox {sid}: {exc}") from exc
+            raise
+        finally:
+            self._busy.discard(sid)
+
+    async def exec(self, sandbox_id: str, spec: ExecSpec) -> ContainerExec:
+        sbx = self._get(sandbox_id)
+        if sbx.paused:
+            raise InvalidState(f"sandbox {sandbox_id} is paused")
+        if sbx.conn is None or sbx.conn.closed:
+            raise InvalidState(f"sandbox {sandbox_id}: sbx-init is not connected")
+        if not (0 <= spec.uid < self.id_count and 0 <= spec.gid < self.id_count):
+            raise BadRequest(f"uid/gid {spec.uid}/{spec.gid} outside the sandbox's id range")
+        if spec.timeout_s is not None and not spec.timeout_s > 0:
+            raise BadRequest(f"timeout_s {spec.timeout_s} must be positive")
+        if spec.output_limit is not None and spec.output_limit <= 0:
+            raise BadRequest(f"output_limit {spec.output_limit} must be positive")
+        flags = (P.EXEC_STDIN if spec.stdin else 0) | (P.EXEC_PTY if spec.pty else 0)
+        eid = sbx.next_exec
+        sbx.next_exec = eid + 1 if eid < 0xFFFFFFFF else 1
+        try:
+            data = P.exec_frame(
+                eid, tuple(spec.argv), dict(spec.env), spec.cwd, spec.uid, spec.gid,
+                math.ceil(spec.timeout_s * 1000) if spec.timeout_s else 0,
+                spec.output_limit or 0, flags)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        conn = sbx.conn
+        h = ContainerExec(conn, eid, spec.pty)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        conn.handles[eid] = h
+        conn.pending[eid] = fut
+        try:
+            await conn.send(data)
+            await fut
+        except BaseException:
+            conn.handles.pop(eid, None)
+            conn.pending.pop(eid, None)
+            raise
+        return h
+
+    async def pause(self, sandbox_id: str) -> None:
+        sbx = self._get(sandbox_id)
+        if sbx.cg.version == "none":
+            raise InvalidState("pause needs a freezer cgroup, none on this host")
+        await asyncio.to_thread(sbx.cg.freeze, True)
+        sbx.paused = True
+
+    async def resume(self, sandbox_id: str) -> None:
+        sbx = self._get(sandbox_id)
+        if sbx.cg.version == "none":
+            raise InvalidState("resume needs a freezer cgroup, none on this host")
+        await asyncio.to_thread(sbx.cg.freeze, False)
+        sbx.paused = False
+
+    async def destroy(self, sandbox_id: str) -> None:
+        sbx = self._sandboxes.pop(sandbox_id, None)
+        self._busy.add(sandbox_id)
+        try:
+            if sbx is not None:
+                if sbx.conn is not None:
+                    await sbx.conn.close()
+                os.close(sbx.pidfd)
+            metas = self._metas()
+            meta = metas.get(sandbox_id)
+            if meta is None and sbx is not None:
+                meta = {"pid": sbx.pid, "starttime": _starttime(sbx.pid), "slot": sbx.slot}
+            await self._teardown(sandbox_id, meta)
+        finally:
+            self._busy.discard(sandbox_id)
+
+    async def stats(self, sandbox_id: str) -> dict[str, int]:
+        return self._get(sandbox_id).cg.stats()
+
+    def _root_fd(self, sbx: _Sandbox) -> int:
+        try:
+            fd = os.open(f"/proc/{sbx.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise InvalidState(f"sandbox {sbx.id}: not running ({exc.strerror})") from exc
+        if _starttime(sbx.pid) is None:  # the pid could have been reused before the open
+            os.close(fd)
+            raise InvalidState(f"sandbox {sbx.id}: not running")
+        return fd
+
+    async def put_file(self, sandbox_id: str, path: str, data: AsyncIterator[bytes],
+                       mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:
+        sbx = self._get(sandbox_id)
+        if not (0 <= uid < self.id_count and 0 <= gid < self.id_count):
+            raise BadRequest(f"uid/gid {uid}/{gid} outside the sandbox's id range")
+        root = self._root_fd(sbx)
+        try:
+            return await files.put(root, path, data, mode, sbx.uid_base + uid, sbx.uid_base + gid)
+        finally:
+            os.close(root)
+
+    async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        sbx = self._get(sandbox_id)
+        root = self._root_fd(sbx)
+        try:
+            fd = files.open_for_get(root, path)
+        finally:
+            os.close(root)
+        return files.stream(fd)
+
+    async def list_existing(self) -> list[str]:
+        return sorted(sid for sid, meta in self._metas().items() if self._alive(meta))
+
+    async def adopt(self, sandbox_id: str) -> None:
+        if sandbox_id in self._sandboxes:
+            return
+        meta = self._metas().get(sandbox_id)
+        if meta is None or not self._alive(meta):
+            raise NotFound(f"sandbox {sandbox_id!r}: no live sandbox to adopt")
+        pid = int(meta["pid"])
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError as exc:
+            raise NotFound(f"sandbox {sandbox_id!r} has just ended") from exc
+        cg = self.cgroups.path_of(sandbox_id)
+        sbx = _Sandbox(sandbox_id, self.sandboxes_dir / sandbox_id, pid, pidfd,
+                       int(meta["uid_base"]), int(meta["slot"]), cg)
+        sbx.paused = _is_frozen(cg)
+        if sbx.paused:
+            await asyncio.to_thread(cg.freeze, False)  # sbx-init must answer the hello
+        try:
+            await self._connect(sbx)
+            if sbx.paused:
+                await asyncio.to_thread(cg.freeze, True)
+        except BaseException:
+            os.close(pidfd)
+            raise
+        self._slots.add(sbx.slot)
+        self._sandboxes[sandbox_id] = sbx
+
+    async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
+        metas = self._metas()
+        ids = (set(metas) | self.cgroups.existing()) - keep - set(self._sandboxes) - self._busy
+        removed = []
+        for sid in sorted(ids):
+            try:
+                await self._teardown(sid, metas.get(sid))
+            except BackendError as exc:
+                log.warning("leftover sandbox %s: %s", sid, exc)
+                continue
+            removed.append(sid)
+        return removed
+
+    async def close(self) -> None:
+        """Drop the control connections (sandboxes keep running, for a later adopt)."""
+        for sbx in list(self._sandboxes.values()):
+            if sbx.conn is not None:
+                await sbx.conn.close()
+            os.close(sbx.pidfd)
+        self._sandboxes.clear()
+
+
+def _is_frozen(cg: SandboxCgroup) -> bool:
+    try:
+        if cg.version == "v1":
+            return Path(cg.dirs["freezer"], "freezer.state").read_text().strip() != "THAWED"
+        if cg.version == "v2":
+            return "frozen 1" in Path(cg.dirs["v2"], "cgroup.events").read_text()
+    except OSError:
+        pass
+    return False
+
+
+def _check_spec(spec: SandboxSpec) -> None:
+    if not ID_RE.match(spec.id):
+        raise BadRequest(f"sandbox id {spec.id!r} does not match [a-z0-9][a-z0-9_.-]{{0,62}}")
+    if spec.network != "none":
+        raise BadRequest(f"network {spec.network!r}: only 'none' is supported")
+    if not spec.lowers:
+        raise BadRequest("lowers: at least one layer is needed")
+    for lower in spec.lowers:
+        if not os.path.isabs(lower) or not os.path.isdir(lower):
+            raise BadRequest(f"lower {lower!r} is not an existing absolute directory")
+    if not spec.hostname or len(spec.hostname) > 64 or "\0" in spec.hostname:
+        raise BadRequest(f"hostname {spec.hostname!r} must be 1..64 bytes")
+    r = spec.resources
+    if not (r.cpus > 0 and r.memory_bytes > 0 and r.swap_bytes >= 0 and r.pids > 0
+            and r.disk_bytes > 0):
+        raise BadRequest(f"resources {r}: every limit must be positive")
+
+
+async def _read_to_eof(fd: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    done: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if not done.done():
+                done.set_exception(exc)
+            return
+        if data:
+            chunks.append(data)
+        elif not done.done():
+            done.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+    return b"".join(chunks)
+
+
+__all__ = ["ContainerBackend", "ContainerExec"]
