@@ -68,18 +68,15 @@ def setup_logging(level: str) -> None:
 
 
 def make_backend(config: Config) -> Backend:
-    """The backend named by ``config.backend`` (imported lazily: the container backend
-    pulls in the C core). Raises :class:`BackendError` if it is unknown or unavailable."""
+    """The backend named by ``config.backend``, keeping its per-sandbox state under
+    ``runtime_dir`` (imported lazily: the container backend needs the C helpers). Raises
+    :class:`BackendError` if it is unknown or unavailable."""
     if config.backend == "container":
         try:
-            from edged.backends import container  # type: ignore[attr-defined,unused-ignore]
+            from edged.backends.container import ContainerBackend
         except ImportError as e:
             raise BackendError(f"backend container: not available: {e}") from e
-        factory: Any = getattr(container, "ContainerBackend", None) or container.Backend
-        try:
-            return factory(config)  # type: ignore[no-any-return]
-        except TypeError:
-            return factory()  # type: ignore[no-any-return]
+        return ContainerBackend(config.runtime_dir)
     raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
 
 
@@ -213,6 +210,9 @@ class Server:
         if self.manager is not None:
             timeout = 1.0 if self.force_exit else self.config.shutdown_timeout_s
             await self.manager.shutdown(timeout)
+            close = getattr(self.manager.backend, "close", None)
+            if close is not None:  # drop control connections; kept sandboxes live on
+                await close()
         log.info("stopped")
 
 
