@@ -111,3 +111,24 @@ def test_sdk_import_is_cheap() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_parallel_creates_admitted_exactly_to_capacity(make_node) -> None:
+    node = make_node(max_sandboxes=10)
+    node.backend.create_delay = 0.05  # creates overlap in the daemon
+
+    async def one(i: int) -> str:
+        try:
+            sbx = await AsyncSandbox.create(layers=[digest(1)], id=f"p{i}", socket=node.socket)
+        except CapacityExhaustedError:
+            return "full"
+        await sbx.close()
+        return "ok"
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(20)))
+
+    results = asyncio.run(main())
+    assert results.count("ok") == 10 and results.count("full") == 10
+    assert len(node.backend.live) == 10
+    assert node.server.manager.capacity.to_json()["allocated"]["sandboxes"] == 10
