@@ -29,6 +29,7 @@
 #include "lfs_writer.h"
 
 #define WR_BUF_SIZE (1u << 20)
+#define WR_DIRECT_MIN (64u << 10) /* copy_file_range(2) from this size up */
 #define WR_SYMLINK_MAX 4095  /* PATH_MAX - 1: what readlink(2) can return */
 
 static inline void wr_freep(void *p) { free(*(void **)p); }
@@ -80,6 +81,7 @@ struct wr {
 	uint64_t data_start;    /* block */
 	uint64_t total_blocks;
 	bool chunked;
+	bool no_cfr;            /* copy_file_range(2) refused once: use the buffer */
 	int fd;
 	uint8_t *buf;           /* output buffer: bytes for [buf_off, buf_off + buf_len) */
 	size_t buf_len;
@@ -793,11 +795,55 @@ static int read_file(struct wr *w, uint32_t i, int fd, const char *path, uint8_t
 	return 0;
 }
 
+/* Large contiguous ranges go kernel to kernel (no copy through our buffer); any
+ * refusal (EXDEV, EINVAL on odd filesystems, ENOSYS) falls back to the buffer.
+ * Returns 1 if done, 0 to fall back, -1 on error. */
+static int copy_direct(struct wr *w, uint32_t i, int fd, const char *path, uint64_t at,
+		       uint64_t off, uint64_t len)
+{
+	loff_t src = (loff_t)(w->in->inodes[i].src_offset + off), dst = (loff_t)at;
+
+	if (w->no_cfr || len < WR_DIRECT_MIN || (w->in->inodes[i].flags & LFS_WR_SPARSE))
+		return 0;
+	if (out_flush(w) < 0)
+		return -1;
+	while (len) {
+		ssize_t r = copy_file_range(fd, &src, w->fd, &dst, len, 0);
+
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			if (dst == (loff_t)at && (errno == EXDEV || errno == EINVAL ||
+						  errno == ENOSYS || errno == EOPNOTSUPP ||
+						  errno == EBADF)) {
+				w->no_cfr = true;
+				return 0;
+			}
+			return wr_fail(w, i, errno, "copy `%s` into the image: %s", path,
+				       strerror(errno));
+		}
+		if (r == 0)
+			return wr_fail(w, i, EIO, "source `%s` ended early at offset %lld "
+				       "(changed while building?)", path, (long long)src);
+		len -= (uint64_t)r;
+	}
+	w->buf_off = (uint64_t)dst;
+	return 1;
+}
+
 /* Copy file bytes [off, off + len) to image offset `at`, then zero-pad to a block. */
 static int copy_range(struct wr *w, uint32_t i, int fd, const char *path, uint64_t at,
 		      uint64_t off, uint64_t len)
 {
 	uint64_t pad = (w->blksz - len % w->blksz) % w->blksz;
+	int r = copy_direct(w, i, fd, path, at, off, len);
+
+	if (r < 0)
+		return -1;
+	if (r > 0) {
+		at += len;
+		len = 0;
+	}
 
 	while (len) {
 		size_t piece = len > WR_BUF_SIZE ? WR_BUF_SIZE : (size_t)len;

@@ -39,7 +39,7 @@ def _make(root: pathlib.Path, reverse: bool) -> None:
     names = [b"user.b", b"user.a", b"trusted.z"]
     for n in (names if not reverse else names[::-1]):
         os.setxattr(root / "a.txt", n, n * 2)
-    for p in sorted(root.rglob("*"), reverse=True) + [root]:
+    for p in [*sorted(root.rglob("*"), reverse=True), root]:
         os.utime(p, ns=(7 * S, 1_650_000_000 * S + 42), follow_symlinks=False)
 
 

@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Build benchmark: layerfs (load_directory + write_image) against mkfs.erofs.
+
+    .venv/bin/python bench/bench_build.py [--src DIR | --tar ROOTFS.tar] [--runs 3] [--json]
+
+Default source: the cached Debian rootfs tarball (``mmdebstrap --variant=minbase
+--include=python3 bookworm``, see tests/layerfs/conftest.py), extracted as root into a
+temporary directory. Both builders run as child processes on the same tree in the same
+run, alternately, after one warm-up each (page cache warm for both: this measures the
+builders, not the disk). Reported per builder: median wall time of the child process,
+MB/s (regular file bytes / s), files/s (inodes / s), peak RSS (ru_maxrss of the child,
+from wait4) and image size; then the ratio mkfs.erofs time / layerfs time.
+
+mkfs.erofs 1.5 runs uncompressed with a fixed uuid and build time (``-T0 -U``), so it
+does the same work as ours. Importable: :func:`measure`, :func:`ours_cmd`,
+:func:`mkfs_cmd`, :func:`run_bench` (other benchmarks add modes, e.g. chunk storing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DEFAULT_TAR = pathlib.Path(os.environ.get("EDGED_TEST_CACHE", "/var/cache/edged-test")) \
+    / "debian-rootfs.tar"
+FIXED_UUID = "00000000-0000-0000-0000-000000000000"
+
+
+@dataclass
+class Run:
+    seconds: float
+    max_rss_kib: int
+    image_bytes: int
+
+
+@dataclass
+class Result:
+    name: str
+    runs: list[Run]
+    data_bytes: int
+    inodes: int
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(r.seconds for r in self.runs)
+
+    def summary(self) -> dict[str, float | int | str]:
+        s = self.median_s
+        return {"name": self.name, "median_s": round(s, 4),
+                "mb_per_s": round(self.data_bytes / s / 1e6, 1),
+                "files_per_s": round(self.inodes / s),
+                "peak_rss_mib": round(max(r.max_rss_kib for r in self.runs) / 1024, 1),
+                "image_bytes": self.runs[-1].image_bytes,
+                "runs_s": [round(r.seconds, 4) for r in self.runs]}
+
+
+def measure(cmd: Sequence[str], image: pathlib.Path) -> Run:
+    """Run ``cmd`` as a child; its wall time, peak RSS (wait4 rusage) and image size."""
+    if image.exists():
+        image.unlink()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=ROOT)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    _, status, rusage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return Run(seconds, rusage.ru_maxrss, image.stat().st_size)
+
+
+def ours_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
+    """The layerfs build as a child process (interpreter start-up included)."""
+    return [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", str(src),
+            str(image)]
+
+
+def mkfs_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
+    return ["mkfs.erofs", "-T0", "-U", FIXED_UUID, str(image), str(src)]
+
+
+def _tree_size(src: pathlib.Path) -> tuple[int, int]:
+    data = inodes = 0
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(src):
+        inodes += 1
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            st = os.lstat(os.path.join(dirpath, n))
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            inodes += 1
+            if os.path.isfile(os.path.join(dirpath, n)) and not os.path.islink(
+                    os.path.join(dirpath, n)):
+                data += st.st_size
+    return data, inodes
+
+
+Builder = tuple[str, Callable[[pathlib.Path, pathlib.Path], list[str]]]
+BUILDERS: list[Builder] = [("layerfs", ours_cmd), ("mkfs.erofs", mkfs_cmd)]
+
+
+def run_bench(src: pathlib.Path, workdir: pathlib.Path, runs: int = 3,
+              builders: Sequence[Builder] = BUILDERS) -> list[Result]:
+    """Warm up, then alternate the builders ``runs`` times on ``src``."""
+    data, inodes = _tree_size(src)
+    results = [Result(name, [], data, inodes) for name, _ in builders]
+    for _, make in builders:  # warm-up: page cache, dentries
+        measure(make(src, workdir / "warm.img"), workdir / "warm.img")
+    for _ in range(runs):
+        for res, (name, make) in zip(results, builders, strict=True):
+            img = workdir / f"{name}.img"
+            res.runs.append(measure(make(src, img), img))
+    for f in workdir.glob("*.img"):
+        f.unlink()
+    return results
+
+
+def report(results: list[Result]) -> str:
+    rows = [r.summary() for r in results]
+    lines = [f"{'builder':<12} {'median s':>9} {'MB/s':>8} {'files/s':>9} "
+             f"{'peak RSS MiB':>13} {'image MiB':>10}"]
+    for r in rows:
+        lines.append(f"{r['name']:<12} {r['median_s']:>9.3f} {r['mb_per_s']:>8.1f} "
+                     f"{r['files_per_s']:>9} {r['peak_rss_mib']:>13.1f} "
+                     f"{int(r['image_bytes']) / 2**20:>10.1f}")
+    base = results[-1].median_s
+    for r in results[:-1]:
+        lines.append(f"speed-up of {r.name} over {results[-1].name}: "
+                     f"{base / r.median_s:.2f}x (median of {len(r.runs)})")
+    return "\n".join(lines)
+
+
+def _child(src: str, image: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    from layerfs.sources.directory import load_directory
+    from layerfs.writer import write_image
+
+    write_image(load_directory(src), image)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--src", type=pathlib.Path, help="directory to build from")
+    ap.add_argument("--tar", type=pathlib.Path, default=DEFAULT_TAR,
+                    help="rootfs tarball to extract when --src is not given")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        _child(*args.child)
+        return 0
+    if not shutil.which("mkfs.erofs"):
+        print("mkfs.erofs not found (apt install erofs-utils)", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-build-", dir="/var/tmp") as tmp:
+        work = pathlib.Path(tmp)
+        src = args.src
+        if src is None:
+            if not args.tar.exists():
+                print(f"{args.tar} missing: build it with mmdebstrap (see "
+                      "tests/layerfs/conftest.py)", file=sys.stderr)
+                return 2
+            src = work / "rootfs"
+            src.mkdir()
+            subprocess.run(["tar", "-xpf", str(args.tar), "--xattrs", "--xattrs-include=*",
+                            "--numeric-owner", "-C", str(src)], check=True)
+        results = run_bench(src, work, args.runs)
+    if args.json:
+        base = results[-1].median_s
+        print(json.dumps({"source": str(args.src or args.tar),
+                          "data_bytes": results[0].data_bytes,
+                          "inodes": results[0].inodes,
+                          "results": [r.summary() for r in results],
+                          "baseline": results[-1].name,
+                          "ratios": {r.name: round(base / r.median_s, 3)
+                                     for r in results[:-1]},
+                          "raw": {r.name: [asdict(x) for x in r.runs] for r in results}},
+                         indent=2))
+    else:
+        print(report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
