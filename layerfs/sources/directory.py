@@ -109,10 +109,10 @@ def load_directory(path: str | os.PathLike[str] | bytes) -> Tree:
         dpath, dnode = stack.pop()
         assert dnode.children is not None
         with os.scandir(dpath) as it:
-            names = sorted(e.name for e in it)
-        for name in names:
-            cpath = os.path.join(dpath, name)
-            cst = os.lstat(cpath)
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            name, cpath = entry.name, entry.path
+            cst = entry.stat(follow_symlinks=False)
             key = (cst.st_dev, cst.st_ino)
             if not stat.S_ISDIR(cst.st_mode) and cst.st_nlink > 1:
                 node = links.get(key)
