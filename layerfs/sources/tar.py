@@ -700,12 +700,13 @@ class _ZstdReader:
 
     ``zstandard``'s stream_reader ends silently at a truncated frame (a whole truncated
     layer would read as an empty archive), so this feeds a decompressobj, whose ``eof``
-    tells a finished frame. Input goes in 1 KiB pieces: one piece can hold at most ~256
-    RLE blocks of 128 KiB (zstd_compression_format.md), which bounds the memory a
-    hostile stream can make us hold at once to ~32 MiB.
+    tells a finished frame. Input goes in 256-byte pieces: an RLE block is 4 bytes for
+    up to 128 KiB of output (zstd_compression_format.md), so one piece yields at most
+    ~8 MiB, whatever a hostile stream holds. (1 KiB pieces read the zstd Debian rootfs
+    in 1 s instead of 2.5 s, but allow 32 MiB bursts.)
     """
 
-    PIECE = 1024
+    PIECE = 256
 
     def __init__(self, raw: BinaryIO) -> None:
         self.raw = raw
