@@ -10,7 +10,8 @@ atomically and hands it back to C, which answers every read parked on it.
 
 Faults. A remote that fails or is slow is retried with exponential backoff (50 ms doubling
 to 2 s) until ``fetch_timeout`` seconds have passed since the read asked for the chunk;
-then the waiting reads get EIO and one log line names the layer, chunk and remote. A chunk
+then the waiting reads get EIO and one log line names the layer, chunk and remote; for
+:data:`FAIL_HOLD` seconds after that, reads of the chunk fail at once. A chunk
 that does not match its digest is discarded and fetched again, never served. A full cache
 disk evicts unneeded chunks and retries once, then fails the reads with EIO and logs
 ENOSPC; nothing partial is left in the cache.
@@ -45,6 +46,10 @@ log = logging.getLogger("layerfs.lazy")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 """Upper bounds (seconds) of the fetch latency histogram; one more bucket is +Inf."""
+
+
+FAIL_HOLD = 1.0
+"""Seconds during which a chunk whose fetch just failed fails again at once."""
 
 
 class FetchFailed(LayerfsError, OSError):
@@ -100,6 +105,7 @@ class LazyServer:
         self._concurrency = concurrency
         self._remotes: dict[str, Remote] = {}
         self._flights: dict[str, asyncio.Task[str]] = {}
+        self._failed: dict[str, float] = {}  # chunk digest -> loop time it failed
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ondemand = 0
         self._idle = asyncio.Event()
@@ -213,10 +219,21 @@ class LazyServer:
 
     async def _fetch(self, layer: Layer, index: int, *, ondemand: bool) -> None:
         ref = layer.manifest.chunks[index]
+        now = asyncio.get_running_loop().time()
+        if now - self._failed.get(ref.digest, -1e9) < FAIL_HOLD:
+            # The kernel retries a page synchronously right after its readahead failed;
+            # without this the reader would wait out the bound twice.
+            lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
+            if ondemand:
+                self._ondemand -= 1
+                if self._ondemand == 0:
+                    self._idle.set()
+            return
         try:
             path = await self._get_chunk(layer, index)
         except FetchFailed as exc:
             layer.fetch_failures += 1
+            self._failed[ref.digest] = asyncio.get_running_loop().time()
             log.error("%s", exc)
             lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
         else:

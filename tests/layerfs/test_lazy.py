@@ -1,0 +1,223 @@
+"""Lazy layer loading end to end: a layer pushed to a chunk server on loopback, exposed by
+the lazy FUSE server on a node with an empty cache, mounted by the kernel."""
+
+from __future__ import annotations
+
+import errno
+import os
+import pathlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+import zstandard
+
+from layerfs.build import build_layer
+from layerfs.lazy.client import LazyClient
+from layerfs.mount import mounted_erofs
+from layerfs.store import Store
+from tests.layerfs.lazy_helpers import (
+    CHUNK,
+    RemoteThread,
+    lazy_node,
+    make_tree,
+    mounted,
+    snapshot,
+)
+
+pytestmark = [pytest.mark.root, pytest.mark.fuse, pytest.mark.mount]
+
+
+@dataclass
+class Layer:
+    store: Store
+    digest: str
+    image: pathlib.Path
+    tree: pathlib.Path
+    remote: RemoteThread
+
+
+@pytest.fixture
+def layer(tmp_path: pathlib.Path) -> Iterator[Layer]:
+    tree = make_tree(tmp_path / "tree")
+    store = Store(tmp_path / "server-store", chunk_size=CHUNK)
+    img = tmp_path / "layer.erofs"
+    res = build_layer(str(tree), kind="base", store=store, output=str(img), chunk_size=CHUNK)
+    remote = RemoteThread(store)
+    remote.start()
+    try:
+        yield Layer(store, res.manifest.digest, img, tree, remote)
+    finally:
+        remote.close()
+
+
+def _file(c: LazyClient, digest: str) -> str:
+    return os.path.join(c.cache, "fuse", digest[7:] + ".erofs")
+
+
+def _read(path: str | pathlib.Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _stats(c: LazyClient, digest: str) -> dict[str, object]:
+    return dict(c.stats()["layers"][digest])
+
+
+def test_lazy_mount_equals_image_and_fetches_little(layer: Layer,
+                                                    tmp_path: pathlib.Path) -> None:
+    with lazy_node(tmp_path / "cache") as c:
+        info = c.register(layer.digest, layer.remote.url)
+        assert info["size"] == layer.image.stat().st_size
+        assert os.listdir(os.path.join(c.cache, "fuse")) == [layer.digest[7:] + ".erofs"]
+        with mounted(info["file"], tmp_path / "lazy") as mp:
+            assert _read(os.path.join(mp, "etc/hostname")) == b"node\n"
+            assert _read(os.path.join(mp, "lib/mod007.py")).startswith(b"# module 7")
+            st = _stats(c, layer.digest)
+            size = layer.image.stat().st_size
+            assert 0 < int(st["bytes_fetched"]) <= 0.2 * size, st  # type: ignore[call-overload]
+            with mounted_erofs(layer.image) as direct:
+                assert snapshot(mp) == snapshot(direct)
+            st = _stats(c, layer.digest)
+            # reading everything fetched every chunk exactly once
+            assert st["bytes_fetched"] == size
+            assert st["chunks_fetched"] == st["chunks"] == len(layer.remote.gets)
+            assert max(layer.remote.gets.values()) == 1
+
+
+def test_concurrent_readers_of_a_missing_chunk_fetch_it_once(layer: Layer,
+                                                             tmp_path: pathlib.Path) -> None:
+    layer.remote.delay = 0.5  # every reader arrives while the fetch is in flight
+    with lazy_node(tmp_path / "cache") as c:
+        c.register(layer.digest, layer.remote.url)
+        path = _file(c, layer.digest)
+        m = layer.store.manifest(layer.digest)
+        idx = 40
+        want = layer.image.read_bytes()[idx * CHUNK:(idx + 1) * CHUNK]
+        results: dict[int, bytes] = {}
+
+        def reader(k: int) -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = idx * CHUNK + k * 4096
+                results[k] = os.pread(fd, 4096, off)
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(0, 16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert all(results[k] == want[k * 4096:(k + 1) * 4096] for k in range(16))
+        assert layer.remote.gets[m.chunks[idx].digest] == 1
+        # kernel readahead may pull the next chunk too; each chunk is fetched once
+        assert max(layer.remote.gets.values()) == 1
+        deadline = time.monotonic() + 10
+        while (st := _stats(c, layer.digest))["inflight"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # a readahead fetch may still be in flight
+        assert st["queued"] == st["chunks_fetched"] == len(layer.remote.gets)
+
+
+def _corrupt(store: Store, digest: str) -> bytes:
+    path = os.path.join(store.root, "chunks", digest[7:9], digest[7:])
+    good = _read(path)
+    with open(path, "wb") as f:
+        f.write(zstandard.ZstdCompressor().compress(b"\xee" * CHUNK))
+    return good
+
+
+def test_corrupt_chunk_is_detected_and_never_served(layer: Layer,
+                                                    tmp_path: pathlib.Path) -> None:
+    m = layer.store.manifest(layer.digest)
+    idx = 30
+    cdig = m.chunks[idx].digest
+    good = _corrupt(layer.store, cdig)
+    with lazy_node(tmp_path / "cache", fetch_timeout=1.5, attempt_timeout=1.0) as c:
+        c.register(layer.digest, layer.remote.url)
+        fd = os.open(_file(c, layer.digest), os.O_RDONLY)
+        try:
+            with pytest.raises(OSError) as ei:
+                os.pread(fd, 4096, idx * CHUNK)
+            assert ei.value.errno == errno.EIO
+            st = _stats(c, layer.digest)
+            assert int(st["corrupt"]) >= 2 and st["present_chunks"] == 0  # type: ignore[call-overload]
+            assert not os.path.exists(os.path.join(c.cache, "chunks", cdig[7:9], cdig[7:]))
+            # the remote is repaired: the next read (after the 1 s fail-fast hold) fetches
+            # again and gets the right bytes
+            path = os.path.join(layer.store.root, "chunks", cdig[7:9], cdig[7:])
+            with open(path, "wb") as f:
+                f.write(good)
+            time.sleep(1.0)
+            want = layer.image.read_bytes()[idx * CHUNK:idx * CHUNK + 4096]
+            assert os.pread(fd, 4096, idx * CHUNK) == want
+        finally:
+            os.close(fd)
+        log = _read(os.path.join(c.cache, "server.log")).decode()
+        assert f"chunk {idx} ({cdig})" in log and "does not match its digest" in log
+
+
+def test_remote_gone_gives_eio_within_the_bound(layer: Layer, tmp_path: pathlib.Path) -> None:
+    bound = 2.0
+    with lazy_node(tmp_path / "cache", fetch_timeout=bound, attempt_timeout=0.5) as c:
+        c.register(layer.digest, layer.remote.url)
+        layer.remote.stop()
+        fd = os.open(_file(c, layer.digest), os.O_RDONLY)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(OSError) as ei:
+                os.pread(fd, 4096, 10 * CHUNK)
+            spent = time.monotonic() - t0
+            assert ei.value.errno == errno.EIO
+            assert bound * 0.8 <= spent <= bound + 2.0, spent
+            # the remote comes back: reads work again (after the 1 s fail-fast hold)
+            layer.remote.start()
+            time.sleep(1.0)
+            want = layer.image.read_bytes()[10 * CHUNK:10 * CHUNK + 4096]
+            assert os.pread(fd, 4096, 10 * CHUNK) == want
+        finally:
+            os.close(fd)
+        log = _read(os.path.join(c.cache, "server.log")).decode()
+        m = layer.store.manifest(layer.digest)
+        assert (f"layer {layer.digest} chunk 10 ({m.chunks[10].digest}) from remote "
+                f"{layer.remote.url}: gave up") in log
+
+
+def test_server_killed_mid_read_recovers(layer: Layer, tmp_path: pathlib.Path) -> None:
+    layer.remote.delay = 1.5
+    image = layer.image.read_bytes()
+    with lazy_node(tmp_path / "cache", fetch_timeout=20) as c:
+        c.register(layer.digest, layer.remote.url)
+        with mounted(_file(c, layer.digest), tmp_path / "lazy") as mp:
+            first = c.server_pid()
+            got: dict[str, object] = {}
+
+            def read() -> None:
+                try:
+                    got["data"] = _read(os.path.join(mp, "bin/tool3"))
+                except OSError as exc:
+                    got["error"] = exc
+
+            t = threading.Thread(target=read)
+            t.start()
+            time.sleep(0.7)  # the read waits on the slow remote
+            assert first is not None and t.is_alive()
+            os.kill(first, signal.SIGKILL)
+            t.join(60)
+            assert not t.is_alive()
+            # the read either completed (requeued to the new server) or failed cleanly
+            if "data" in got:
+                assert got["data"] == (layer.tree / "bin/tool3").read_bytes()
+            else:
+                assert isinstance(got["error"], OSError)
+            second = c.server_pid()
+            assert second is not None and second != first
+            assert c.stats()["resumed"] is True
+            layer.remote.delay = 0
+            # the existing mount keeps working: the whole tree reads back right
+            with mounted_erofs(layer.image) as direct:
+                assert snapshot(mp) == snapshot(direct)
+        assert len(image) == layer.image.stat().st_size
