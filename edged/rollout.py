@@ -92,6 +92,9 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     from layerfs.store import Store
 
     store = Store(store_dir or None)
+    # Clamp mtimes (layerfs honours SOURCE_DATE_EPOCH) so that a rebuild of the same inputs
+    # gives the same digests and the store dedups whole layers across rollouts.
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1700000000")
     digests: dict[str, str] = {}
     t0 = time.monotonic()
     digests["base"] = build_layer(ensure_rootfs(rootfs), kind="base", store=store).digest
@@ -215,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per test run, seconds")
     p.add_argument("--cpus", type=float, default=1.0)
     p.add_argument("--memory", type=int, default=1 << 30, help="bytes per sandbox")
+    p.add_argument("--runtime-dir", default="/run/edged-rollout",
+                   help="the rollout daemon's runtime dir (layer mounts, sandbox state)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
 
@@ -224,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edged-rollout-") as tmp:
         work = Path(tmp)
         digests, name, inside = build_layers(a.store, a.rootfs, a.project, a.test_dep, work)
+        # A fixed runtime dir: the backend keys its cgroup subtree on it, so repeated
+        # rollouts reuse one subtree instead of leaving one per temp dir.
         cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
-                     runtime_dir=str(work / "run"), store_dir=a.store or "",
+                     runtime_dir=a.runtime_dir, store_dir=a.store or "",
                      on_shutdown="stop", default_ttl_s=0.0)
         server = Server(cfg)
         errors: list[BaseException] = []
