@@ -50,14 +50,17 @@ _EXEC_USER_ERRNOS = {2, 13, 20, 21, 7, 8, 22, 36, 40}  # ENOENT EACCES ENOTDIR E
 
 
 def _starttime(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if gone: with the pid
-    it identifies a process across pid reuse."""
+    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if gone or a zombie:
+    with the pid it identifies a live process across pid reuse."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read().decode()
     except OSError:
         return None
-    return int(data[data.rindex(")") + 2 :].split()[19])
+    fields = data[data.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 class ContainerExec:

@@ -1,0 +1,542 @@
+"""Real container sandboxes: lifecycle, exec ends, tree kill, OOM, output limit, zombies,
+stdin, PTY, pause/resume, files, adoption after a restart, leftovers, leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.container import ContainerBackend, ContainerExec
+from edged.backends.container import protocol as P
+from edged.errors import BadRequest, Conflict, InvalidState, NotFound
+from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+ENV = {"PATH": "/bin"}
+
+
+def spec(lowers: tuple[str, ...], sid: str = "sb1", **res: Any) -> SandboxSpec:
+    return SandboxSpec(id=sid, lowers=lowers, resources=Resources(**res), env=ENV,
+                       hostname=f"host-{sid}")
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(coro_fn(), 120))  # type: ignore[arg-type]
+
+
+async def collect(h: ContainerExec) -> tuple[bytes, bytes, ExecEnd]:
+    out, err = bytearray(), bytearray()
+    async for ev in h.events():
+        if isinstance(ev, ExecEnd):
+            return bytes(out), bytes(err), ev
+        (out if ev[0] == "stdout" else err).extend(ev[1])
+    raise AssertionError("no ExecEnd")
+
+
+async def sh(b: ContainerBackend, sid: str, script: str, **kw: Any) -> tuple[bytes, bytes, ExecEnd]:
+    h = await b.exec(sid, ExecSpec(argv=("sh", "-c", script), env=ENV, **kw))
+    return await collect(h)
+
+
+async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+async def read_file(b: ContainerBackend, sid: str, path: str) -> bytes:
+    it = await b.get_file(sid, path)
+    return b"".join([c async for c in it])
+
+
+def _gone(pid: int, timeout_s: float = 5.0) -> bool:
+    """True once ``pid`` has exited (the host's init reaps it, asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return True
+        if stat[stat.rindex(")") + 2] in "ZX":
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_lifecycle_and_exit_code(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        with pytest.raises(Conflict):
+            await backend.create(spec((str(busybox_tree),)))
+        out, err, end = await sh(backend, "sb1",
+                                 "id -u; hostname; stat -c %u /bin/busybox; echo oops >&2; exit 3")
+        assert out.split() == [b"0", b"host-sb1", b"0"]  # layer files owned by sandbox root
+        assert err == b"oops\n"
+        assert (end.reason, end.exit_code, end.signal) == ("exited", 3, None)
+        assert end.duration_s > 0 and end.peak_memory_bytes
+        # sandbox root is not host root: the init process runs as the mapped uid
+        pid = backend._sandboxes["sb1"].pid
+        assert os.stat(f"/proc/{pid}").st_uid >= backend.uid_base
+        st = await backend.stats("sb1")
+        assert st["pids"] >= 1 and st["memory_bytes"] > 0 and st["cpu_usage_ns"] > 0
+        await backend.destroy("sb1")
+        await backend.destroy("sb1")  # idempotent
+        with pytest.raises(NotFound):
+            await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+        assert not (backend.sandboxes_dir / "sb1").exists()
+        assert not cgroup_dirs(backend)
+        assert _gone(pid)
+
+    run(body)
+
+
+def test_bad_input(backend: ContainerBackend, busybox_tree: Path, tmp_path: Path) -> None:
+    async def body() -> None:
+        with pytest.raises(BadRequest, match="sandbox id"):
+            await backend.create(spec((str(busybox_tree),), sid="Bad/Id"))
+        with pytest.raises(BadRequest, match="lower"):
+            await backend.create(spec((str(tmp_path / "missing"),)))
+        assert not (backend.sandboxes_dir / "sb1").exists()
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            with pytest.raises(BadRequest, match="nonexistent"):
+                await backend.exec("sb1", ExecSpec(argv=("nonexistent",), env=ENV))
+            with pytest.raises(BadRequest, match="/nowhere"):
+                await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV, cwd="/nowhere"))
+            with pytest.raises(BadRequest, match="uid"):
+                await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV, uid=1 << 20))
+            with pytest.raises(BadRequest, match="NUL"):
+                await backend.exec("sb1", ExecSpec(argv=("echo", "a\0b"), env=ENV))
+            out, _, end = await sh(backend, "sb1", "id -u; id -g", uid=1000, gid=1001)
+            assert out.split() == [b"1000", b"1001"] and end.exit_code == 0
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_signal(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("sleep", "100"), env=ENV))
+            await h.signal(signal.SIGTERM)
+            _, _, end = await collect(h)
+            assert (end.reason, end.signal, end.exit_code) == ("signalled", signal.SIGTERM, None)
+            h = await backend.exec("sb1", ExecSpec(argv=("sleep", "100"), env=ENV))
+            await h.kill()
+            _, _, end = await collect(h)
+            assert end.reason == "killed" and end.signal == signal.SIGKILL
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_timeout_kills_daemonized_tree(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            script = ("(setsid sh -c 'sleep 1000 & sleep 1000' &); "   # daemonized: new session,
+                      "(sleep 1001 &); echo started; sleep 1000")      # parent gone
+            t0 = time.monotonic()
+            out, _, end = await sh(backend, "sb1", script, timeout_s=0.5)
+            assert end.reason == "timeout" and out == b"started\n"  # partial output kept
+            assert 0.5 <= time.monotonic() - t0 < 5
+            out, _, _ = await sh(backend, "sb1", "ps -o pid,comm | grep -c sleep || true")
+            assert out.strip() == b"0", "a sleeper survived the timeout"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_oom_is_reported(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),), memory_bytes=32 << 20))
+        try:
+            _, _, end = await sh(backend, "sb1", "dd if=/dev/zero of=/dev/null bs=256M count=1")
+            assert end.reason == "oom", end
+            # the sandbox survives its exec's OOM
+            out, _, end = await sh(backend, "sb1", "echo alive")
+            assert out == b"alive\n" and end.reason == "exited"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_output_limit_keeps_partial_output(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("yes",), env=ENV, output_limit=100_000))
+            out, err, end = await collect(h)
+            assert end.reason == "output_limit"
+            assert len(out) + len(err) == 100_000 and out.startswith(b"y\ny\n")
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_backpressure_bounds_buffered_output(backend: ContainerBackend,
+                                             busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("yes",), env=ENV))
+            await asyncio.sleep(0.5)  # not consuming
+            queued = sum(len(x[1]) for x in list(h._q._queue) if isinstance(x, tuple))  # type: ignore[attr-defined]
+            assert 0 < queued <= P.WINDOW + P.MAX_DATA
+            n = 0
+            async for ev in h.events():  # consuming lets it run again
+                if isinstance(ev, ExecEnd):
+                    break
+                n += len(ev[1])
+                if n > 4 * P.WINDOW:
+                    await h.kill()
+            assert n > 4 * P.WINDOW
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_thousand_zombies_reaped(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),), pids=4096))
+        try:
+            # 1,000 children that exit unwaited; their parent exits: all go to PID 1
+            out, _, end = await sh(
+                backend, "sb1",
+                "i=0; while [ $i -lt 1000 ]; do true & i=$((i+1)); done; exec sleep 0.2")
+            assert end.exit_code == 0
+            deadline = time.monotonic() + 5
+            while True:
+                out, _, _ = await sh(backend, "sb1",
+                                     "cat /proc/[0-9]*/stat 2>/dev/null | grep -c ') Z ' || true")
+                if out.strip() == b"0" or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            assert out.strip() == b"0"
+            st = await backend.stats("sb1")
+            assert st["pids"] <= 3
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_stdin(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("sh", "-c", "wc -c; cat /dev/stdin"),
+                                                   env=ENV, stdin=True))
+            await h.write_stdin(b"x" * 200_000)
+            await h.close_stdin()
+            out, _, end = await collect(h)
+            assert out.strip() == b"200000" and end.exit_code == 0
+            # stdin False: /dev/null
+            out, _, _ = await sh(backend, "sb1", "wc -c")
+            assert out.strip() == b"0"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_pty(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("sh",), env=ENV, stdin=True, pty=True))
+            events = h.events().__aiter__()
+            out = bytearray()
+
+            async def until(marker: bytes) -> None:
+                while marker not in out:
+                    ev = await anext(events)
+                    assert not isinstance(ev, ExecEnd), (ev, bytes(out))
+                    assert ev[0] == "stdout"  # a pty has one stream
+                    out.extend(ev[1])
+
+            await h.write_stdin(b"test -t 0 && echo IS-A-TTY; stty size\n")
+            await until(b"24 80")
+            assert b"IS-A-TTY" in out
+            await h.resize(40, 100)
+            await h.write_stdin(b"stty size; exit 7\n")
+            end = None
+            async for ev in events:
+                if isinstance(ev, ExecEnd):
+                    end = ev
+                else:
+                    out.extend(ev[1])
+            assert b"40 100" in out and end is not None and end.exit_code == 7
+            with pytest.raises(BadRequest):
+                h2 = await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+                await h2.resize(10, 10)
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_pause_resume(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(
+                argv=("sh", "-c", "while true; do echo . >> /tmp/n; done"),
+                env=ENV))
+            await asyncio.sleep(0.2)
+            await backend.pause("sb1")
+            a = await read_file(backend, "sb1", "/tmp/n")
+            await asyncio.sleep(0.3)
+            b = await read_file(backend, "sb1", "/tmp/n")
+            assert a == b, "a frozen process made progress"
+            with pytest.raises(InvalidState):
+                await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+            await backend.resume("sb1")
+            await asyncio.sleep(0.2)
+            c = await read_file(backend, "sb1", "/tmp/n")
+            assert len(c) > len(b) > 0
+            await h.kill()
+            _, _, end = await collect(h)
+            assert end.reason == "killed"
+            await backend.pause("sb1")  # destroy of a paused sandbox leaves nothing
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_files_put_get_and_escapes(backend: ContainerBackend, busybox_tree: Path,
+                                   tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret")
+    hostdir = tmp_path / "hostdir"
+    hostdir.mkdir()
+
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),), disk_bytes=16 << 20))
+        try:
+            big = os.urandom(3 << 20)
+            n = await backend.put_file("sb1", "/tmp/big", chunks(big[:1000], big[1000:]),
+                                       mode=0o640, uid=1000, gid=1001)
+            assert n == len(big)
+            assert await read_file(backend, "sb1", "/tmp/big") == big
+            out, _, _ = await sh(backend, "sb1", "stat -c '%u %g %a %s' /tmp/big")
+            assert out.split() == [b"1000", b"1001", b"640", str(len(big)).encode()]
+            assert await read_file(backend, "sb1", "etc/hostname") == b"layer\n"
+            # `..` escapes are refused, not clamped
+            for p in ("/../etc/hostname", "../../x", "/tmp/../../x"):
+                with pytest.raises(BadRequest, match="escapes"):
+                    await read_file(backend, "sb1", p)
+                with pytest.raises(BadRequest, match="escapes"):
+                    await backend.put_file("sb1", p, chunks(b"x"))
+            # symlinks planted by the workload resolve inside the sandbox
+            await sh(backend, "sb1", f"ln -s {secret} /tmp/abs; ln -s ../../../../../..{secret} "
+                                     f"/tmp/rel; ln -s {hostdir} /tmp/dir; ln -s / /tmp/root")
+            for p in ("/tmp/abs", "/tmp/rel"):
+                with pytest.raises(NotFound):
+                    await read_file(backend, "sb1", p)
+            assert await read_file(backend, "sb1", "/tmp/root/etc/hostname") == b"layer\n"
+            with pytest.raises(NotFound):
+                await backend.put_file("sb1", "/tmp/dir/planted", chunks(b"x"))
+            await backend.put_file("sb1", "/tmp/abs", chunks(b"replaced"))
+            assert secret.read_text() == "host secret" and not list(hostdir.iterdir())
+            out, _, _ = await sh(backend, "sb1", "cat /tmp/abs; test -L /tmp/abs || echo -n :file")
+            assert out == b"replaced:file"
+            with pytest.raises(NotFound):
+                await read_file(backend, "sb1", "/no/such")
+            with pytest.raises(BadRequest):
+                await read_file(backend, "sb1", "/tmp")  # a directory
+            with pytest.raises(BadRequest):
+                await read_file(backend, "sb1", "/proc/1/root/etc/hostname")  # magic link
+            # the disk limit holds, and a failed upload leaves nothing behind
+            with pytest.raises(BadRequest, match="disk limit"):
+                await backend.put_file("sb1", "/tmp/huge", chunks(*[b"z" * (1 << 20)] * 40))
+            out, _, _ = await sh(backend, "sb1", "ls -a /tmp")
+            assert b"huge" not in out and b"edged-put" not in out
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_restart_adoption(backend: ContainerBackend, busybox_tree: Path, state_dir: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        await sh(backend, "sb1", "echo kept > /tmp/mark")
+        await backend.close()  # the daemon goes away; the sandbox stays
+        again = ContainerBackend(state_dir)
+        assert await again.list_existing() == ["sb1"]
+        with pytest.raises(NotFound):
+            await again.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+        await again.adopt("sb1")
+        out, _, end = await sh(again, "sb1", "cat /tmp/mark")
+        assert out == b"kept\n" and end.exit_code == 0
+        with pytest.raises(Conflict):  # the id range and name stay taken
+            await again.create(spec((str(busybox_tree),)))
+        await again.destroy("sb1")
+        assert await again.list_existing() == []
+
+    run(body)
+
+
+def test_cleanup_leftovers(backend: ContainerBackend, busybox_tree: Path) -> None:
+    async def body() -> None:
+        for sid in ("dead", "live", "keep"):
+            await backend.create(spec((str(busybox_tree),), sid=sid))
+        dead_pid = backend._sandboxes["dead"].pid
+        os.kill(dead_pid, signal.SIGKILL)  # a crashed sandbox
+        assert _gone(dead_pid)
+        await backend.close()
+        # a half-made one: state dir and cgroup, no process
+        half = backend.sandboxes_dir / "half"
+        half.mkdir()
+        (half / "meta.json").write_text('{"id": "half", "slot": 99}')
+        backend.cgroups.path_of("half").dirs["pids"].mkdir()
+        b2 = ContainerBackend(backend.state_dir)
+        assert await b2.list_existing() == ["keep", "live"]
+        removed = await b2.cleanup_leftovers({"keep"})
+        assert removed == ["dead", "half", "live"]
+        assert sorted(os.listdir(b2.sandboxes_dir)) == ["keep"]
+        assert len(sandbox_processes(b2.bin_dir)) >= 1
+        await b2.adopt("keep")
+        await b2.destroy("keep")
+        assert not cgroup_dirs(b2)
+
+    run(body)
+
+
+def test_control_channel_rejects_bad_frames(backend: ContainerBackend,
+                                            busybox_tree: Path) -> None:
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        sock = str(backend.sandboxes_dir / "sb1" / "ctl.sock")
+        try:
+            r, w = await asyncio.open_unix_connection(sock)
+            dec = P.Decoder()
+
+            async def reply() -> P.Frame:
+                while True:
+                    data = await asyncio.wait_for(r.read(65536), 5)
+                    assert data, "sbx-init closed the connection"
+                    frames = dec.feed(data)
+                    if frames:
+                        return frames[0]
+
+            bad = [
+                P.frame(99, 0, b"xx"),                                   # unknown type
+                P.frame(P.EXEC_T, 5, b"short"),                          # truncated struct
+                P.frame(P.EXEC_T, 5, P.EXEC.pack(0, 0, 0, 0, 0, 0, 0, 2, 0) + b"/\0a\0"),
+                P.frame(P.EXEC_T, 5, P.EXEC.pack(0, 0, 0, 0, 0, 0, 0, 1, 0) + b"/\0a\0b\0"),
+                P.frame(P.EXEC_T, 5, P.EXEC.pack(0, 0, 0, 0, 0x80, 0, 0, 1, 0) + b"/\0a\0"),
+                P.frame(P.SIGNAL_T, 77, P.SIGNAL.pack(9, 0)),            # unknown exec
+                P.frame(P.HELLO_OK, 0, b""),                             # wrong direction
+            ]
+            for f in bad:
+                w.write(f)
+                await w.drain()
+                assert (await reply()).type == P.ERROR
+            # an oversized header cannot be skipped: error, then the connection closes
+            w.write(P.HDR.pack(P.MAX_PAYLOAD + 1, P.STDIN, 0, 1, 0))
+            await w.drain()
+            assert (await reply()).type == P.ERROR
+            assert await asyncio.wait_for(r.read(), 5) == b""
+            w.close()
+            # sbx-init is alive and serves the next client
+            old = backend._sandboxes["sb1"].conn
+            assert old is not None and old.closed  # replaced by our connection
+            await old.close()
+            await backend._connect(backend._sandboxes["sb1"])
+            out, _, _ = await sh(backend, "sb1", "echo fine")
+            assert out == b"fine\n"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def _leak_snapshot(backend: ContainerBackend) -> dict[str, int]:
+    return {
+        "fds": len(os.listdir("/proc/self/fd")),
+        "sbx_init_processes": len(sandbox_processes(backend.bin_dir)),
+        "cgroups": len(cgroup_dirs(backend)),
+        "host_mounts": sum(str(backend.state_dir) in line
+                           for line in Path("/proc/self/mountinfo").read_text().splitlines()),
+        "state_entries": len(os.listdir(backend.sandboxes_dir))
+        if backend.sandboxes_dir.exists() else 0,
+        "children": len(Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+                        .read_text().split()),
+    }
+
+
+def _cycles(backend: ContainerBackend, busybox_tree: Path, n: int) -> None:
+    async def body() -> None:
+        # one warm-up cycle so lazily created parents and loop fds are counted in "before"
+        await backend.create(spec((str(busybox_tree),), sid="warm"))
+        await backend.destroy("warm")
+        before = _leak_snapshot(backend)
+        mem_before = int(Path(backend.cgroups.parents["memory"].parent,
+                              "memory.usage_in_bytes").read_text()) \
+            if backend.cgroups.version == "v1" else 0
+        for i in range(n):
+            sid = f"c{i}"
+            await backend.create(spec((str(busybox_tree),), sid=sid))
+            await backend.put_file(sid, "/tmp/f", chunks(b"data" * 1000))
+            out, _, end = await sh(backend, sid, "cat /tmp/f | wc -c; (sleep 100 &)")
+            assert out == b"4000\n" and end.exit_code == 0
+            await backend.destroy(sid)
+        after = _leak_snapshot(backend)
+        assert after == before
+        if mem_before:
+            mem_after = int(Path(backend.cgroups.parents["memory"].parent,
+                                 "memory.usage_in_bytes").read_text())
+            assert mem_after - mem_before < 64 << 20, "scratch tmpfs memory not given back"
+
+    run(body)
+
+
+def test_50_cycles_leak_nothing(backend: ContainerBackend, busybox_tree: Path) -> None:
+    _cycles(backend, busybox_tree, 50)
+
+
+@pytest.mark.slow
+def test_1000_cycles_leak_nothing(backend: ContainerBackend, busybox_tree: Path) -> None:
+    _cycles(backend, busybox_tree, 1000)
+
+
+def test_erofs_lower(backend: ContainerBackend, busybox_tree: Path, tmp_path: Path) -> None:
+    """An EROFS layer (our writer, file-backed mount) under a plain-directory layer."""
+    build = pytest.importorskip("layerfs.build")
+    mount = pytest.importorskip("layerfs.mount")
+    top = tmp_path / "top"
+    (top / "etc").mkdir(parents=True)
+    (top / "etc" / "hostname").write_text("top\n")
+    image = tmp_path / "base.erofs"
+    build.build_layer(str(busybox_tree), kind="base", store=None, output=str(image))
+
+    async def body(lower: str) -> None:
+        await backend.create(spec((lower, str(top))))
+        try:
+            out, _, end = await sh(backend, "sb1",
+                                   "cat /etc/hostname; stat -c %u /bin/busybox; echo x > /bin/new;"
+                                   " cat /bin/new")
+            assert out.split() == [b"top", b"0", b"x"] and end.exit_code == 0
+        finally:
+            await backend.destroy("sb1")
+
+    with mount.mounted_erofs(image) as mp:
+        run(lambda: body(mp))
