@@ -8,6 +8,8 @@ import os
 import pathlib
 import random
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -301,3 +303,34 @@ def test_write_to_fd(scratch: pathlib.Path) -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+_RSS_CHILD = """
+import os, resource, stat, sys
+from layerfs.tree import Data, Inode, Tree
+from layerfs.writer import write_image
+src, size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+t = Tree()
+if size:
+    t.put("flat", Inode(mode=stat.S_IFREG | 0o644, size=size, data=Data(src)))
+    t.put("sparse", Inode(mode=stat.S_IFREG | 0o644, size=2 * size,
+                          data=Data(src, 0, ((size, size, 0),))))
+write_image(t, out)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def test_memory_does_not_grow_with_file_size(scratch: pathlib.Path) -> None:
+    src = scratch / "src"
+    size = 192 << 20
+    with open(src, "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+    rss = []
+    for n in (0, size):
+        r = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(src), str(n),
+                            str(scratch / "img.erofs")], capture_output=True, text=True,
+                           check=True)
+        rss.append(int(r.stdout))
+    assert os.path.getsize(scratch / "img.erofs") > 2 * size  # both copies written
+    assert rss[1] - rss[0] < 16 << 10, f"peak RSS {rss} KiB"  # ru_maxrss is in KiB
