@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from layerfs import cli_remote
 from layerfs.errors import LayerfsError, NotFoundError
 from layerfs.manifest import KINDS, Manifest, check_chunk_size
 from layerfs.progress import Bar, human_bytes
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("rm", parents=[common], help="remove a layer (chunks go at gc)")
     r.add_argument("digest", metavar="DIGEST")
+    cli_remote.add_parsers(sub, common)  # serve, push, mount, umount, stats, prefetch
     return p
 
 
@@ -276,7 +278,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"build": cmd_build, "inspect": cmd_inspect, "ls": cmd_ls, "verify": cmd_verify,
-             "gc": cmd_gc, "export": cmd_export, "rm": cmd_rm}
+             "gc": cmd_gc, "export": cmd_export, "rm": cmd_rm, **cli_remote.COMMANDS}
 
 
 def _message(exc: BaseException) -> str:
