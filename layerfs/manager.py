@@ -1,0 +1,214 @@
+"""The node layer manager: lazily loaded layers mounted once per node, shared by every
+sandbox, and per-sandbox overlay root filesystems on top.
+
+Each layer (``sha256:<hex>``) is registered with the node's lazy server (which exposes it
+as ``CACHE/fuse/<hex>.erofs``, fetched chunk by chunk) and mounted read-only, file-backed
+EROFS, at ``MOUNT_ROOT/<hex>``. :meth:`LayerManager.acquire` counts users;
+:meth:`LayerManager.release` drops the count, and a layer nobody has used for
+``idle_seconds`` is unmounted by :meth:`LayerManager.reap` (so a sandbox that restarts at
+once finds its layers still mounted and its pages still cached).
+
+Access traces: when a layer's last user releases it, the chunks read since it was
+mounted are recorded as its prefetch list; the next :meth:`acquire` that mounts it replays
+that list in the background, below on-demand reads in priority.
+
+A sandbox root (:meth:`LayerManager.compose`) is overlayfs with the layers as lowerdirs
+(top first: toolkit, workspace, base) and upper/work on a per-sandbox tmpfs whose size is
+the sandbox's disk limit (a write past it fails with ENOSPC inside the sandbox, never on the
+node's disk).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from layerfs.errors import LayerfsError
+from layerfs.lazy import client
+from layerfs.manifest import check_digest
+from layerfs.mount import _mount, mount_erofs, mount_overlay, umount
+
+
+@dataclass
+class _Mounted:
+    digest: str
+    mountpoint: str
+    refs: int = 0
+    idle_since: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Rootfs:
+    """A composed sandbox root: ``path`` is the overlay mountpoint; ``layers`` the layer
+    digests it holds (bottom first); ``scratch`` the tmpfs holding upper and work."""
+
+    sandbox: str
+    path: str
+    layers: tuple[str, ...]
+    scratch: str
+
+
+class LayerManager:
+    """Layers of one node (see the module docstring).
+
+    ``cache``: the lazy cache directory (its server is started if not running and
+    stopped by :meth:`close` if this manager started it); ``remote``: the default remote
+    URL; ``mount_root``: where layers are mounted; ``idle_seconds``: how long an unused
+    layer stays mounted. Methods are thread-safe and blocking. Errors: ``NotFoundError``
+    when a remote lacks a layer, ``RemoteError``, ``NativeError`` from mount(2).
+    """
+
+    def __init__(self, cache: str, remote: str, mount_root: str, *,
+                 idle_seconds: float = 60.0, fetch_timeout: float = 30.0,
+                 cache_limit: int | None = None, prefetch: bool = True) -> None:
+        self.remote = remote
+        self.mount_root = os.path.abspath(mount_root)
+        self.idle_seconds = idle_seconds
+        self.prefetch = prefetch
+        os.makedirs(self.mount_root, exist_ok=True)
+        self._proc = client.start(cache, fetch_timeout=fetch_timeout, cache_limit=cache_limit)
+        self.client = client.LazyClient(cache)
+        self._lock = threading.Lock()
+        self._layers: dict[str, _Mounted] = {}
+        self._roots: dict[str, Rootfs] = {}
+
+    # -- layers -------------------------------------------------------------------------
+
+    def acquire(self, digests: Sequence[str], remote: str | None = None) -> list[str]:
+        """Mount each layer if it is not mounted yet and take one reference on each;
+        returns their mountpoints in the same order. On failure no reference is taken."""
+        for d in digests:
+            check_digest(d)
+        taken: list[str] = []
+        try:
+            with self._lock:
+                for d in digests:
+                    m = self._layers.get(d)
+                    if m is None:
+                        m = self._mount(d, remote or self.remote)
+                    m.refs += 1
+                    taken.append(d)
+                return [self._layers[d].mountpoint for d in digests]
+        except BaseException:
+            self.release(taken)
+            raise
+
+    def _mount(self, digest: str, remote: str) -> _Mounted:
+        info = self.client.register(digest, remote)
+        mp = os.path.join(self.mount_root, digest[7:])
+        os.makedirs(mp, exist_ok=True)
+        mount_erofs(info["file"], mp)
+        if self.prefetch:
+            with contextlib.suppress(LayerfsError):
+                self.client.prefetch(digest)
+        m = self._layers[digest] = _Mounted(digest, mp)
+        return m
+
+    def release(self, digests: Sequence[str]) -> None:
+        """Drop one reference on each layer; the last one records its access trace."""
+        with self._lock:
+            for d in digests:
+                m = self._layers.get(d)
+                if m is None or m.refs == 0:
+                    continue
+                m.refs -= 1
+                if m.refs == 0:
+                    m.idle_since = time.monotonic()
+                    with contextlib.suppress(LayerfsError):
+                        self.client.trace(d, save=True)
+
+    def reap(self, idle_seconds: float | None = None) -> list[str]:
+        """Unmount layers unused for ``idle_seconds`` (default: the manager's); returns
+        their digests. A layer still busy in the kernel stays for the next call."""
+        limit = self.idle_seconds if idle_seconds is None else idle_seconds
+        now = time.monotonic()
+        gone = []
+        with self._lock:
+            for d, m in list(self._layers.items()):
+                if m.refs or now - m.idle_since < limit:
+                    continue
+                try:
+                    umount(m.mountpoint)
+                except OSError:
+                    continue
+                with contextlib.suppress(OSError):
+                    os.rmdir(m.mountpoint)
+                del self._layers[d]
+                gone.append(d)
+        return gone
+
+    def mounted(self) -> dict[str, int]:
+        """Mounted layers and their reference counts."""
+        with self._lock:
+            return {d: m.refs for d, m in self._layers.items()}
+
+    # -- sandbox roots ------------------------------------------------------------------
+
+    def compose(self, sandbox: str, layers: Sequence[str], scratch_root: str, *,
+                disk_limit: int, remote: str | None = None) -> Rootfs:
+        """Overlay root for ``sandbox``: ``layers`` bottom first (base, workspace,
+        toolkit), upper and work on a ``disk_limit``-byte tmpfs under ``scratch_root``.
+        Returns a :class:`Rootfs`; undo with :meth:`decompose`."""
+        if not sandbox or "/" in sandbox or sandbox in (".", ".."):
+            raise ValueError(f"sandbox id {sandbox!r} is not a file name")
+        if disk_limit <= 0:
+            raise ValueError(f"disk limit {disk_limit} must be positive bytes")
+        mps = self.acquire(layers, remote)
+        base = os.path.join(os.path.abspath(scratch_root), sandbox)
+        scratch, root = os.path.join(base, "scratch"), os.path.join(base, "root")
+        mounted_tmpfs = False
+        try:
+            os.makedirs(scratch)
+            os.makedirs(root)
+            _mount(b"tmpfs", scratch, b"tmpfs", 0, f"size={disk_limit},mode=0700".encode(),
+                   f"mount tmpfs on {scratch}")
+            mounted_tmpfs = True
+            os.mkdir(os.path.join(scratch, "upper"))
+            os.mkdir(os.path.join(scratch, "work"))
+            mount_overlay(list(reversed(mps)), os.path.join(scratch, "upper"),
+                          os.path.join(scratch, "work"), root)
+        except BaseException:
+            if mounted_tmpfs:
+                umount(scratch, lazy=True)
+            shutil.rmtree(base, ignore_errors=True)
+            self.release(layers)
+            raise
+        r = Rootfs(sandbox, root, tuple(layers), scratch)
+        with self._lock:
+            self._roots[sandbox] = r
+        return r
+
+    def decompose(self, rootfs: Rootfs) -> None:
+        """Unmount a sandbox root and its scratch tmpfs, release its layers."""
+        for mp in (rootfs.path, rootfs.scratch):
+            try:
+                umount(mp)
+            except OSError:
+                umount(mp, lazy=True)
+        shutil.rmtree(os.path.dirname(rootfs.path), ignore_errors=True)
+        with self._lock:
+            self._roots.pop(rootfs.sandbox, None)
+        self.release(rootfs.layers)
+
+    def close(self) -> None:
+        """Unmount every sandbox root and layer; stop the lazy server if we started it."""
+        for r in list(self._roots.values()):
+            self.decompose(r)
+        with self._lock:
+            for m in self._layers.values():
+                m.refs = 0
+                m.idle_since = 0.0
+        self.reap(0)
+        with self._lock:
+            for m in self._layers.values():  # still busy: detach
+                with contextlib.suppress(OSError):
+                    umount(m.mountpoint, lazy=True)
+            self._layers.clear()
+        if self._proc is not None:
+            client.stop(self.client.cache, proc=self._proc)
+            self._proc = None
