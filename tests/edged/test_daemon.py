@@ -9,6 +9,8 @@ import signal
 import stat
 from pathlib import Path
 
+import pytest
+
 from edged.client import Sandbox
 from edged.config import Config
 from edged.daemon import Server
@@ -92,3 +94,44 @@ def test_signal_handlers_installed_and_restored(tmp_path, sockdir) -> None:
     assert server.should_exit and not server.force_exit
     assert signal.getsignal(signal.SIGTERM) == before
     assert be.live == {}  # on_shutdown defaults to stop
+
+
+@pytest.mark.root
+def test_edged_serve_process_sigterm(tmp_path, sockdir) -> None:
+    """The real ``edged serve`` command: flags, JSON logs, SIGTERM → clean exit 0."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from edged.client._http import Transport
+
+    runtime = tmp_path / "run"
+    sock = sockdir / "serve.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edged.cli", "serve", "--socket", str(sock),
+         "--state-dir", str(tmp_path / "state"), "--runtime-dir", str(runtime),
+         "--store-dir", str(tmp_path / "store"), "--cpus", "3", "--log-level", "info"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        for _ in range(500):
+            if sock.exists():
+                break
+            time.sleep(0.02)
+        info = Transport(str(sock)).json("GET", "/v1/node")
+        assert info["capacity"]["cpus"] == 3.0 and info["features"]["backend"] == "container"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    logs = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
+    assert [x["msg"] for x in logs if x["msg"] in ("serving", "stopped")] == ["serving",
+                                                                               "stopped"]
+    assert not sock.exists()
+    from tests.edged.test_e2e_container import _cgroup_parents
+
+    for cg in _cgroup_parents(str(runtime)):
+        cg.rmdir()
