@@ -495,6 +495,8 @@ def _read_entries(inp: _Input) -> Iterator[_Entry]:
                     inp.read(pad)
                 if typeflag == _PAX_LOCAL:
                     pending_records = (pending_records or []) + parse_pax_records(payload)
+                    if sum(len(k) + len(v) for k, v in pending_records) > MAX_META:
+                        raise _Fail(f"pax headers of one entry exceed {MAX_META} bytes")
                 elif typeflag == _PAX_GLOBAL:
                     for key, value in parse_pax_records(payload):
                         # An empty value deletes the keyword (POSIX pax).
@@ -502,6 +504,8 @@ def _read_entries(inp: _Input) -> Iterator[_Entry]:
                             global_records[key] = value
                         else:
                             global_records.pop(key, None)
+                    if sum(len(k) + len(v) for k, v in global_records.items()) > MAX_META:
+                        raise _Fail(f"global pax headers exceed {MAX_META} bytes")
                 elif typeflag == _GNU_LONGNAME:
                     longname = _cstr(payload)
                 else:

@@ -456,6 +456,14 @@ def test_metadata_header_then_eof_rejected(workdir: Path) -> None:
         load_bytes(pax([(b"path", b"x")]) + END, workdir)
 
 
+@pytest.mark.parametrize("typeflag", [b"x", b"g"])
+def test_accumulated_pax_headers_bounded(workdir: Path, typeflag: bytes) -> None:
+    arc = b"".join(pax([(b"comment%d" % i, b"c" * (3 << 20))], typeflag=typeflag)
+                   for i in range(3))
+    with pytest.raises(InvalidSourceError, match="exceed"):
+        load_bytes(arc + regular(b"f", b"") + END, workdir)
+
+
 def test_bad_checksum_mid_archive_rejected(workdir: Path) -> None:
     # Python's tarfile would take this for the end of the archive and drop "b".
     arc = regular(b"a", b"1") + regular(b"b", b"2", checksum_delta=1) + END
