@@ -1,9 +1,14 @@
 """Coverage-guided fuzzing of the tar parser with atheris, and the seed corpus.
 
-Run by hand from the repository root:
+Run by hand from the repository root (``pip install -e .[fuzz]`` gets atheris):
 
-    .venv/bin/python -m tests.layerfs.fuzz_tar -atheris_runs=200000 tests/layerfs/corpus
+    mkdir -p /tmp/fuzz-new
+    .venv/bin/python -m tests.layerfs.fuzz_tar -max_total_time=300 /tmp/fuzz-new \
+        tests/layerfs/corpus
     .venv/bin/python -m tests.layerfs.fuzz_tar --make-corpus tests/layerfs/corpus
+
+(libFuzzer adds the inputs it finds to the first directory, so keep the kept corpus
+second.)
 
 The property: :func:`layerfs.sources.tar.load_tar` returns a Tree or raises
 InvalidSourceError, and leaves at most its one spool file in the workdir (none after an
