@@ -213,6 +213,18 @@ async def _abandon(handle: ExecHandle) -> None:
         await asyncio.wait_for(drain(), 10)
 
 
+async def _watch_disconnect(request: web.Request, handle: ExecHandle) -> None:
+    """Kill the exec if the client goes away. A silent process would otherwise run on until
+    its next write fails (aiohttp does not cancel handlers on disconnect)."""
+    while True:
+        await asyncio.sleep(0.5)
+        t = request.transport
+        if t is None or t.is_closing():
+            with contextlib.suppress(Exception):
+                await handle.signal(9)
+            return
+
+
 async def exec_ndjson(request: web.Request) -> web.StreamResponse:
     mgr = _m(request)
     sid = _sid(request)
@@ -236,6 +248,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
         resp.enable_chunked_encoding()
         await resp.prepare(request)
         ended: dict[str, Any] | None = None
+        watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
         try:
             async for ev in _events(handle, enc):
                 if "end" in ev:
@@ -245,6 +258,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
             await _abandon(handle)
             raise
         finally:
+            watcher.cancel()
             if feeder is not None:
                 feeder.cancel()
             if ended is not None:

@@ -302,3 +302,22 @@ def test_node_and_metrics(api: Api) -> None:
 def test_stats(api: Api) -> None:
     create(api, id="st")
     assert api.get("/v1/sandboxes/st/stats").json()["memory_bytes"] == 1 << 20
+
+
+def test_client_disconnect_kills_silent_exec(api: Api, node) -> None:
+    import json as _json
+    import socket
+
+    create(api, id="dc")
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(node.socket)
+    body = _json.dumps({"cmd": "sleep 60"}).encode()
+    s.sendall(b"POST /v1/sandboxes/dc/exec HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert b"200" in s.recv(100)
+    s.close()
+    deadline = time.monotonic() + 10
+    while node.server.manager.get("dc").active_execs and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert node.server.manager.get("dc").active_execs == 0
+    assert all(h.proc.returncode is not None for h in node.backend.procs["dc"])
