@@ -237,3 +237,35 @@ def test_thousand_cycles_leak_nothing(real_node, layer_store) -> None:
     assert not list(Path(runtime, "sandboxes").iterdir())
     assert node.server.manager.layers.refs() == {}
     print(f"\n1000 create/exec/delete cycles: {per_cycle * 1000:.1f} ms per cycle")
+
+
+def test_websocket_pty(real_node, layer_store) -> None:
+    import aiohttp
+
+    _, digest = layer_store
+    node = real_node()
+    sbx = Sandbox.create(layers=[digest], env={"PATH": "/bin"}, socket=node.socket)
+
+    async def main() -> list[dict]:
+        events: list[dict] = []
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=node.socket)) as s,
+            s.ws_connect(f"http://edged/v1/sandboxes/{sbx.id}/exec/ws") as ws,
+        ):
+            await ws.send_json({"argv": ["/bin/sh"], "pty": True, "rows": 40, "cols": 100})
+            async for msg in ws:
+                ev = msg.json()
+                events.append(ev)
+                if "start" in ev:
+                    await ws.send_json({"stdin": "stty size; tty; exit 4\n"})
+                if "end" in ev or "error" in ev:
+                    break
+        return events
+
+    try:
+        events = asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        sbx.kill()
+    out = "".join(e.get("stdout", "") for e in events)
+    assert "40 100" in out and "/dev/pts/" in out
+    assert events[-1]["end"]["exit_code"] == 4
