@@ -206,6 +206,22 @@ def print_human(rep: dict[str, Any]) -> None:
           f"run p50 {r['p50']:.2f} s; wall {rep['wall_s']:.1f} s")
 
 
+def _remove_cgroup_subtree(runtime_dir: str) -> None:
+    """Remove the (now empty) cgroup parents the container backend made for ``runtime_dir``
+    (``edged-<sha256(path)[:10]>`` under each hierarchy), so a rollout leaves nothing."""
+    import hashlib
+
+    name = "edged-" + hashlib.sha256(str(Path(runtime_dir).resolve()).encode()).hexdigest()[:10]
+    for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup"):
+        if name in dirnames:
+            try:
+                os.rmdir(os.path.join(dirpath, name))
+            except OSError as e:
+                _log(f"cgroup {dirpath}/{name} not removed: {e}")
+        if dirpath.count("/") > 6:
+            dirnames.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``edged rollout``; returns 0 if every sandbox's tests passed."""
     p = argparse.ArgumentParser(prog="edged rollout", description=__doc__.split("\n")[0])
@@ -266,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             loop.call_soon_threadsafe(server.handle_exit, 15)
             th.join(120)
+            _remove_cgroup_subtree(a.runtime_dir)
     if a.json:
         print(json.dumps(rep, indent=2))
     else:
