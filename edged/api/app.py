@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from edged.backends.base import ExecEnd, ExecHandle
-from edged.errors import BadRequest, EdgedError, NotFound
+from edged.errors import BadRequest, EdgedError
 from edged.node.manager import SandboxManager, parse_labels
 
 log = logging.getLogger("edged.api")
@@ -102,11 +102,13 @@ def _sid(request: web.Request) -> str:
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes → 201 sandbox (spec: createSandbox)."""
     rec = await _m(request).create(await json_body(request))
     return web.json_response(rec.to_json(), status=201)
 
 
 async def list_sandboxes(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes?label=k=v... → sandboxes carrying every label."""
     want: dict[str, str] = {}
     for sel in request.query.getall("label", []):
         k, sep, v = sel.partition("=")
@@ -119,33 +121,40 @@ async def list_sandboxes(request: web.Request) -> web.Response:
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id} → the sandbox object."""
     return web.json_response(_m(request).get(_sid(request)).to_json())
 
 
 async def delete_sandbox(request: web.Request) -> web.Response:
+    """DELETE /v1/sandboxes/{id} → the final object (state stopped)."""
     rec = await _m(request).delete(_sid(request))
     return web.json_response(rec.to_json())
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/pause → the sandbox (paused)."""
     return web.json_response((await _m(request).pause(_sid(request))).to_json())
 
 
 async def resume_sandbox(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/resume → the sandbox (running)."""
     return web.json_response((await _m(request).resume(_sid(request))).to_json())
 
 
 async def set_timeout(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/timeout {ttl_s, idle_timeout_s} → the sandbox."""
     rec = _m(request).set_timeout(_sid(request), await json_body(request))
     return web.json_response(rec.to_json())
 
 
 async def signal_sandbox(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/signal {signal, exec_id?} → exec ids signalled."""
     ids = await _m(request).signal(_sid(request), await json_body(request))
     return web.json_response({"exec_ids": ids})
 
 
 async def sandbox_stats(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/stats → backend usage figures."""
     return web.json_response(await _m(request).stats(_sid(request)))
 
 
@@ -226,6 +235,7 @@ async def _watch_disconnect(request: web.Request, handle: ExecHandle) -> None:
 
 
 async def exec_ndjson(request: web.Request) -> web.StreamResponse:
+    """POST /v1/sandboxes/{id}/exec → NDJSON stream: start, output chunks, end."""
     mgr = _m(request)
     sid = _sid(request)
     body = await json_body(request)
@@ -269,6 +279,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
 
 
 async def exec_ws(request: web.Request) -> web.StreamResponse:
+    """GET /v1/sandboxes/{id}/exec/ws: the WebSocket variant (stdin, PTY, resize)."""
     mgr = _m(request)
     sid = _sid(request)
     mgr.get(sid)  # 404 before the upgrade
@@ -344,6 +355,7 @@ def _path_query(request: web.Request) -> str:
 
 
 async def put_file(request: web.Request) -> web.Response:
+    """PUT /v1/sandboxes/{id}/files?path=&mode= (streamed body) → bytes written."""
     path = _path_query(request)
     try:
         mode = int(request.query.get("mode", "644"), 8)
@@ -363,6 +375,7 @@ async def put_file(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
+    """GET /v1/sandboxes/{id}/files?path= → the file, streamed."""
     path = _path_query(request)
     it = await _m(request).get_file(_sid(request), path)
     # Pull the first chunk before answering so "no such file" is a proper 404, not a
@@ -386,10 +399,12 @@ async def get_file(request: web.Request) -> web.StreamResponse:
 
 
 async def list_images(request: web.Request) -> web.Response:
+    """GET /v1/images → every registered image."""
     return web.json_response({"images": _m(request).images.all()})
 
 
 async def put_image(request: web.Request) -> web.Response:
+    """POST /v1/images {name, layers} → 201 image."""
     body = await json_body(request)
     if not isinstance(body, dict) or set(body) != {"name", "layers"}:
         raise BadRequest("body: must be {\"name\": \"name:tag\", \"layers\": [digest, ...]}")
@@ -398,10 +413,12 @@ async def put_image(request: web.Request) -> web.Response:
 
 
 async def get_image(request: web.Request) -> web.Response:
+    """GET /v1/images/{name:tag} → the image."""
     return web.json_response(_m(request).images.get(request.match_info["ref"]))
 
 
 async def delete_image(request: web.Request) -> web.Response:
+    """DELETE /v1/images/{name:tag} → the image removed."""
     mgr = _m(request)
     ref = request.match_info["ref"]
     img = mgr.images.get(ref)
@@ -410,16 +427,14 @@ async def delete_image(request: web.Request) -> web.Response:
 
 
 async def node_info(request: web.Request) -> web.Response:
+    """GET /v1/node → capacity, allocations, layer mounts, probed features."""
     return web.json_response(_m(request).node_info())
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics → Prometheus text format."""
     m = _m(request).metrics
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
-
-
-async def not_found(request: web.Request) -> web.Response:
-    raise NotFound(f"{request.method} {request.path}: no such route")
 
 
 ROUTES: list[tuple[str, str, Handler]] = [
