@@ -158,6 +158,24 @@ class LayerMounts:
         except Exception as e:
             raise BackendError(f"cannot unmount layer at {mp}: {e}") from e
 
+    async def sweep(self) -> list[str]:
+        """Unmount and remove every mountpoint under ``mount_dir`` that no holder counts:
+        what a crashed daemon left behind (call after re-adopting sandboxes). Returns the
+        mountpoints removed."""
+        if not self.mount_dir.is_dir():
+            return []
+        held = {str(self.mountpoint(d)) for d in self._refs}
+        gone = []
+        for p in sorted(self.mount_dir.iterdir()):
+            if str(p) in held:
+                continue
+            try:
+                await asyncio.to_thread(self._umount, p)
+                gone.append(str(p))
+            except BackendError:
+                continue
+        return gone
+
     async def close(self) -> None:
         """Unmount every layer still mounted (daemon shutdown with no sandboxes kept)."""
         for d in list(self._refs):

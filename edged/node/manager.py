@@ -521,8 +521,8 @@ class SandboxManager:
     async def recover(self) -> dict[str, list[str]]:
         """After a (re)start: read the persisted records, ask the backend which sandboxes
         live, re-adopt (``on_start = "adopt"``) or destroy them, forget records of dead ones,
-        then let the backend clean leftovers. Returns ``{"adopted", "destroyed", "lost",
-        "cleaned"}`` id lists."""
+        then let the backend clean leftovers and unmount layers no sandbox holds. Returns
+        ``{"adopted", "destroyed", "lost", "cleaned", "layers_unmounted"}`` lists."""
         self.features = await self.backend.probe()
         live = set(await self.backend.list_existing())
         records: dict[str, SandboxRecord] = {}
@@ -535,7 +535,8 @@ class SandboxManager:
                     p.unlink(missing_ok=True)
                     continue
                 records[rec.id] = rec
-        out: dict[str, list[str]] = {"adopted": [], "destroyed": [], "lost": [], "cleaned": []}
+        out: dict[str, list[str]] = {"adopted": [], "destroyed": [], "lost": [], "cleaned": [],
+                                     "layers_unmounted": []}
         for sid, rec in records.items():
             usable = sid in live and rec.state in (State.RUNNING, State.PAUSED)
             if usable and self.config.on_start == "adopt":
@@ -563,6 +564,7 @@ class SandboxManager:
                     await self.backend.destroy(sid)
                 out["destroyed"].append(sid)
         out["cleaned"] = await self.backend.cleanup_leftovers(set(out["adopted"]))
+        out["layers_unmounted"] = await self.layers.sweep()
         self._update_gauges()
         return out
 

@@ -47,10 +47,14 @@ def test_restart_adopts_live_sandboxes(make_node) -> None:
     # "dies" vanishes while no daemon runs; a half-made one is left behind
     del node.backend.live["dies"]
     node.backend.leftovers.add("half-made")
+    # a layer mount a crashed daemon left, held by no sandbox
+    stale = node.server.manager.layers.mountpoint(digest(3))
+    stale.mkdir(parents=True)
     node2 = make_node(backend=node.backend, on_start="adopt")
     assert node2.server.recovered["adopted"] == ["keep-me"]
     assert node2.server.recovered["lost"] == ["dies"]
     assert node2.server.recovered["cleaned"] == ["half-made"]
+    assert node2.server.recovered["layers_unmounted"] == [str(stale)] and not stale.exists()
     again = Sandbox.connect("keep-me", socket=node2.socket)
     assert again.info["labels"] == {"x": "y"} and again.info["state"] == "running"
     assert again.files.read("/state") == "persisted"
