@@ -160,7 +160,7 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	uint32_t first, last, i, n;
 	struct fuse_bufvec *bv;
 	uint64_t now;
-	int rc;
+	int rc, ra = -1;
 
 	if (off >= l->size || w->size == 0) {
 		fuse_reply_buf(w->req, NULL, 0);
@@ -212,7 +212,20 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	}
 	if (!w->waited)
 		l->st.hits++;
+	/* A read at the start of a chunk is how a sequential reader enters it: have this
+	 * chunk's file and the next one's read ahead whole now, so the next requests find
+	 * them in the page cache instead of each waiting for the disk. */
+	ra = -1;
+	if (off % l->chunk_size == 0 && last + 1 < l->nchunks &&
+	    l->chunks[last + 1].state == LFS_LAZY_PRESENT) {
+		l->chunks[last + 1].readers++;
+		ra = l->chunks[last + 1].fd;
+	}
 	pthread_mutex_unlock(&l->lock);
+	if (off % l->chunk_size == 0)
+		posix_fadvise(l->chunks[first].fd, 0, 0, POSIX_FADV_WILLNEED);
+	if (ra >= 0)
+		posix_fadvise(ra, 0, 0, POSIX_FADV_WILLNEED);
 
 	bv = calloc(1, sizeof(*bv) + n * sizeof(struct fuse_buf));
 	if (!bv) {
@@ -240,6 +253,8 @@ out:
 	pthread_mutex_lock(&l->lock);
 	for (i = first; i <= last; i++)
 		l->chunks[i].readers--;
+	if (ra >= 0)
+		l->chunks[last + 1].readers--;
 	pthread_mutex_unlock(&l->lock);
 	if (w->req) {
 		/* fuse_reply_data fails only if the reply could not be written or built (a
