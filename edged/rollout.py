@@ -60,7 +60,8 @@ def ensure_rootfs(path: str) -> str:
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         _log(f"making {path} with mmdebstrap (minbase + python3, bookworm)")
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        part = f"{path}.{os.getpid()}.part"
+        # mmdebstrap picks its output format from the name: keep the .tar ending.
+        part = os.path.join(os.path.dirname(path) or ".", f".rootfs.{os.getpid()}.tar")
         try:
             subprocess.run(["mmdebstrap", "--quiet", "--variant=minbase",
                             "--include=python3", "bookworm", part], check=True)

@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+bash scripts/rootfs.sh   # the real Debian rootfs several tests build layers from
 .venv/bin/ruff check .
 .venv/bin/mypy edged layerfs
 if [ "$#" -eq 0 ]; then
