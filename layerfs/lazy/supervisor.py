@@ -30,27 +30,9 @@ from layerfs.lazy.cache import ChunkCache
 from layerfs.native import check, lib, new_error
 
 
-def _set_read_ahead(mountpoint: str, kib: int) -> None:
-    """Raise the FUSE mount's readahead (default 128 KiB): a sequential reader then sends
-    requests of up to 1 MiB (libfuse's max_pages), a quarter as many round trips through
-    the server. The device number comes from mountinfo, since stat(2) on the mount would
-    wait for a server that is not running yet."""
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and fields[4] == mountpoint:
-                dev = fields[2]
-    try:
-        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
-            f.write(f"{kib}\n")
-    except (OSError, UnboundLocalError) as exc:
-        sys.stderr.write(f"supervisor: cannot set readahead of {mountpoint}: {exc}\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m layerfs.lazy.supervisor")
     p.add_argument("--cache", required=True)
-    p.add_argument("--read-ahead-kb", type=int, default=1024)
     args, server_args = p.parse_known_args(argv)
     cache = ChunkCache(args.cache)
     mp = cache.path("fuse")
@@ -58,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     err = new_error()
     fd = check(lib.lfs_lazy_mount(mp.encode(), err), err, "lazy supervisor")
     os.set_inheritable(fd, True)
-    _set_read_ahead(mp, args.read_ahead_kb)
     stopping = False
     child: subprocess.Popen[bytes] | None = None
 
