@@ -223,3 +223,27 @@ def test_server_killed_mid_read_recovers(layer: Layer, tmp_path: pathlib.Path) -
             with mounted_erofs(layer.image) as direct:
                 assert snapshot(mp) == snapshot(direct)
         assert len(image) == layer.image.stat().st_size
+
+
+def test_prometheus_metrics(layer: Layer, tmp_path: pathlib.Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from layerfs.lazy.metrics import LazyCollector
+
+    with lazy_node(tmp_path / "cache") as c:
+        c.register(layer.digest, layer.remote.url)
+        fd = os.open(_file(c, layer.digest), os.O_RDONLY)
+        try:
+            os.pread(fd, 4096, 0)
+        finally:
+            os.close(fd)
+        reg = CollectorRegistry()
+        reg.register(LazyCollector(c))
+        text = generate_latest(reg).decode()
+        lab = f'{{layer="{layer.digest}"}}'
+        assert "layerfs_lazy_up 1.0" in text
+        assert f"layerfs_lazy_reads_total{lab} 1.0" in text
+        size = next(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith(f"layerfs_lazy_layer_bytes{lab}"))
+        assert size == layer.image.stat().st_size
+        assert f'layerfs_lazy_fetch_seconds_count{lab}' in text

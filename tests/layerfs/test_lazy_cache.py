@@ -116,3 +116,14 @@ def test_cache_limit_evicts_and_reads_stay_right(tmp_path: pathlib.Path) -> None
                 os.close(fd)
     finally:
         remote.close()
+
+
+def test_metrics_of_a_server_that_is_not_running(tmp_path: pathlib.Path) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from layerfs.lazy.client import LazyClient
+    from layerfs.lazy.metrics import LazyCollector
+
+    reg = CollectorRegistry()
+    reg.register(LazyCollector(LazyClient(str(tmp_path / "nothing"))))
+    assert "layerfs_lazy_up 0.0" in generate_latest(reg).decode()
