@@ -14,24 +14,46 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE"]
+CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE", f"-I{CSRC / 'include'}"]
+# libc-only confinement code (Landlock, capabilities, seccomp) shared with the cffi module
+CONFINE = ["lib/confine.c", "lib/error.c"]
 
 BINARIES = {
     # name: (sources, prefer musl)
-    "sbx-init": (["sbx-init/sbx-init.c"], True),
-    "edged-spawner": (["spawner/spawner.c"], False),
+    "sbx-init": (["sbx-init/sbx-init.c", *CONFINE], True),
+    "edged-spawner": (["spawner/spawner.c", *CONFINE], False),
 }
 
 
-def _compile(out: pathlib.Path, sources: list[str], musl: bool) -> None:
+def _kernel_headers(out_dir: pathlib.Path) -> list[str]:
+    """musl-gcc searches only musl's own include dir; the confinement code needs the kernel
+    uapi headers (linux/, asm/, asm-generic/ from linux-libc-dev): link them into a private
+    include dir. Returns the extra compiler flags ([] when the headers are not installed)."""
+    arch = subprocess.run(["gcc", "-dumpmachine"], capture_output=True, text=True).stdout.strip()
+    srcs = {"linux": "/usr/include/linux", "asm-generic": "/usr/include/asm-generic",
+            "asm": f"/usr/include/{arch}/asm"}
+    if not all(os.path.isdir(p) for p in srcs.values()):
+        return []
+    inc = out_dir / ".kheaders"
+    inc.mkdir(exist_ok=True)
+    for name, target in srcs.items():
+        link = inc / name
+        if not link.is_symlink():
+            link.symlink_to(target)
+    return ["-isystem", str(inc)]
+
+
+def _compile(out: pathlib.Path, sources: list[str], musl: bool, tmp_dir: pathlib.Path) -> None:
     srcs = [str(CSRC / s) for s in sources]
     cc = os.environ.get("CC", "cc")
     attempts = []
     if musl and shutil.which("musl-gcc"):
-        attempts.append(["musl-gcc", "-static", "-Os", *CFLAGS[1:]])
+        attempts.append(["musl-gcc", "-static", "-Os", *CFLAGS[1:],
+                         *_kernel_headers(tmp_dir)])
     attempts.append([cc, "-static", *CFLAGS])
     if not musl:
         attempts.append([cc, *CFLAGS])  # no static libc installed: dynamic is fine on the host
@@ -51,10 +73,11 @@ def build(out_dir: pathlib.Path) -> list[pathlib.Path]:
     the compiler's message on failure."""
     out_dir.mkdir(parents=True, exist_ok=True)
     built = []
-    for name, (sources, musl) in BINARIES.items():
-        out = out_dir / name
-        _compile(out, sources, musl)
-        built.append(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (sources, musl) in BINARIES.items():
+            out = out_dir / name
+            _compile(out, sources, musl, pathlib.Path(tmp))
+            built.append(out)
     return built
 
 

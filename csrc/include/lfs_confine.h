@@ -88,6 +88,18 @@ int lfs_landlock_check(const void *blob, size_t len, struct lfs_error *err);
  * no_new_privs (landlock_restrict_self requires it without CAP_SYS_ADMIN). */
 int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err);
 
+/* The two halves of lfs_landlock_apply, for a process that applies one ruleset
+ * to many children (sbx-init): prepare resolves the paths once, in the caller's
+ * mount namespace, and returns the ruleset fd (close-on-exec); enforce
+ * restricts the calling thread with it (and sets no_new_privs).  Paths are
+ * resolved when prepared, so a later rename or symlink by a workload cannot move
+ * a grant. */
+int lfs_landlock_prepare(const void *blob, size_t len, struct lfs_error *err);
+int lfs_landlock_enforce(int ruleset, uint32_t restrict_flags, struct lfs_error *err);
+
+/* The landlock_restrict_self() flags a (checked) blob asks for. */
+uint32_t lfs_landlock_flags(const void *blob, size_t len);
+
 /* ---- capabilities ---- */
 
 /* Keep only the capabilities in the bit mask `keep` (bit n = capability n):

@@ -158,7 +158,7 @@ static int add_path_rule(int ruleset, const char *path, uint64_t access, uint32_
 	return 0;
 }
 
-int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err)
+int lfs_landlock_prepare(const void *blob, size_t len, struct lfs_error *err)
 {
 	const uint8_t *p = blob;
 	struct lfs_ll_hdr h;
@@ -166,7 +166,7 @@ int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err)
 	cleanup_close int ruleset = -1;
 	size_t attr_size, off = sizeof(h);
 	char path[LFS_LL_MAX_PATH + 1];
-	int abi;
+	int abi, out;
 
 	if (lfs_landlock_check(blob, len, err) < 0)
 		return -1;
@@ -204,12 +204,38 @@ int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err)
 		}
 		off += rule_size(&r);
 	}
+	out = ruleset;
+	ruleset = -1;
+	return out;
+}
+
+int lfs_landlock_enforce(int ruleset, uint32_t restrict_flags, struct lfs_error *err)
+{
 	if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
 		return lfs_error_set(err, errno, "prctl(NO_NEW_PRIVS): %s", strerror(errno));
 	if (syscall(__NR_landlock_restrict_self, ruleset,
-		    abi >= 7 ? h.restrict_flags : 0) < 0)
+		    lfs_landlock_abi() >= 7 ? restrict_flags : 0) < 0)
 		return lfs_error_set(err, errno, "landlock_restrict_self: %s", strerror(errno));
 	return 0;
+}
+
+uint32_t lfs_landlock_flags(const void *blob, size_t len)
+{
+	struct lfs_ll_hdr h;
+
+	if (len < sizeof(h))
+		return 0;
+	memcpy(&h, blob, sizeof(h));
+	return h.restrict_flags;
+}
+
+int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err)
+{
+	cleanup_close int ruleset = lfs_landlock_prepare(blob, len, err);
+
+	if (ruleset < 0)
+		return -1;
+	return lfs_landlock_enforce(ruleset, lfs_landlock_flags(blob, len), err);
 }
 
 int lfs_caps_restrict(uint64_t keep, struct lfs_error *err)
