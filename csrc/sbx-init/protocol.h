@@ -62,6 +62,7 @@ enum sbx_type {
 	SBX_STDERR = 0x84,   /* output bytes */
 	SBX_END = 0x85,      /* struct sbx_end: exactly one per started exec, after all output */
 	SBX_ERROR = 0x86,    /* struct sbx_error + message bytes (<= SBX_MAX_ERROR_MSG) */
+	SBX_EVENT = 0x87,    /* struct sbx_event: a security event of the exec (exec_id) */
 };
 
 /* SBX_EXEC flags */
@@ -149,5 +150,21 @@ struct sbx_error {
 	/* then the message, not NUL-terminated */
 };
 _Static_assert(sizeof(struct sbx_error) == 8, "sbx_error is 8 bytes");
+
+/* SBX_EVENT kinds */
+#define SBX_EV_SECCOMP 1u /* a syscall the seccomp profile denies (failed with EPERM) */
+
+struct sbx_event {
+	uint32_t kind;    /* SBX_EV_* */
+	uint32_t pid;     /* thread id in the sandbox's pid namespace */
+	int32_t nr;       /* syscall number */
+	uint32_t arch;    /* AUDIT_ARCH_* */
+	uint64_t args[6]; /* syscall arguments */
+	uint64_t ip;      /* instruction pointer */
+	uint32_t dropped; /* events dropped (client busy or absent) before this one */
+	uint32_t reserved;
+	char comm[16];    /* the thread's name, NUL-padded */
+};
+_Static_assert(sizeof(struct sbx_event) == 96, "sbx_event is 96 bytes");
 
 #endif

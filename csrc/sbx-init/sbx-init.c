@@ -5,14 +5,31 @@
  * every fd non-blocking so that no peer (client or workload) can stall it.
  *
  * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
+ *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD]
  *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
  *                  SO_PEERCRED on a client's connection names sbx-init);
  *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
  *                  sandbox root, under which each exec gets its own cgroup so
  *                  that a timeout or kill takes its whole tree, daemonized
  *                  grandchildren included.
+ *   LANDLOCK_FD    a file holding a Landlock ruleset blob (lfs_confine.h),
+ *                  read and resolved once at start-up, while the rootfs is
+ *                  still exactly what the layers hold;
+ *   SECCOMP_FD     a file holding a classic-BPF seccomp program whose denials
+ *                  are user notifications;
+ *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
+ *                  overlay): only kept open, so the daemon can inspect the
+ *                  upper through /proc/<pid>/fd before a grader exec.
  * Every inherited fd is made close-on-exec at start-up: no workload process
  * inherits the control channel or a cgroup directory.
+ *
+ * Confinement is applied to EACH exec's child just before execve, never to
+ * sbx-init itself: Landlock first (a fresh domain per exec, so the workload's
+ * domain cannot signal, ptrace or reach the abstract sockets of sbx-init or of
+ * a later grader exec), then seccomp with a notification listener.  The child
+ * hands the listener to sbx-init over its error socket; sbx-init answers each
+ * denied syscall with EPERM at once (the workload never waits on the daemon)
+ * and reports it to the client as an SBX_EVENT.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -38,6 +55,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lfs_confine.h"
 #include "protocol.h"
 
 #define DRAIN_NS      (20 * 1000000ull) /* output grace after the main process ends */
@@ -45,7 +63,7 @@
 #define STDIN_MAX     (4u << 20)        /* stdin bytes buffered per exec */
 #define MAX_PENDING_RM 1024
 
-enum kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE };
+enum kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE, K_NOTIF };
 
 struct buf {
 	uint8_t *p;
@@ -57,6 +75,7 @@ struct exec {
 	uint32_t id;
 	pid_t pid;
 	int out_fd, err_fd, in_fd, errpipe;
+	int notif;        /* seccomp listener of the exec's filter, -1 if none */
 	int pty;          /* out_fd is the pty master; stdin goes there too */
 	int started, failed, reaped, orphan;
 	int status;
@@ -81,6 +100,11 @@ static int interest_dirty;
 static uint64_t cg_counter;
 static char pending_rm[MAX_PENDING_RM][24];
 static int n_pending_rm;
+static int ll_ruleset = -1;     /* prepared Landlock ruleset, -1: none */
+static uint32_t ll_flags;
+static uint8_t *sc_prog;        /* seccomp program, NULL: none */
+static size_t sc_len;
+static uint32_t ev_dropped;     /* events not queued since the last one sent */
 
 static uint64_t now_ns(void)
 {
@@ -494,6 +518,7 @@ static void exec_close_io(struct exec *e)
 	close_fd(&e->err_fd);
 	close_fd(&e->in_fd);
 	close_fd(&e->errpipe);
+	close_fd(&e->notif);
 	buf_free(&e->in);
 }
 
@@ -502,7 +527,7 @@ static void exec_free(struct exec *e)
 	exec_close_io(e);
 	cg_release(e);
 	memset(e, 0, sizeof(*e));
-	e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+	e->out_fd = e->err_fd = e->in_fd = e->errpipe = e->notif = -1;
 }
 
 static void exec_finish(struct exec *e)
@@ -571,20 +596,61 @@ struct child_args {
 
 static void child_fail(int fd, int code, const char *what, const char *arg)
 {
-	char msg[300];
-	int n = snprintf(msg, sizeof(msg), "%s `%s`: %s", what, arg, strerror(code));
+	char msg[304];
+	int n = snprintf(msg + 4, sizeof(msg) - 4, "%s `%s`: %s", what, arg, strerror(code));
 	int32_t c = code;
 
 	if (n < 0)
 		n = 0;
-	if (n >= (int)sizeof(msg))
-		n = sizeof(msg) - 1;
-	(void)!write(fd, &c, sizeof(c));
-	(void)!write(fd, msg, (size_t)n);
+	if (n >= (int)sizeof(msg) - 4)
+		n = sizeof(msg) - 5;
+	/* one message on the SOCK_SEQPACKET error socket */
+	memcpy(msg, &c, sizeof(c));
+	(void)!write(fd, msg, (size_t)n + 4);
 	_exit(127);
 }
 
 extern char **environ;
+
+/* Pass the seccomp listener to sbx-init as one 'L' message with the fd. */
+static int send_listener(int sock, int fd)
+{
+	char byte = 'L';
+	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} c;
+	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
+			   .msg_controllen = sizeof(c.buf)};
+	struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+
+	memset(c.buf, 0, sizeof(c.buf));
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN(sizeof(int));
+	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+	return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -1;
+}
+
+/* Landlock, then seccomp: the last steps before execve (the filter would
+ * otherwise also judge our own set-up calls). */
+static void confine_child(int errpipe_w)
+{
+	struct lfs_error err = {0};
+	int l;
+
+	if (ll_ruleset >= 0 && lfs_landlock_enforce(ll_ruleset, ll_flags, &err) < 0)
+		child_fail(errpipe_w, err.code, "confine", err.msg);
+	if (!sc_prog)
+		return;
+	l = lfs_seccomp_install(sc_prog, sc_len, 1, 0, &err);
+	if (l < 0)
+		child_fail(errpipe_w, err.code, "confine", err.msg);
+	if (send_listener(errpipe_w, l) < 0)
+		child_fail(errpipe_w, errno, "confine", "pass the seccomp listener");
+	close(l);
+}
 
 static void child(struct child_args *a)
 {
@@ -630,6 +696,7 @@ static void child(struct child_args *a)
 		child_fail(a->errpipe_w, errno, "setuid", "uid");
 	if (chdir(a->cwd) < 0)
 		child_fail(a->errpipe_w, errno, "chdir", a->cwd);
+	confine_child(a->errpipe_w);
 	environ = a->envp;
 	execvp(a->argv[0], a->argv);
 	child_fail(a->errpipe_w, errno, "exec", a->argv[0]);
@@ -697,14 +764,15 @@ static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
 	envp[req.envc] = NULL;
 
 	memset(e, 0, sizeof(*e));
-	e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+	e->out_fd = e->err_fd = e->in_fd = e->errpipe = e->notif = -1;
 	memset(&a, 0, sizeof(a));
 	a.in_r = a.out_w = a.err_w = -1;
 	a.req = &req;
 	a.cwd = strs[0];
 	a.argv = argv;
 	a.envp = envp;
-	if (pipe2(ep_, O_CLOEXEC) < 0)
+	/* SOCK_SEQPACKET, not a pipe: it also carries the seccomp listener */
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, ep_) < 0)
 		goto sys_fail;
 	if (req.flags & SBX_EXEC_PTY) {
 		struct winsize ws = {.ws_row = req.rows ? req.rows : 24, .ws_col = req.cols ? req.cols : 80};
@@ -797,7 +865,7 @@ sys_fail:
 			close(e->out_fd);
 		cg_release(e);
 		memset(e, 0, sizeof(*e));
-		e->out_fd = e->err_fd = e->in_fd = e->errpipe = -1;
+		e->out_fd = e->err_fd = e->in_fd = e->errpipe = e->notif = -1;
 		send_error(id, saved, "exec: %s", strerror(saved));
 	}
 }
@@ -805,10 +873,33 @@ sys_fail:
 static void on_errpipe(struct exec *e)
 {
 	uint8_t msg[400];
-	ssize_t n = read(e->errpipe, msg, sizeof(msg));
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(sizeof(int))];
+	} c;
+	struct iovec iov = {.iov_base = msg, .iov_len = sizeof(msg)};
+	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
+			   .msg_controllen = sizeof(c.buf)};
+	struct cmsghdr *cm;
+	int fd = -1;
+	ssize_t n = recvmsg(e->errpipe, &m, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
 
 	if (n < 0 && (errno == EAGAIN || errno == EINTR))
 		return;
+	cm = n > 0 ? CMSG_FIRSTHDR(&m) : NULL;
+	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS &&
+	    cm->cmsg_len == CMSG_LEN(sizeof(int)))
+		memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+	if (fd >= 0) {
+		if (n == 1 && msg[0] == 'L' && e->notif < 0) {
+			e->notif = fd;
+			set_nonblock(fd);
+			ep_add(fd, K_NOTIF, slot_of(e), EPOLLIN);
+		} else {
+			close(fd);
+		}
+		return; /* the exec's start or failure follows */
+	}
 	close_fd(&e->errpipe);
 	if (n <= 0) {
 		struct sbx_started st = {.pid = (uint32_t)e->pid};
@@ -829,6 +920,55 @@ static void on_errpipe(struct exec *e)
 	}
 	exec_close_io(e);
 	maybe_finish(e, now_ns());
+}
+
+/* A denied syscall of the exec's tree: fail it with EPERM at once, then report
+ * it.  A workload can raise these in a loop; events beyond what the client
+ * takes are dropped and counted (the syscall is denied all the same). */
+static void on_notif(struct exec *e, uint32_t events)
+{
+	struct lfs_seccomp_event sev;
+	struct lfs_error err = {0};
+	struct sbx_event ev;
+	char path[48];
+	int i, fd;
+
+	if (!(events & EPOLLIN)) {
+		/* EPOLLHUP: no process uses the filter any more */
+		close_fd(&e->notif);
+		return;
+	}
+	if (lfs_seccomp_notif_recv(e->notif, &sev, &err) < 0) {
+		if (err.code != ENOENT && err.code != EAGAIN && err.code != EINTR)
+			close_fd(&e->notif);
+		return;
+	}
+	memset(&ev, 0, sizeof(ev));
+	ev.kind = SBX_EV_SECCOMP;
+	ev.pid = sev.pid;
+	ev.nr = sev.nr;
+	ev.arch = sev.arch;
+	ev.ip = sev.ip;
+	for (i = 0; i < 6; i++)
+		ev.args[i] = sev.args[i];
+	/* read before answering: until then the pid cannot be reused */
+	snprintf(path, sizeof(path), "/proc/%u/comm", sev.pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		ssize_t n = read(fd, ev.comm, sizeof(ev.comm) - 1);
+
+		if (n > 0 && ev.comm[n - 1] == '\n')
+			ev.comm[n - 1] = 0;
+		close(fd);
+	}
+	lfs_seccomp_notif_deny(e->notif, sev.id, EPERM, &err);
+	if (client_fd < 0 || outq_pending() >= OUTQ_HIGH) {
+		ev_dropped++;
+		return;
+	}
+	ev.dropped = ev_dropped;
+	ev_dropped = 0;
+	send_frame(SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
 }
 
 static void on_output(struct exec *e, int which)
@@ -1201,6 +1341,69 @@ static int next_timeout_ms(uint64_t now)
 	return (int)((next - now + 999999) / 1000000);
 }
 
+/* Read a whole policy file (at most `max` bytes) into a new buffer. */
+static uint8_t *slurp(int fd, size_t max, size_t *len)
+{
+	struct stat st;
+	uint8_t *p;
+	size_t off = 0;
+
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
+	    (size_t)st.st_size > max) {
+		errno = EINVAL;
+		return NULL;
+	}
+	p = malloc((size_t)st.st_size);
+	if (!p)
+		return NULL;
+	while (off < (size_t)st.st_size) {
+		ssize_t n = pread(fd, p + off, (size_t)st.st_size - off, (off_t)off);
+
+		if (n <= 0) {
+			free(p);
+			errno = n < 0 ? errno : EIO;
+			return NULL;
+		}
+		off += (size_t)n;
+	}
+	*len = off;
+	return p;
+}
+
+/* A sandbox asked to be confined is never started unconfined: any failure
+ * here is fatal, and the spawner reports sbx-init's early exit. */
+static int load_policies(int ll_fd, int sc_fd)
+{
+	struct lfs_error err = {0};
+
+	if (ll_fd >= 0) {
+		size_t len;
+		uint8_t *blob = slurp(ll_fd, LFS_LL_MAX_BLOB, &len);
+
+		if (!blob) {
+			logmsg("sbx-init: read the Landlock ruleset: %s", strerror(errno));
+			return -1;
+		}
+		ll_ruleset = lfs_landlock_prepare(blob, len, &err);
+		ll_flags = lfs_landlock_flags(blob, len);
+		free(blob);
+		close(ll_fd);
+		if (ll_ruleset < 0) {
+			logmsg("sbx-init: Landlock: %s", err.msg);
+			return -1;
+		}
+	}
+	if (sc_fd >= 0) {
+		sc_prog = slurp(sc_fd, 4096 * 8, &sc_len);
+		close(sc_fd);
+		if (!sc_prog) {
+			logmsg("sbx-init: read the seccomp program: %s", strerror(errno));
+			return -1;
+		}
+	}
+	return 0;
+}
+
 static int parse_fd(const char *s)
 {
 	char *end;
@@ -1219,17 +1422,25 @@ int main(int argc, char **argv)
 	unsigned i;
 	int opt;
 
-	while ((opt = getopt(argc, argv, "l:f:m:u:")) != -1) {
+	int ll_fd = -1, sc_fd = -1;
+
+	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:")) != -1) {
 		switch (opt) {
 		case 'l': listen_fd = parse_fd(optarg); break;
 		case 'f': cg_freezer = parse_fd(optarg); break;
 		case 'm': cg_memory = parse_fd(optarg); break;
 		case 'u': cg_v2 = parse_fd(optarg); break;
+		case 'L': ll_fd = parse_fd(optarg); break;
+		case 'S': sc_fd = parse_fd(optarg); break;
+		case 'U': parse_fd(optarg); break; /* kept open, close-on-exec */
 		default:
-			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD]");
+			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
+			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD]");
 			return 2;
 		}
 	}
+	if (load_policies(ll_fd, sc_fd) < 0)
+		return 1;
 	if (listen_fd < 0) {
 		logmsg("sbx-init: -l LISTEN_FD is required");
 		return 2;
@@ -1258,7 +1469,8 @@ int main(int argc, char **argv)
 	}
 	set_nonblock(listen_fd);
 	for (i = 0; i < SBX_MAX_EXECS; i++)
-		execs[i].out_fd = execs[i].err_fd = execs[i].in_fd = execs[i].errpipe = -1;
+		execs[i].out_fd = execs[i].err_fd = execs[i].in_fd = execs[i].errpipe =
+			execs[i].notif = -1;
 	ep_add(listen_fd, K_LISTEN, 0, EPOLLIN);
 	ep_add(sig_fd, K_SIG, 0, EPOLLIN);
 	for (;;) {
@@ -1290,6 +1502,10 @@ int main(int argc, char **argv)
 			case K_ERRPIPE:
 				if (e->used && e->errpipe >= 0)
 					on_errpipe(e);
+				break;
+			case K_NOTIF:
+				if (e->used && e->notif >= 0)
+					on_notif(e, evs[k].events);
 				break;
 			case K_OUT:
 				if (!e->used || e->out_fd < 0)

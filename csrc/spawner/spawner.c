@@ -10,6 +10,10 @@
  *                 --lower DIR [--lower DIR...]          (bottom first)
  *                 [--join CGROUP_DIR...]                 (cgroups to enter)
  *                 [--cg-freezer DIR --cg-memory DIR | --cg-v2 DIR]  (for sbx-init)
+ *                 [--upper-dir DIR]      (host dir for upper/ and work/ instead of a tmpfs)
+ *                 [--protect PATH...]    (sandbox paths made read-only mounts)
+ *                 [--caps MASK]          (capabilities kept, bit n = capability n)
+ *                 [--landlock FILE] [--seccomp FILE]  (policies sbx-init applies per exec)
  * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
  * "error ERRNO MESSAGE", and exits 0 or 1.
  *
@@ -33,6 +37,14 @@
  *     on the host.  Confinement (seccomp, Landlock, capability drop,
  *     no_new_privs) belongs between pivot_root and the exec: see the
  *     "confinement" comment in child_main.
+ *
+ * Protected paths are read-only bind mounts made by sandbox root before it
+ * drops CAP_SYS_ADMIN (with the rest of the capabilities not in --caps, from
+ * the bounding set too).  Without CAP_SYS_ADMIN in the sandbox's user
+ * namespace the workload cannot remount or unmount them; a user namespace it
+ * might create gets a copy of the mount table in which the kernel locks them
+ * (read-only and not unmountable: MNT_LOCK_READONLY / MNT_LOCKED).  Landlock,
+ * applied by sbx-init to each exec, denies the same writes independently.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -59,6 +71,9 @@
 
 #define MAX_LOWERS 64
 #define MAX_JOIN 16
+#define MAX_PROTECT 256
+
+#include "lfs_confine.h"
 
 struct opts {
 	int status_fd;
@@ -70,6 +85,11 @@ struct opts {
 	const char *join[MAX_JOIN];
 	int n_join;
 	const char *cg_freezer, *cg_memory, *cg_v2;
+	const char *upper_dir, *landlock, *seccomp;
+	const char *protect[MAX_PROTECT];
+	int n_protect;
+	int has_caps;
+	unsigned long long caps;
 };
 
 struct err {
@@ -178,6 +198,8 @@ struct child_fds {
 	int init_exe;    /* sbx-init binary */
 	int log;         /* sbx-init's stderr */
 	int cg_a, cg_b;  /* cgroup dirs for sbx-init, or -1 */
+	int ll, sc;      /* policy files for sbx-init, or -1 */
+	int scratch;     /* the scratch dir (upper/, work/), received */
 };
 
 static int bind_dev(const char *name, struct err *e)
@@ -257,12 +279,49 @@ static int loopback_up(struct err *e)
 	return 0;
 }
 
+/* Make each protected path a read-only (recursive) bind mount of itself.  Runs
+ * after pivot_root, so a symlink in the image resolves inside the sandbox.  A
+ * path that is itself a symlink (merged-/usr /bin) is left to Landlock: its
+ * target is protected when listed too. */
+static int protect_paths(const struct opts *o, struct err *e)
+{
+	struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID |
+					      MOUNT_ATTR_NODEV};
+	int i;
+
+	for (i = 0; i < o->n_protect; i++) {
+		const char *p = o->protect[i];
+		cleanup_close int t = -1;
+		struct stat st;
+
+		if (fstatat(AT_FDCWD, p, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+			if (errno == ENOENT || errno == ENOTDIR)
+				continue;
+			return fail(e, errno, "protect `%s`", p);
+		}
+		if (S_ISLNK(st.st_mode))
+			continue;
+		t = open_tree(AT_FDCWD, p, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE |
+					      AT_SYMLINK_NOFOLLOW);
+		if (t < 0)
+			return fail(e, errno, "protect `%s`: open_tree", p);
+		if (mount_setattr(t, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof(attr)) < 0)
+			return fail(e, errno, "protect `%s`: read-only", p);
+		if (move_mount(t, "", AT_FDCWD, p, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+			return fail(e, errno, "protect `%s`: attach", p);
+	}
+	return 0;
+}
+
 static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
 {
 	cleanup_close int rootmnt = recv_fd(f->sync);
 
 	if (rootmnt < 0)
 		return fail(e, errno ? errno : EPROTO, "receive the rootfs mount");
+	f->scratch = recv_fd(f->sync);
+	if (f->scratch < 0)
+		return fail(e, errno ? errno : EPROTO, "receive the scratch dir");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return fail(e, errno, "make `/` private");
 	/* Still host uid 0 here (unmapped in the new namespace, yet with all its
@@ -298,7 +357,7 @@ static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
 		return fail(e, errno, "detach the old root");
 	if (chdir("/") < 0)
 		return fail(e, errno, "chdir `/`");
-	return 0;
+	return protect_paths(o, e);
 }
 
 /* Put `fd` at number `to` (without close-on-exec). */
@@ -312,28 +371,38 @@ static int place_fd(int fd, int to)
 static void child_main(const struct opts *o, struct child_fds *f)
 {
 	struct err e = {0};
-	char *argv[12];
+	char *argv[20];
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
 	int argc = 0, hi = 100, nul;
 
 	if (child_setup(o, f, &e) < 0)
 		goto out;
-	/* confinement (issue 5): seccomp filter, Landlock ruleset, capability
-	 * bounding set and no_new_privs are applied here: after pivot_root, so
-	 * they see the sandbox's paths, and before the exec, so that sbx-init
-	 * and all it starts inherit them. */
+	/* Capabilities and no_new_privs here, for sbx-init and all it starts.
+	 * Landlock and seccomp are sbx-init's to apply, to each exec: sbx-init
+	 * must stay outside the workload's Landlock domain so that the domain's
+	 * signal and abstract-socket scoping protects it. */
+	if (o->has_caps) {
+		struct lfs_error le = {0};
+
+		if (lfs_caps_restrict(o->caps, &le) < 0) {
+			fail(&e, le.code, "%s", le.msg);
+			goto out;
+		}
+	}
 
 	/* Move the fds sbx-init keeps to 3..6 (via high numbers, so no dup
 	 * clobbers another) and close everything else.  The sync socket stays
 	 * open, close-on-exec: the spawner sees the exec happen as EOF. */
 	{
-		int *src[] = {&f->listen, &f->cg_a, &f->cg_b, &f->init_exe};
+		int *src[] = {&f->listen, &f->cg_a, &f->cg_b, &f->ll, &f->sc, &f->scratch,
+			      &f->init_exe};
+		const int nsrc = (int)(sizeof(src) / sizeof(src[0]));
 		int i, n = 0, sync_hi = fcntl(f->sync, F_DUPFD_CLOEXEC, 200);
 
 		if (sync_hi < 0)
 			_exit(1);
 		f->sync = sync_hi;
-		for (i = 0; i < 4; i++) {
+		for (i = 0; i < nsrc; i++) {
 			if (*src[i] < 0)
 				continue;
 			*src[i] = fcntl(*src[i], F_DUPFD_CLOEXEC, hi++);
@@ -342,7 +411,7 @@ static void child_main(const struct opts *o, struct child_fds *f)
 				goto out;
 			}
 		}
-		for (i = 0; i < 4; i++) {
+		for (i = 0; i < nsrc; i++) {
 			if (*src[i] < 0)
 				continue;
 			if (place_fd(*src[i], 3 + n) < 0) {
@@ -361,7 +430,7 @@ static void child_main(const struct opts *o, struct child_fds *f)
 		syscall(SYS_close_range, (unsigned)(sync_hi + 1), ~0u, 0u);
 	}
 	{
-		static char lfd[16], afd[16], bfd[16];
+		static char lfd[16], afd[16], bfd[16], llfd[16], scfd[16], upfd[16];
 
 		argv[argc++] = "sbx-init";
 		snprintf(lfd, sizeof(lfd), "%d", f->listen);
@@ -381,6 +450,19 @@ static void child_main(const struct opts *o, struct child_fds *f)
 				argv[argc++] = bfd;
 			}
 		}
+		if (f->ll >= 0) {
+			snprintf(llfd, sizeof(llfd), "%d", f->ll);
+			argv[argc++] = "-L";
+			argv[argc++] = llfd;
+		}
+		if (f->sc >= 0) {
+			snprintf(scfd, sizeof(scfd), "%d", f->sc);
+			argv[argc++] = "-S";
+			argv[argc++] = scfd;
+		}
+		snprintf(upfd, sizeof(upfd), "%d", f->scratch);
+		argv[argc++] = "-U";
+		argv[argc++] = upfd;
 		argv[argc] = NULL;
 	}
 	syscall(SYS_execveat, f->init_exe, "", argv, envp, AT_EMPTY_PATH);
@@ -429,7 +511,7 @@ static int idmapped_lower(const char *path, int userns, struct err *e)
 	return fd;
 }
 
-static int build_rootfs(const struct opts *o, pid_t child, struct err *e)
+static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, struct err *e)
 {
 	char path[64], num[32];
 	cleanup_close int userns = -1;
@@ -449,22 +531,32 @@ static int build_rootfs(const struct opts *o, pid_t child, struct err *e)
 			goto out;
 	}
 
-	tmpfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
-	if (tmpfs < 0) {
-		fail(e, errno, "fsopen tmpfs");
-		goto out;
-	}
-	snprintf(num, sizeof(num), "%llu", o->disk_bytes);
-	if (fsconfig(tmpfs, FSCONFIG_SET_STRING, "size", num, 0) < 0 ||
-	    fsconfig(tmpfs, FSCONFIG_SET_STRING, "mode", "0755", 0) < 0 ||
-	    fsconfig(tmpfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
-		fs_fail(e, tmpfs, errno, "scratch tmpfs");
-		goto out;
-	}
-	tmpmnt = fsmount(tmpfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
-	if (tmpmnt < 0) {
-		fail(e, errno, "fsmount scratch tmpfs");
-		goto out;
+	if (o->upper_dir) {
+		/* a host directory (e.g. on an XFS filesystem of the node's scratch
+		 * storage, whose own size limits the upper) */
+		tmpmnt = open(o->upper_dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (tmpmnt < 0) {
+			fail(e, errno, "open upper dir `%s`", o->upper_dir);
+			goto out;
+		}
+	} else {
+		tmpfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
+		if (tmpfs < 0) {
+			fail(e, errno, "fsopen tmpfs");
+			goto out;
+		}
+		snprintf(num, sizeof(num), "%llu", o->disk_bytes);
+		if (fsconfig(tmpfs, FSCONFIG_SET_STRING, "size", num, 0) < 0 ||
+		    fsconfig(tmpfs, FSCONFIG_SET_STRING, "mode", "0755", 0) < 0 ||
+		    fsconfig(tmpfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0) {
+			fs_fail(e, tmpfs, errno, "scratch tmpfs");
+			goto out;
+		}
+		tmpmnt = fsmount(tmpfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
+		if (tmpmnt < 0) {
+			fail(e, errno, "fsmount scratch tmpfs");
+			goto out;
+		}
 	}
 	/* upper's root becomes the sandbox's "/": owned by sandbox root */
 	if (mkdirat(tmpmnt, "upper", 0755) < 0 || mkdirat(tmpmnt, "work", 0700) < 0 ||
@@ -503,6 +595,8 @@ static int build_rootfs(const struct opts *o, pid_t child, struct err *e)
 		fail(e, errno, "fsmount overlay");
 		goto out;
 	}
+	*scratch_out = tmpmnt;
+	tmpmnt = -1;
 	rc = mnt;
 out:
 	for (i = 0; i < o->n_lowers; i++)
@@ -558,9 +652,10 @@ static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
 			 CLONE_NEWUTS | CLONE_NEWCGROUP,
 		.exit_signal = SIGCHLD,
 	};
-	struct child_fds f = {.sync = -1, .listen = -1, .init_exe = -1, .log = -1, .cg_a = -1, .cg_b = -1};
+	struct child_fds f = {.sync = -1, .listen = -1, .init_exe = -1, .log = -1, .cg_a = -1,
+			      .cg_b = -1, .ll = -1, .sc = -1, .scratch = -1};
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
-	cleanup_close int sync_p = -1, rootmnt = -1;
+	cleanup_close int sync_p = -1, rootmnt = -1, scratch = -1, ll = -1, sc = -1;
 	int sv[2];
 	char reply[600];
 	ssize_t n;
@@ -583,6 +678,16 @@ static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
 		if (cg_b < 0)
 			return fail(e, errno, "open cgroup `%s`", o->cg_memory);
 	}
+	if (o->landlock) {
+		ll = open(o->landlock, O_RDONLY | O_CLOEXEC);
+		if (ll < 0)
+			return fail(e, errno, "open Landlock ruleset `%s`", o->landlock);
+	}
+	if (o->seccomp) {
+		sc = open(o->seccomp, O_RDONLY | O_CLOEXEC);
+		if (sc < 0)
+			return fail(e, errno, "open seccomp program `%s`", o->seccomp);
+	}
 	if (join_cgroups(o, e) < 0)
 		return -1;
 	listen_fd = open_listen(o->ctl, e);
@@ -603,16 +708,18 @@ static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
 		f.log = log_fd;
 		f.cg_a = cg_a;
 		f.cg_b = cg_b;
+		f.ll = ll;
+		f.sc = sc;
 		close(sv[0]);
 		child_main(o, &f);
 	}
 	close(sv[1]);
 	if (write_maps(pid, o, e) < 0)
 		goto kill_child;
-	rootmnt = build_rootfs(o, pid, e);
+	rootmnt = build_rootfs(o, pid, &scratch, e);
 	if (rootmnt < 0)
 		goto kill_child;
-	if (send_fd(sync_p, rootmnt) < 0) {
+	if (send_fd(sync_p, rootmnt) < 0 || send_fd(sync_p, scratch) < 0) {
 		fail(e, errno, "send the rootfs to the child");
 		goto kill_child;
 	}
@@ -681,6 +788,26 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 			o->cg_memory = v;
 		else if (!strcmp(k, "--cg-v2"))
 			o->cg_v2 = v;
+		else if (!strcmp(k, "--upper-dir"))
+			o->upper_dir = v;
+		else if (!strcmp(k, "--landlock"))
+			o->landlock = v;
+		else if (!strcmp(k, "--seccomp"))
+			o->seccomp = v;
+		else if (!strcmp(k, "--caps")) {
+			char *end;
+
+			o->caps = strtoull(v, &end, 0);
+			if (*end)
+				return fail(e, EINVAL, "--caps `%s` is not a number", v);
+			o->has_caps = 1;
+		} else if (!strcmp(k, "--protect")) {
+			if (o->n_protect == MAX_PROTECT)
+				return fail(e, EINVAL, "more than %d protected paths", MAX_PROTECT);
+			if (v[0] != '/')
+				return fail(e, EINVAL, "protected path `%s` is not absolute", v);
+			o->protect[o->n_protect++] = v;
+		}
 		else
 			return fail(e, EINVAL, "unknown option `%s`", k);
 	}
