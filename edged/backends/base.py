@@ -39,6 +39,10 @@ class SandboxSpec:
     ``lowers``: host paths of read-only layer mounts (EROFS mountpoints or plain directories),
     BOTTOM FIRST (base, workspace, toolkit). ``env``: default environment of every exec.
     ``network``: only ``"none"`` for now: an empty netns with loopback up.
+    ``task_profile``: name of the task profile (``profiles/tasks``) that confines the
+    sandbox (protected paths, Landlock, seccomp, capabilities); None runs it unconfined
+    (benchmarks and tests only: the daemon always names one). ``seccomp_profile``: overrides
+    the task profile's seccomp profile.
     """
 
     id: str
@@ -47,6 +51,8 @@ class SandboxSpec:
     env: Mapping[str, str]
     hostname: str
     network: str = "none"
+    task_profile: str | None = "default"
+    seccomp_profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,9 @@ class ExecSpec:
     the sandbox's user namespace. ``stdin`` False means stdin is /dev/null. ``timeout_s``: wall
     time before the whole process tree is killed. ``output_limit``: total stdout+stderr bytes
     before the tree is killed. ``pty``: run on a pseudo-terminal (stdout carries both streams).
+    ``trusted``: a grader exec: the backend first checks that no protected path was changed
+    (and refuses to run it if one was); it still runs confined, in a Landlock domain of its
+    own that the workload's processes cannot signal or trace.
     """
 
     argv: tuple[str, ...]
@@ -68,6 +77,7 @@ class ExecSpec:
     timeout_s: float | None = None
     output_limit: int | None = None
     pty: bool = False
+    trusted: bool = False
 
 
 @dataclass(frozen=True)

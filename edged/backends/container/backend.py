@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -27,17 +28,18 @@ import os
 import re
 import shutil
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import edged
-from edged.backends.base import ExecEnd, ExecSpec, SandboxSpec
-from edged.backends.container import files
+from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.container import confinement, files
 from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import CgroupManager, SandboxCgroup
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
+from edged.security import apparmor, landlock
 
 log = logging.getLogger("edged.container")
 
@@ -125,8 +127,11 @@ class _Conn:
     """The control connection to one sbx-init."""
 
     def __init__(self, sandbox_id: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+                 writer: asyncio.StreamWriter, sink: confinement.EventSink | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
         self.sandbox_id = sandbox_id
+        self.sink = sink
+        self.on_end = on_end
         self.reader = reader
         self.writer = writer
         self.handles: dict[int, ContainerExec] = {}
@@ -169,11 +174,17 @@ class _Conn:
         elif f.type == P.END:
             reason, code, sig, _r, dur_ns, peak = P.END_S.unpack(f.payload)
             h = self.handles.pop(f.exec_id, None)
+            end = ExecEnd(reason=P.REASONS.get(reason, "killed"),
+                          exit_code=code if code >= 0 else None,
+                          signal=sig or None, duration_s=dur_ns / 1e9,
+                          peak_memory_bytes=peak or None)
             if h:
-                h._push(ExecEnd(reason=P.REASONS.get(reason, "killed"),
-                                exit_code=code if code >= 0 else None,
-                                signal=sig or None, duration_s=dur_ns / 1e9,
-                                peak_memory_bytes=peak or None))
+                h._push(end)
+            confinement.record_end(self.sink, self.sandbox_id, f.exec_id, end)
+            if self.on_end is not None:
+                self.on_end()
+        elif f.type == P.EVENT:
+            confinement.record_event(self.sink, self.sandbox_id, f.exec_id, f.payload)
         elif f.type == P.STARTED:
             fut = self.pending.pop(f.exec_id, None)
             if fut and not fut.done():
@@ -189,6 +200,10 @@ class _Conn:
             else:
                 log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
                             f.exec_id, msg)
+                if self.sink is not None:
+                    # sbx-init refused a frame nobody is waiting on: a malformed request
+                    self.sink(self.sandbox_id, "protocol_violation",
+                              detail={"exec_id": f.exec_id, "errno": code, "message": msg})
         elif f.type == P.HELLO_OK and not self.hello.done():
             self.hello.set_result(P.HELLO_S.unpack(f.payload))
 
@@ -229,6 +244,8 @@ class _Sandbox:
     paused: bool = False
     next_exec: int = 1
     execs: dict[int, ContainerExec] = field(default_factory=dict)
+    policy: confinement.Policy | None = None
+    limits: confinement.LimitWatch | None = None
 
 
 class ContainerBackend:
@@ -239,15 +256,23 @@ class ContainerBackend:
     ``uid_base``/``id_count``: sandbox slot ``n`` maps its ids 0..id_count-1 to host ids
     ``uid_base + n*id_count ...``; sandbox root is never host root.
     ``bin_dir``: where ``edged-spawner`` and ``sbx-init`` are (default: ``edged/_bin``).
-    Raises :class:`edged.errors` exceptions only.
+    ``scratch_dir``: a host directory (e.g. an XFS filesystem of the node's scratch storage)
+    in which each sandbox's overlay upper lives (``<scratch_dir>/<id>/``), size-limited by
+    that filesystem; default: a tmpfs of ``resources.disk_bytes`` per sandbox.
+    ``on_event``: where security events go (see :mod:`.confinement`), e.g. a ledger's
+    ``record``. Raises :class:`edged.errors` exceptions only.
     """
 
     name = "container"
 
     def __init__(self, state_dir: str | os.PathLike[str] = "/run/edged", *,
                  uid_base: int = 1 << 30, id_count: int = 65536,
-                 bin_dir: str | os.PathLike[str] | None = None) -> None:
+                 bin_dir: str | os.PathLike[str] | None = None,
+                 scratch_dir: str | os.PathLike[str] | None = None,
+                 on_event: confinement.EventSink | None = None) -> None:
         self.state_dir = Path(state_dir)
+        self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
+        self.on_event = on_event
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.uid_base = uid_base
         self.id_count = id_count
@@ -327,7 +352,8 @@ class ContainerBackend:
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(path, limit=1 << 20), CONNECT_TIMEOUT_S)
-            conn = _Conn(sbx.id, reader, writer)
+            conn = _Conn(sbx.id, reader, writer, self.on_event,
+                         functools.partial(self._poll_limits, sbx))
             await conn.send(P.frame(P.HELLO))
             version, mode, *_ = await asyncio.wait_for(conn.hello, CONNECT_TIMEOUT_S)
         except (TimeoutError, OSError) as exc:
@@ -337,6 +363,16 @@ class ContainerBackend:
             raise BackendError(f"sandbox {sbx.id}: sbx-init speaks protocol {version}")
         log.debug("sandbox %s: sbx-init cgroup mode %s", sbx.id, P.CGROUP_MODES.get(mode))
         sbx.conn = conn
+
+    def _poll_limits(self, sbx: _Sandbox) -> None:
+        if sbx.limits is None:
+            return
+        try:
+            upper = confinement.scratch_path(sbx.pid)
+            sbx.limits.poll(self.on_event, sbx.id,
+                            os.path.join(upper, "upper") if upper else None)
+        except Exception as exc:  # a monitoring failure must not break the exec stream
+            log.warning("sandbox %s: limit counters: %s", sbx.id, exc)
 
     async def _wait_exit(self, pidfd: int) -> None:
         loop = asyncio.get_running_loop()
@@ -374,6 +410,8 @@ class ContainerBackend:
             if pidfd >= 0:
                 os.close(pidfd)
         await asyncio.to_thread(cg.remove)
+        if self.scratch_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self.scratch_dir / sandbox_id, True)
         shutil.rmtree(d, ignore_errors=True)
         if meta and "slot" in meta:
             self._slots.discard(int(meta["slot"]))
@@ -401,6 +439,9 @@ class ContainerBackend:
             "sbx_init": (self.bin_dir / "sbx-init").exists(),
             "tree_kill": {"v1": "freezer", "v2": "cgroup.kill"}.get(self.cgroups.version,
                                                                       "session sweep"),
+            "landlock_abi": landlock.abi(),
+            "seccomp_notify": True,
+            "apparmor": apparmor.probe(),
         }
 
     async def create(self, spec: SandboxSpec) -> None:
@@ -415,12 +456,14 @@ class ContainerBackend:
         try:
             slot = self._alloc_slot()
             uid_base = self.uid_base + slot * self.id_count
-            meta.update(slot=slot, uid_base=uid_base)
+            meta.update(slot=slot, uid_base=uid_base, task_profile=spec.task_profile,
+                        seccomp_profile=spec.seccomp_profile, lowers=list(spec.lowers))
             self.sandboxes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.state_dir, 0o700) if self.state_dir != Path("/run") else None
             d.mkdir(mode=0o700)
             (d / "root").mkdir()
             self._write_meta(d, meta)
+            policy = confinement.prepare(spec)
             cg = self.cgroups.create(sid, spec.resources, uid_base)
             argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
@@ -429,6 +472,12 @@ class ContainerBackend:
                     "--disk-bytes", str(spec.resources.disk_bytes)]
             for lower in spec.lowers:
                 argv += ["--lower", lower]
+            if policy is not None:
+                argv += confinement.spawner_args(policy, d)
+            if self.scratch_dir is not None:
+                scratch = self.scratch_dir / sid
+                scratch.mkdir(parents=True, mode=0o700)
+                argv += ["--upper-dir", str(scratch)]
             for j in cg.join:
                 argv += ["--join", str(j)]
             if cg.version == "v1":
@@ -439,7 +488,8 @@ class ContainerBackend:
             pid = await self._spawn(argv)
             meta.update(pid=pid, starttime=_starttime(pid))
             self._write_meta(d, meta)
-            sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg)
+            sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg, policy=policy,
+                           limits=confinement.LimitWatch(cg))
             try:
                 await self._connect(sbx)
             except BaseException:
@@ -467,6 +517,8 @@ class ContainerBackend:
             raise BadRequest(f"timeout_s {spec.timeout_s} must be positive")
         if spec.output_limit is not None and spec.output_limit <= 0:
             raise BadRequest(f"output_limit {spec.output_limit} must be positive")
+        if spec.trusted:
+            await self._check_untampered(sbx)
         flags = (P.EXEC_STDIN if spec.stdin else 0) | (P.EXEC_PTY if spec.pty else 0)
         eid = sbx.next_exec
         sbx.next_exec = eid + 1 if eid < 0xFFFFFFFF else 1
@@ -490,6 +542,24 @@ class ContainerBackend:
             conn.pending.pop(eid, None)
             raise
         return h
+
+    async def _check_untampered(self, sbx: _Sandbox) -> None:
+        """Before a grader exec: refuse it if the upper shadows any protected path."""
+        policy = sbx.policy
+        if policy is None:
+            policy = await asyncio.to_thread(_policy_from_dir, sbx.dir)
+            sbx.policy = policy
+        if policy is None:
+            return
+        try:
+            hits = await asyncio.to_thread(confinement.tamper_check, self.on_event, sbx.id,
+                                           sbx.pid, policy)
+        except OSError as exc:
+            raise BackendError(f"sandbox {sbx.id}: cannot check protected paths before the "
+                               f"grader: {exc}") from exc
+        if hits:
+            raise InvalidState(f"sandbox {sbx.id}: protected paths changed {hits}; the "
+                               f"grader exec was not run")
 
     async def pause(self, sandbox_id: str) -> None:
         sbx = self._get(sandbox_id)
@@ -570,7 +640,8 @@ class ContainerBackend:
             raise NotFound(f"sandbox {sandbox_id!r} has just ended") from exc
         cg = self.cgroups.path_of(sandbox_id)
         sbx = _Sandbox(sandbox_id, self.sandboxes_dir / sandbox_id, pid, pidfd,
-                       int(meta["uid_base"]), int(meta["slot"]), cg)
+                       int(meta["uid_base"]), int(meta["slot"]), cg,
+                       limits=confinement.LimitWatch(cg))
         sbx.paused = _is_frozen(cg)
         if sbx.paused:
             await asyncio.to_thread(cg.freeze, False)  # sbx-init must answer the hello
@@ -604,6 +675,22 @@ class ContainerBackend:
                 await sbx.conn.close()
             os.close(sbx.pidfd)
         self._sandboxes.clear()
+
+
+def _policy_from_dir(d: Path) -> confinement.Policy | None:
+    """The policy of an adopted sandbox, rebuilt from its meta.json (protected paths only
+    matter here: the running sandbox keeps what it was started with)."""
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not meta.get("task_profile"):
+        return None
+    spec = SandboxSpec(id=d.name, lowers=tuple(meta.get("lowers") or ()),
+                       resources=Resources(), env={}, hostname="x",
+                       task_profile=meta["task_profile"],
+                       seccomp_profile=meta.get("seccomp_profile"))
+    return confinement.prepare(spec)
 
 
 def _is_frozen(cg: SandboxCgroup) -> bool:

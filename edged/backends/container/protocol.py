@@ -29,8 +29,10 @@ HELLO_S = struct.Struct("<IIII")
 STARTED_S = struct.Struct("<II")
 END_S = struct.Struct("<IiiIQQ")
 ERROR_S = struct.Struct("<iI")
+#: struct sbx_event: kind, pid, nr, arch, args[6], ip, dropped, reserved, comm[16]
+EVENT_S = struct.Struct("<IIiI6QQII16s")
 
-assert HDR.size == 16 and EXEC.size == 40 and END_S.size == 32
+assert HDR.size == 16 and EXEC.size == 40 and END_S.size == 32 and EVENT_S.size == 96
 
 # client -> sbx-init
 HELLO = 1
@@ -48,6 +50,10 @@ STDOUT = 0x83
 STDERR = 0x84
 END = 0x85
 ERROR = 0x86
+EVENT = 0x87
+
+#: SBX_EVENT kinds
+EV_SECCOMP = 1
 
 EXEC_STDIN = 0x1
 EXEC_PTY = 0x2

@@ -1,0 +1,227 @@
+"""Confinement of container sandboxes: the per-sandbox policy files, the security events
+sbx-init and the cgroups report, and the grader's tamper check.
+
+Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/sbx-init.c``):
+
+- the spawner, as sandbox root before it execs sbx-init: read-only bind mounts of the task
+  profile's protected paths, then the capability set :data:`edged.security.confine.
+  WORKLOAD_CAPS` (bounding set too) and ``no_new_privs``. Without CAP_SYS_ADMIN the sandbox
+  cannot remount or unmount those mounts, and in any user namespace it creates they are
+  locked by the kernel;
+- sbx-init, for EACH exec just before execve: Landlock (the ruleset prepared once at
+  start-up from the pristine rootfs; a fresh domain per exec), then the seccomp program with
+  a notification listener that sbx-init itself serves (EPERM at once) and reports as
+  ``SBX_EVENT`` frames, recorded here as ``seccomp_denied``.
+
+Not observable here: Landlock denials (the kernel reports them only through the audit
+subsystem, absent from this daemon's reach), so an attack stopped by Landlock alone leaves
+its trace only in the workload's own EACCES/EPERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edged.backends.base import ExecEnd, SandboxSpec
+from edged.backends.container import protocol as P
+from edged.backends.container.cgroups import SandboxCgroup
+from edged.security import landlock, seccomp, tasks
+from edged.security.confine import AUDIT_ARCH_X86_64, WORKLOAD_CAPS
+
+log = logging.getLogger("edged.container")
+
+#: ``sink(sandbox_id, kind, *, pid=, process=, syscall=, path=, address=, detail=)``: the
+#: signature of :meth:`edged.security.ledger.Ledger.record`, which is what the daemon passes.
+EventSink = Callable[..., object]
+
+_END_EVENTS = {"oom": "oom_kill", "timeout": "timeout", "output_limit": "output_limit"}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one sandbox is confined with. ``landlock_blob`` is None where the kernel has no
+    Landlock (logged; the read-only mounts and seccomp still apply)."""
+
+    task: tasks.TaskProfile
+    seccomp_name: str
+    seccomp_prog: bytes
+    landlock_blob: bytes | None
+    caps: int
+
+    @property
+    def protected(self) -> tuple[str, ...]:
+        return self.task.all_protected()
+
+
+def prepare(spec: SandboxSpec) -> Policy | None:
+    """Load and compile the policy ``spec`` names (None when it asks for none). Raises
+    :class:`edged.security.profile.ProfileError` (a ``BadRequest``) for a bad profile: a
+    sandbox is never created with less confinement than it asked for."""
+    if spec.task_profile is None:
+        return None
+    task = tasks.load(spec.task_profile)
+    sc_name = spec.seccomp_profile or task.seccomp
+    prog = seccomp.load(sc_name).compile("notify")
+    blob = None
+    if landlock.abi() > 0:
+        blob = task.landlock_ruleset(spec.lowers).serialize()
+    else:
+        log.info("sandbox %s: no Landlock in this kernel; protected paths rest on read-only "
+                 "mounts and seccomp", spec.id)
+    return Policy(task, sc_name, prog, blob, WORKLOAD_CAPS)
+
+
+def spawner_args(policy: Policy, sandbox_dir: Path) -> list[str]:
+    """Write the policy files into the (host-only, 0700) sandbox dir; return the spawner's
+    options for them."""
+    args = ["--caps", str(policy.caps)]
+    for p in policy.protected:
+        args += ["--protect", p]
+    sc = sandbox_dir / "seccomp.bpf"
+    sc.write_bytes(policy.seccomp_prog)
+    args += ["--seccomp", str(sc)]
+    if policy.landlock_blob is not None:
+        ll = sandbox_dir / "landlock.bin"
+        ll.write_bytes(policy.landlock_blob)
+        args += ["--landlock", str(ll)]
+    return args
+
+
+def record_event(sink: EventSink | None, sandbox_id: str, exec_id: int,
+                 payload: bytes) -> None:
+    """Decode one ``SBX_EVENT`` payload and record it (a bad payload is itself recorded as a
+    ``protocol_violation``: sbx-init is inside the sandbox's reach in principle)."""
+    if sink is None:
+        return
+    if len(payload) != P.EVENT_S.size:
+        sink(sandbox_id, "protocol_violation",
+             detail={"frame": "event", "bytes": len(payload), "exec_id": exec_id})
+        return
+    kind, pid, nr, arch, *rest = P.EVENT_S.unpack(payload)
+    args = rest[:6]
+    ip, dropped, _r, comm = rest[6:]
+    if kind != P.EV_SECCOMP:
+        sink(sandbox_id, "protocol_violation", detail={"frame": "event", "kind": kind})
+        return
+    foreign = arch != AUDIT_ARCH_X86_64 or nr & 0x40000000
+    name = f"syscall_{nr}" if foreign else seccomp.syscall_name(nr)
+    detail: dict[str, Any] = {"nr": nr, "arch": f"{arch:#x}", "args": [f"{a:#x}" for a in args],
+                              "errno": "EPERM", "exec_id": exec_id, "ip": f"{ip:#x}"}
+    if foreign:
+        detail["abi"] = "foreign (i386 or x32)"
+    if name == "ioctl":
+        detail["ioctl"] = f"{args[1] & 0xFFFFFFFF:#x}"
+    if dropped:
+        detail["dropped_before"] = dropped
+    sink(sandbox_id, "seccomp_denied", pid=pid or None,
+         process=comm.rstrip(b"\0").decode("utf-8", "replace") or None, syscall=name,
+         detail=detail)
+
+
+def record_end(sink: EventSink | None, sandbox_id: str, exec_id: int, end: ExecEnd) -> None:
+    """Record an exec end that is a limit hit (OOM kill, timeout, output limit)."""
+    kind = _END_EVENTS.get(end.reason)
+    if sink is not None and kind is not None:
+        sink(sandbox_id, kind, detail={"exec_id": exec_id, "duration_s": round(end.duration_s, 3),
+                                       "peak_memory_bytes": end.peak_memory_bytes})
+
+
+class LimitWatch:
+    """Counters of a sandbox's cgroups that mean a limit was hit (pids.events ``max``,
+    cpu.stat ``nr_throttled``, memory OOM kills) and its upper's free space; :meth:`poll`
+    records what grew since the last call. Sources: Documentation/admin-guide/cgroup-v1/
+    pids.rst, cgroup-v2.rst (pids.events, cpu.stat), sched-bwc.rst (nr_throttled)."""
+
+    def __init__(self, cg: SandboxCgroup) -> None:
+        self.cg = cg
+        self.last = self._read()
+        self.disk_full = False
+
+    def _read(self) -> dict[str, int]:
+        d = self.cg.dirs
+        out = {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
+        pids = d.get("pids") or d.get("v2")
+        cpu = d.get("cpu") or d.get("v2")
+        with contextlib.suppress(OSError, ValueError):
+            if pids is not None:
+                out["pids_limit"] = _key(Path(pids, "pids.events"), "max")
+        with contextlib.suppress(OSError, ValueError):
+            if cpu is not None:
+                out["cpu_throttled"] = _key(Path(cpu, "cpu.stat"), "nr_throttled")
+        with contextlib.suppress(OSError, ValueError):
+            out["oom_kill"] = self.cg.oom_kills()
+        return out
+
+    def poll(self, sink: EventSink | None, sandbox_id: str, upper: str | None) -> None:
+        """Record each counter that grew (``oom_kill`` is left to the exec end that reports
+        it, unless no exec did) and a newly full upper (``disk_full``)."""
+        now = self._read()
+        if sink is None:
+            self.last = now
+            return
+        for kind in ("pids_limit", "cpu_throttled"):
+            if now[kind] > self.last[kind]:
+                sink(sandbox_id, kind, detail={"count": now[kind] - self.last[kind],
+                                               "total": now[kind]})
+        self.last = now
+        if upper is not None:
+            try:
+                st = os.statvfs(upper)
+            except OSError:
+                return
+            full = st.f_bavail == 0 or (st.f_files > 0 and st.f_favail == 0)
+            if full and not self.disk_full:
+                sink(sandbox_id, "disk_full", detail={"bytes": st.f_blocks * st.f_frsize})
+            self.disk_full = full
+
+
+def _key(path: Path, key: str) -> int:
+    for line in path.read_text().splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            return int(v)
+    return 0
+
+
+_U_RE = re.compile(rb"(?:^|\0)-U\0(\d+)\0")
+
+
+def scratch_path(pid: int) -> str | None:
+    """Host path of the sandbox's scratch dir (``upper/``, ``work/``) through sbx-init's
+    ``-U`` fd: ``/proc/<pid>/fd/<n>`` (only host root can follow it). None if sbx-init has
+    none or is gone."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    m = _U_RE.search(cmdline)
+    return f"/proc/{pid}/fd/{int(m.group(1))}" if m else None
+
+
+def tamper_check(sink: EventSink | None, sandbox_id: str, pid: int,
+                 policy: Policy) -> list[str]:
+    """Protected paths that the sandbox's upper shadows (see
+    :func:`edged.security.tasks.tampered`), each recorded as ``protected_path_tampered``.
+    Raises OSError when the upper cannot be read (the caller refuses the grader then)."""
+    scratch = scratch_path(pid)
+    if scratch is None:
+        raise FileNotFoundError(f"sandbox {sandbox_id}: no scratch dir to check")
+    upper = os.path.join(scratch, "upper")
+    os.stat(upper)
+    hits = tasks.tampered(upper, policy.protected)
+    for p in hits:
+        if sink is not None:
+            sink(sandbox_id, "protected_path_tampered", path=p,
+                 detail={"checked": "before a grader exec"})
+    return hits
+
+
+__all__ = ["EventSink", "LimitWatch", "Policy", "prepare", "record_end", "record_event",
+           "scratch_path", "spawner_args", "tamper_check"]
