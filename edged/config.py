@@ -61,6 +61,8 @@ class Config:
     on_start: str = "adopt"  # "adopt" live sandboxes found on start, or "destroy" them
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # How long a sandbox's security events are kept after it is gone (seconds).
+    events_retention_s: float = 24 * 3600.0
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -79,7 +81,8 @@ class Config:
         for name in ("cpu_overcommit", "memory_overcommit", "reaper_interval_s"):
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
-        for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s"):
+        for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
+                     "events_retention_s"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
 

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -31,6 +32,7 @@ from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
 from edged.metrics import Metrics
 from edged.node.manager import SandboxManager
+from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged")
 
@@ -67,7 +69,7 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def make_backend(config: Config) -> Backend:
+def make_backend(config: Config, on_event: Callable[..., object] | None = None) -> Backend:
     """The backend named by ``config.backend``, keeping its per-sandbox state under
     ``runtime_dir`` (imported lazily: the container backend needs the C helpers). Raises
     :class:`BackendError` if it is unknown or unavailable."""
@@ -76,7 +78,7 @@ def make_backend(config: Config) -> Backend:
             from edged.backends.container import ContainerBackend
         except ImportError as e:
             raise BackendError(f"backend container: not available: {e}") from e
-        return ContainerBackend(config.runtime_dir)
+        return ContainerBackend(config.runtime_dir, on_event=on_event)
     raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
 
 
@@ -150,12 +152,17 @@ class Server:
         runtime = Path(cfg.runtime_dir)
         for d in (state, runtime):
             d.mkdir(parents=True, exist_ok=True, mode=0o750)
-        backend = self._backend or make_backend(cfg)
+        # security events are kept under the state dir and outlive their sandbox
+        ledger = Ledger(state, retention_s=cfg.events_retention_s)
+        backend = self._backend or make_backend(cfg, on_event=ledger.record)
+        if getattr(backend, "on_event", False) is None:  # an injected backend
+            backend.on_event = ledger.record  # type: ignore[attr-defined]
         layers = self._layers or LayerMounts.for_layerfs(
             cfg.store_dir, state / "layer-cache", runtime / "layers"
         )
         images = ImageRegistry(state / "images.json", has_layer=layers.ops.has)
         self.manager = SandboxManager(cfg, backend, images, layers, Metrics())
+        self.manager.ledger = ledger
         self.recovered = await self.manager.recover()
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
         self.manager.start_reaper()

@@ -29,6 +29,8 @@ from aiohttp import WSMsgType, web
 from edged.backends.base import ExecEnd, ExecHandle
 from edged.errors import BadRequest, EdgedError
 from edged.node.manager import SandboxManager, parse_labels
+from edged.security import http as security_http
+from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.api")
 
@@ -456,6 +458,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/images/{ref}", get_image),
     ("DELETE", "/v1/images/{ref}", delete_image),
     ("GET", "/v1/node", node_info),
+    ("GET", "/v1/sandboxes/{id}/events", security_http.sandbox_events),
+    ("GET", "/v1/events", security_http.node_events),
     ("GET", "/metrics", metrics),
 ]
 
@@ -464,6 +468,8 @@ def make_app(manager: SandboxManager) -> web.Application:
     """The aiohttp application serving :data:`ROUTES` for ``manager``."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_JSON_BODY)
     app[MANAGER] = manager
+    # the security-event ledger's routes (edged.security.http) read it from the app
+    app[security_http.LEDGER] = manager.ledger if manager.ledger is not None else Ledger(None)
     for method, path, handler in ROUTES:
         # Image refs contain ':' and may contain '/'.
         app.router.add_route(method, path.replace("{ref}", "{ref:.+}"), handler)

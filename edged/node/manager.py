@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import signal as signal_mod
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -29,6 +30,7 @@ from edged.images.registry import ImageRegistry, check_digest, write_json_atomic
 from edged.metrics import Metrics
 from edged.node.admission import Capacity
 from edged.node.sandbox import LABEL_KEY_RE, SandboxRecord, State, check_id
+from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.node")
 
@@ -41,8 +43,27 @@ _RESOURCE_FIELDS: dict[str, type] = {
 }
 _CREATE_FIELDS = {
     "id", "backend", "image", "layers", "resources", "env", "ttl_s", "idle_timeout_s",
-    "labels", "network", "hostname",
+    "labels", "network", "hostname", "task_profile", "seccomp_profile",
 }
+_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
+
+
+def _profile_name(v: object, what: str, default: str | None) -> str | None:
+    """A profile name from a request: a bare name (never a path, so a client cannot make the
+    daemon read a file of its choosing), loaded and validated now so a bad profile is a 400
+    before anything is created."""
+    if v is None:
+        return default
+    if not isinstance(v, str) or not _PROFILE_NAME.match(v):
+        raise BadRequest(f"{what}: must be a profile name matching [a-z0-9][a-z0-9_.-]{{0,62}}")
+    from edged.security import seccomp, tasks
+
+    if what == "task_profile":
+        seccomp.load(tasks.load(v).seccomp)
+    else:
+        seccomp.load(v)
+    return v
+
 
 
 def _str_map(v: object, what: str) -> dict[str, str]:
@@ -53,6 +74,12 @@ def _str_map(v: object, what: str) -> dict[str, str]:
     ):
         raise BadRequest(f"{what}: must be an object of string to string")
     return dict(v)
+
+
+def _flag(v: object, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise BadRequest(f"{what}: must be true or false")
+    return v
 
 
 def _number(v: object, what: str, *, minimum: float = 0.0) -> float:
@@ -125,6 +152,8 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
         self.features: dict[str, object] = {}
+        #: the security-event ledger (set by the daemon; None: events are not kept)
+        self.ledger: Ledger | None = None
         self.default_resources = Resources()
 
     # -- records --------------------------------------------------------------------------
@@ -149,6 +178,8 @@ class SandboxManager:
         write_json_atomic(self.records_dir / f"{rec.id}.json", rec.persisted())
 
     def _forget(self, rec: SandboxRecord) -> None:
+        if self.ledger is not None and rec.id in self._sandboxes:
+            self.ledger.sandbox_gone(rec.id)
         self._sandboxes.pop(rec.id, None)
         self._execs.pop(rec.id, None)
         self._locks.pop(rec.id, None)
@@ -206,6 +237,8 @@ class SandboxManager:
         hostname = body.get("hostname", sid)
         if not isinstance(hostname, str) or not 1 <= len(hostname) <= 63:
             raise BadRequest("hostname: must be a string of 1 to 63 characters")
+        task_profile = _profile_name(body.get("task_profile"), "task_profile", "default")
+        seccomp_profile = _profile_name(body.get("seccomp_profile"), "seccomp_profile", None)
         ttl = body.get("ttl_s", self.config.default_ttl_s)
         idle = body.get("idle_timeout_s", self.config.default_idle_timeout_s)
         rec = SandboxRecord(
@@ -219,6 +252,8 @@ class SandboxManager:
             network=network,
             hostname=hostname,
             idle_timeout_s=_number(idle, "idle_timeout_s"),
+            task_profile=task_profile or "default",
+            seccomp_profile=seccomp_profile,
         )
         rec.set_ttl(_number(ttl, "ttl_s"))
         return rec
@@ -236,6 +271,8 @@ class SandboxManager:
         t0 = time.monotonic()
         self.capacity.reserve(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
+        if self.ledger is not None:
+            self.ledger.sandbox_created(rec.id)
         lock = self._lock(rec.id)
         try:
             async with lock:
@@ -249,6 +286,8 @@ class SandboxManager:
                         env=dict(rec.env),
                         hostname=rec.hostname,
                         network=rec.network,
+                        task_profile=rec.task_profile,
+                        seccomp_profile=rec.seccomp_profile,
                     )
                     try:
                         await self.backend.create(spec)
@@ -366,7 +405,7 @@ class SandboxManager:
         if not isinstance(body, dict):
             raise BadRequest("body: must be a JSON object")
         known = {"argv", "cmd", "env", "cwd", "uid", "gid", "timeout_s", "output_limit", "pty",
-                 "stdin", "encoding", "rows", "cols"}
+                 "stdin", "encoding", "rows", "cols", "trusted"}
         unknown = set(body) - known
         if unknown:
             raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
@@ -407,6 +446,7 @@ class SandboxManager:
             timeout_s=None if timeout is None else _number(timeout, "timeout_s", minimum=0.001),
             output_limit=limit,
             pty=bool(body.get("pty", False)),
+            trusted=_flag(body.get("trusted", False), "trusted"),
         )
 
     @asynccontextmanager

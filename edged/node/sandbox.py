@@ -76,6 +76,8 @@ class SandboxRecord:
     last_active: float = field(default_factory=time.time)
     active_execs: int = 0
     error: str | None = None
+    task_profile: str = "default"
+    seccomp_profile: str | None = None
 
     def transition(self, new: State) -> None:
         """Move to ``new``; :class:`InvalidState` if the edge does not exist."""
@@ -143,6 +145,8 @@ class SandboxRecord:
             "last_active": self.last_active,
             "active_execs": self.active_execs,
             "error": self.error,
+            "task_profile": self.task_profile,
+            "seccomp_profile": self.seccomp_profile,
         }
 
     def persisted(self) -> dict[str, Any]:
@@ -171,6 +175,8 @@ class SandboxRecord:
             idle_timeout_s=float(d.get("idle_timeout_s", 0.0)),
             expires_at=d.get("expires_at"),
             last_active=float(d.get("last_active", time.time())),
+            task_profile=str(d.get("task_profile", "default")),
+            seccomp_profile=d.get("seccomp_profile"),
         )
         rec.error = d.get("error")
         return rec
