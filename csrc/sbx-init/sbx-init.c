@@ -1120,6 +1120,8 @@ static void handle_frame(const struct sbx_hdr *h, uint8_t *p)
 	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)
 		return send_error(h->exec_id, EINVAL, "unknown message type %u", h->type);
 	e = find_exec(h->exec_id);
+	if (!e && (h->type == SBX_CREDIT || h->type == SBX_STDIN || h->type == SBX_STDIN_EOF))
+		return; /* raced with the exec's end: nothing to do */
 	if (!e)
 		return send_error(h->exec_id, ESRCH, "no exec %u", h->exec_id);
 	switch (h->type) {

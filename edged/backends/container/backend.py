@@ -91,7 +91,7 @@ class ContainerExec:
             if isinstance(item, ExecEnd):
                 return
             self._uncredited += len(item[1])
-            if self._uncredited >= CREDIT_BATCH:
+            if self._uncredited >= CREDIT_BATCH and not self.ended:
                 n, self._uncredited = self._uncredited, 0
                 await self._conn.send_quiet(
                     P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(n, 0)))
@@ -287,6 +287,8 @@ class ContainerBackend:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._busy: set[str] = set()
         self._slots: set[int] = set()
+        self._slots_loaded = False
+        self._next_slot = 0
 
     # ---- helpers ------------------------------------------------------
 
@@ -297,14 +299,26 @@ class ContainerBackend:
         return sbx
 
     def _alloc_slot(self) -> int:
-        used = set(self._slots)
-        for meta in self._metas().values():
-            used.add(int(meta.get("slot", -1)))
-        for n in range(self.max_slots):
-            if n not in used:
+        if not self._slots_loaded:  # ranges held by sandboxes of an earlier daemon
+            for meta in self._metas().values():
+                self._slots.add(int(meta.get("slot", -1)))
+            self._slots_loaded = True
+        n = self._next_slot
+        for _ in range(self.max_slots):
+            if n not in self._slots:
                 self._slots.add(n)
+                self._next_slot = (n + 1) % self.max_slots
                 return n
+            n = (n + 1) % self.max_slots
         raise BackendError("no free uid range for another sandbox")
+
+    def _meta(self, sandbox_id: str) -> dict[str, Any] | None:
+        try:
+            meta: dict[str, Any] = json.loads(
+                (self.sandboxes_dir / sandbox_id / "meta.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return meta
 
     def _metas(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -583,8 +597,7 @@ class ContainerBackend:
                 if sbx.conn is not None:
                     await sbx.conn.close()
                 os.close(sbx.pidfd)
-            metas = self._metas()
-            meta = metas.get(sandbox_id)
+            meta = self._meta(sandbox_id)
             if meta is None and sbx is not None:
                 meta = {"pid": sbx.pid, "starttime": _starttime(sbx.pid), "slot": sbx.slot}
             await self._teardown(sandbox_id, meta)
@@ -630,7 +643,7 @@ class ContainerBackend:
     async def adopt(self, sandbox_id: str) -> None:
         if sandbox_id in self._sandboxes:
             return
-        meta = self._metas().get(sandbox_id)
+        meta = self._meta(sandbox_id)
         if meta is None or not self._alive(meta):
             raise NotFound(f"sandbox {sandbox_id!r}: no live sandbox to adopt")
         pid = int(meta["pid"])

@@ -41,14 +41,17 @@ def busybox_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def sandbox_processes(bin_dir: Path) -> list[int]:
-    """Host pids of processes running our sbx-init binary."""
-    init = str((bin_dir / "sbx-init").resolve())
+def sandbox_processes(backend: ContainerBackend) -> list[int]:
+    """Host pids of processes running our sbx-init binary in this backend's cgroups (other
+    backends on the machine, e.g. other tests running at the same time, are not counted)."""
+    init = str((backend.bin_dir / "sbx-init").resolve())
+    mark = f"/{backend.cgroups.subdir}/"
     out = []
     for e in os.scandir("/proc"):
         if e.name.isdigit():
             try:
-                if os.readlink(f"/proc/{e.name}/exe") == init:
+                if (os.readlink(f"/proc/{e.name}/exe").startswith(init)
+                        and mark in Path(f"/proc/{e.name}/cgroup").read_text()):
                     out.append(int(e.name))
             except OSError:
                 pass

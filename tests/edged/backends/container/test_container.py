@@ -413,7 +413,7 @@ def test_cleanup_leftovers(backend: ContainerBackend, busybox_tree: Path) -> Non
         removed = await b2.cleanup_leftovers({"keep"})
         assert removed == ["dead", "half", "live"]
         assert sorted(os.listdir(b2.sandboxes_dir)) == ["keep"]
-        assert len(sandbox_processes(b2.bin_dir)) >= 1
+        assert len(sandbox_processes(b2)) >= 1
         await b2.adopt("keep")
         await b2.destroy("keep")
         assert not cgroup_dirs(b2)
@@ -473,7 +473,7 @@ def test_control_channel_rejects_bad_frames(backend: ContainerBackend,
 def _leak_snapshot(backend: ContainerBackend) -> dict[str, int]:
     return {
         "fds": len(os.listdir("/proc/self/fd")),
-        "sbx_init_processes": len(sandbox_processes(backend.bin_dir)),
+        "sbx_init_processes": len(sandbox_processes(backend)),
         "cgroups": len(cgroup_dirs(backend)),
         "host_mounts": sum(str(backend.state_dir) in line
                            for line in Path("/proc/self/mountinfo").read_text().splitlines()),
