@@ -62,6 +62,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -72,6 +73,7 @@
 #define MAX_LOWERS 64
 #define MAX_JOIN 16
 #define MAX_PROTECT 256
+#define SANDBOX_NOFILE 4096 /* sbx-init needs ~6 per exec, at most 256 execs */
 
 #include "lfs_confine.h"
 
@@ -381,6 +383,18 @@ static void child_main(const struct opts *o, struct child_fds *f)
 	 * Landlock and seccomp are sbx-init's to apply, to each exec: sbx-init
 	 * must stay outside the workload's Landlock domain so that the domain's
 	 * signal and abstract-socket scoping protects it. */
+	/* Open files per process: with the pids limit this bounds the share of the
+	 * host's fs.file-max one sandbox can take (each struct file is also charged
+	 * to its memory cgroup).  Lowering the hard limit needs no privilege, and
+	 * without CAP_SYS_RESOURCE the sandbox cannot raise it again. */
+	{
+		struct rlimit rl = {.rlim_cur = SANDBOX_NOFILE, .rlim_max = SANDBOX_NOFILE};
+
+		if (setrlimit(RLIMIT_NOFILE, &rl) < 0) {
+			fail(&e, errno, "setrlimit(RLIMIT_NOFILE, %d)", SANDBOX_NOFILE);
+			goto out;
+		}
+	}
 	if (o->has_caps) {
 		struct lfs_error le = {0};
 
