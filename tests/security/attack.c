@@ -1,0 +1,318 @@
+/* attack: the red-team workload.  Built static by tests/security/conftest.py and
+ * run inside a real sandbox.  Each attempt prints one line "LABEL RESULT", where
+ * RESULT is "SUCCEEDED" when the attack worked (a test failure) or the errno
+ * name it failed with.  Commands:
+ *
+ *   protect PATH        change a protected file every way a process can
+ *   ioctl SRC DST       extent-moving ioctls from SRC (protected) into DST (ours),
+ *                       each also with the high 32 bits of the request set
+ *   ctl                 reach sbx-init (PID 1): /proc/1/{mem,fd}, ptrace,
+ *                       process_vm_writev, signals, inherited fds, abstract sockets
+ *   host                host-level syscalls (mount, modules, kexec, keys, bpf, ...)
+ *   userns DIR          make a user+mount namespace, then remount DIR read-write,
+ *                       unmount it and write into it
+ *   mem                 allocate and touch memory until killed
+ *   fds                 open files until refused
+ *   inotify             inotify instances and watches until refused
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/fs.h>
+#include <linux/perf_event.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/inotify.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/ptrace.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static void report(const char *label, long rc)
+{
+	printf("%s %s\n", label, rc >= 0 ? "SUCCEEDED" : strerrorname_np(errno));
+	fflush(stdout);
+}
+
+static int do_protect(const char *p)
+{
+	int fd;
+	char dir[4096];
+	char *slash;
+
+	fd = open(p, O_WRONLY);
+	report("open_write", fd);
+	if (fd >= 0)
+		close(fd);
+	fd = open(p, O_WRONLY | O_TRUNC);
+	report("open_trunc", fd);
+	report("truncate", truncate(p, 0));
+	fd = open("/tmp/evil", O_WRONLY | O_CREAT | O_TRUNC, 0755);
+	if (fd >= 0) {
+		(void)!write(fd, "#!/bin/sh\necho pwned\n", 21);
+		close(fd);
+	}
+	report("rename_over", rename("/tmp/evil", p));
+	report("unlink", unlink(p));
+	report("chmod", chmod(p, 04777));
+	report("bind_over", mount("/tmp/evil", p, NULL, MS_BIND, NULL));
+	snprintf(dir, sizeof(dir), "%s", p);
+	slash = strrchr(dir, '/');
+	if (slash && slash != dir)
+		*slash = 0;
+	report("remount_rw", mount(NULL, dir, NULL, MS_REMOUNT | MS_BIND, NULL));
+	report("umount", umount2(dir, MNT_DETACH));
+	report("unshare_userns", unshare(CLONE_NEWUSER | CLONE_NEWNS));
+	return 0;
+}
+
+struct swapext { /* struct xfs_swapext (xfs_fs.h) */
+	int64_t sx_version, sx_fdtarget, sx_fdtmp;
+	int64_t sx_offset, sx_length;
+	int64_t sx_pad[16];
+	char sx_stat[144]; /* struct xfs_bstat */
+};
+
+static int do_ioctl(const char *src, const char *dst)
+{
+	int s = open(src, O_RDONLY), d = open(dst, O_RDWR);
+	struct file_clone_range fcr = {.src_fd = s, .src_length = 0};
+	struct {
+		struct file_dedupe_range r;
+		struct file_dedupe_range_info i;
+	} dd;
+	struct swapext sx;
+	struct {
+		const char *label;
+		unsigned long cmd;
+		void *arg;
+		int on_src;
+	} reqs[] = {
+		{"FICLONE", FICLONE, (void *)(long)s, 0},
+		{"FICLONERANGE", FICLONERANGE, &fcr, 0},
+		{"FIDEDUPERANGE", FIDEDUPERANGE, &dd, 1},
+		{"XFS_IOC_SWAPEXT", 0xc0c0586dUL, &sx, 1},
+	};
+	char label[64];
+
+	if (s < 0 || d < 0) {
+		perror("open");
+		return 1;
+	}
+	memset(&dd, 0, sizeof(dd));
+	dd.r.src_length = 4096;
+	dd.r.dest_count = 1;
+	dd.i.dest_fd = d;
+	memset(&sx, 0, sizeof(sx));
+	sx.sx_fdtarget = s;
+	sx.sx_fdtmp = d;
+	sx.sx_length = 4096;
+	for (unsigned i = 0; i < sizeof(reqs) / sizeof(reqs[0]); i++) {
+		int fd = reqs[i].on_src ? s : d;
+
+		report(reqs[i].label, syscall(SYS_ioctl, fd, reqs[i].cmd, reqs[i].arg));
+		snprintf(label, sizeof(label), "%s_highbits", reqs[i].label);
+		report(label, syscall(SYS_ioctl, fd, reqs[i].cmd | 0xdead00000000UL, reqs[i].arg));
+	}
+	return 0;
+}
+
+static int do_ctl(void)
+{
+	char buf[64] = "garbage", path[64];
+	struct iovec local = {.iov_base = buf, .iov_len = 8}, remote = {.iov_base = (void *)0x400000, .iov_len = 8};
+	int fd, n;
+	DIR *d;
+	FILE *f;
+	char line[512];
+
+	fd = open("/proc/1/mem", O_RDWR);
+	report("proc1_mem", fd);
+	d = opendir("/proc/1/fd");
+	report("proc1_fd_list", d ? 0 : -1);
+	if (d)
+		closedir(d);
+	for (n = 0; n < 16; n++) {
+		snprintf(path, sizeof(path), "/proc/1/fd/%d", n);
+		fd = open(path, O_RDWR);
+		if (fd >= 0 || errno != ENOENT) {
+			char label[32];
+
+			snprintf(label, sizeof(label), "proc1_fd_%d", n);
+			report(label, fd);
+		}
+	}
+	report("ptrace_attach", ptrace(PTRACE_ATTACH, 1, 0, 0));
+	report("ptrace_seize", ptrace(PTRACE_SEIZE, 1, 0, 0));
+	report("process_vm_writev", process_vm_writev(1, &local, 1, &remote, 1, 0));
+	report("kill_TERM", kill(1, SIGTERM));
+	report("kill_KILL", kill(1, SIGKILL));
+	report("kill_STOP", kill(1, SIGSTOP));
+	report("tgkill", syscall(SYS_tgkill, 1, 1, SIGKILL));
+	report("pidfd_open", syscall(SYS_pidfd_open, 1, 0));
+	for (n = 3; n < 1024; n++)
+		if (fcntl(n, F_GETFD) >= 0)
+			printf("inherited_fd_%d SUCCEEDED\n", n);
+	/* every unix socket the sandbox can see: connect and send garbage */
+	f = fopen("/proc/net/unix", "r");
+	while (f && fgets(line, sizeof(line), f)) {
+		char *p = strrchr(line, ' ');
+		struct sockaddr_un sa = {.sun_family = AF_UNIX};
+		socklen_t len;
+		int s;
+
+		if (!p || (p[1] != '@' && p[1] != '/'))
+			continue;
+		p[strcspn(p, "\n")] = 0;
+		p++;
+		snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", p);
+		len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + strlen(p));
+		if (p[0] == '@')
+			sa.sun_path[0] = 0;
+		s = socket(AF_UNIX, SOCK_STREAM, 0);
+		if (connect(s, (struct sockaddr *)&sa, len) == 0) {
+			static char junk[1 << 16];
+
+			memset(junk, 0xff, sizeof(junk));
+			printf("unix_connect_%s SUCCEEDED\n", p);
+			(void)!write(s, junk, sizeof(junk));
+		}
+		close(s);
+	}
+	if (f)
+		fclose(f);
+	fflush(stdout);
+	return 0;
+}
+
+static int do_host(void)
+{
+	struct perf_event_attr pe;
+	char zero[128] = {0};
+	int fd;
+
+	report("mount_tmpfs", mount("tmpfs", "/tmp", "tmpfs", 0, NULL));
+	fd = open("/proc/sysrq-trigger", O_WRONLY);
+	report("sysrq_open", fd);
+	if (fd >= 0)
+		report("sysrq_write", write(fd, "h", 1));
+	report("init_module", syscall(SYS_init_module, zero, sizeof(zero), ""));
+	fd = open("/bin/busybox", O_RDONLY);
+	report("finit_module", syscall(SYS_finit_module, fd, "", 0));
+	report("kexec_load", syscall(SYS_kexec_load, 0, 0, NULL, 0));
+	report("kexec_file_load", syscall(SYS_kexec_file_load, fd, -1, 0, "", 2));
+	report("keyctl", syscall(SYS_keyctl, 0 /* GET_KEYRING_ID */, -3, 0));
+	report("add_key", syscall(SYS_add_key, "user", "k", "v", 1, -3));
+	report("bpf", syscall(SYS_bpf, 0 /* MAP_CREATE */, zero, 72));
+	memset(&pe, 0, sizeof(pe));
+	pe.size = sizeof(pe);
+	pe.type = PERF_TYPE_SOFTWARE;
+	pe.config = PERF_COUNT_SW_CPU_CLOCK;
+	report("perf_event_open", syscall(SYS_perf_event_open, &pe, 0, -1, -1, 0));
+	report("userfaultfd", syscall(SYS_userfaultfd, 0));
+	report("raw_packet", socket(AF_PACKET, SOCK_RAW, 0));
+	report("raw_inet", socket(AF_INET, SOCK_RAW, 1));
+	report("raw_inet_cloexec", socket(AF_INET, SOCK_RAW | SOCK_CLOEXEC, 1));
+	report("sethostname", sethostname("pwned", 5));
+	report("setns", syscall(SYS_setns, 0, 0));
+	report("open_by_handle_at", syscall(SYS_open_by_handle_at, AT_FDCWD, zero, 0));
+	report("swapon", syscall(SYS_swapon, "/tmp", 0));
+	return 0;
+}
+
+static int do_userns(const char *dir)
+{
+	char p[4096];
+	int fd;
+
+	if (unshare(CLONE_NEWUSER | CLONE_NEWNS) < 0) {
+		report("unshare", -1);
+		return 1;
+	}
+	report("unshare", 0);
+	report("ns_remount_rw", mount(NULL, dir, NULL, MS_REMOUNT | MS_BIND, NULL));
+	report("ns_umount", umount2(dir, MNT_DETACH));
+	snprintf(p, sizeof(p), "%s/x", dir);
+	fd = open(p, O_WRONLY | O_CREAT, 0644);
+	report("ns_write", fd);
+	return 0;
+}
+
+static int do_mem(void)
+{
+	for (;;) {
+		char *p = malloc(1 << 20);
+
+		if (!p)
+			return 3;
+		memset(p, 1, 1 << 20);
+	}
+}
+
+static int do_fds(void)
+{
+	long n = 0;
+
+	while (open("/dev/null", O_RDONLY) >= 0)
+		n++;
+	printf("fds %ld %s\n", n, strerrorname_np(errno));
+	return 0;
+}
+
+static int do_inotify(void)
+{
+	long n = 0, w = 0;
+	int fd = -1;
+
+	while (inotify_init1(IN_CLOEXEC) >= 0)
+		n++;
+	printf("inotify_instances %ld %s\n", n, strerrorname_np(errno));
+	for (long i = 3; i < 3 + n && fd < 0; i++)
+		if (fcntl((int)i, F_GETFD) >= 0)
+			fd = (int)i;
+	if (fd >= 0) {
+		char p[64];
+
+		for (;;) {
+			snprintf(p, sizeof(p), "/tmp/w%ld", w);
+			close(open(p, O_CREAT | O_WRONLY, 0600));
+			if (inotify_add_watch(fd, p, IN_MODIFY) < 0)
+				break;
+			w++;
+		}
+		printf("inotify_watches %ld %s\n", w, strerrorname_np(errno));
+	}
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc == 3 && !strcmp(argv[1], "protect"))
+		return do_protect(argv[2]);
+	if (argc == 4 && !strcmp(argv[1], "ioctl"))
+		return do_ioctl(argv[2], argv[3]);
+	if (argc == 2 && !strcmp(argv[1], "ctl"))
+		return do_ctl();
+	if (argc == 2 && !strcmp(argv[1], "host"))
+		return do_host();
+	if (argc == 3 && !strcmp(argv[1], "userns"))
+		return do_userns(argv[2]);
+	if (argc == 2 && !strcmp(argv[1], "mem"))
+		return do_mem();
+	if (argc == 2 && !strcmp(argv[1], "fds"))
+		return do_fds();
+	if (argc == 2 && !strcmp(argv[1], "inotify"))
+		return do_inotify();
+	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify\n");
+	return 2;
+}
