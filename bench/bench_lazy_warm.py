@@ -6,7 +6,7 @@ disk, same run, same reads.
 A layer is pushed to a chunk server on loopback, exposed by the lazy FUSE server, and read
 once whole (so every chunk is in the node cache: "warm"). Then, for the lazy file and for
 the image file on local disk, the page cache of everything involved (the image, the lazy
-file, the cached chunk files) is dropped with POSIX_FADV_DONTNEED and the file is read:
+file, the layer's cache file) is dropped with POSIX_FADV_DONTNEED and the file is read:
 
 - sequential: 4 KiB preads from start to end (kernel readahead on, as for any reader);
 - random: 4 KiB preads at random 4 KiB-aligned offsets (POSIX_FADV_RANDOM: no readahead).
@@ -109,8 +109,8 @@ def main() -> int:
             t0 = time.perf_counter()
             sequential(lazy)  # cold: fetch every chunk
             cold = time.perf_counter() - t0
-            chunk_files = [os.path.join(cache, "chunks", d[7:9], d[7:])
-                           for d in {ch.digest for ch in store.manifest(digest).chunks}]
+            # the layer's sparse cache file (layerfs.lazy.cache, layout 2)
+            chunk_files = [os.path.join(cache, "data", digest[7:] + ".img")]
             os.sync()  # POSIX_FADV_DONTNEED leaves dirty pages in the page cache
             results: dict[str, Any] = {}
             for mode in ("sequential", "random"):

@@ -2,12 +2,12 @@
  * read-only regular file `<hex digest>.erofs` of the layer's exact size.
  *
  * The kernel mounts EROFS file-backed on those files, so reads arrive here as page-cache
- * misses.  A read whose chunks are all in the local cache is answered entirely in C (a
- * pread of the per-chunk cache files).  A read that needs a missing chunk is parked on
- * that chunk (no thread blocks); the chunk is queued ONCE for the Python side, which is
- * woken through an eventfd, fetches and verifies the chunk, writes it to the cache and
- * calls lfs_lazy_chunk_ready() (or lfs_lazy_chunk_failed()), which answers every parked
- * read.
+ * misses.  Each layer has one sparse cache file of its size, a chunk at its own offset
+ * in it, so a read whose chunks are all present is answered entirely in C by one pread
+ * at the same offset.  A read that needs a missing chunk is parked on that chunk (no
+ * thread blocks); the chunk is queued ONCE for the Python side, which is woken through
+ * an eventfd, fetches and verifies the chunk and calls lfs_lazy_chunk_write() (or
+ * lfs_lazy_chunk_failed()), which writes it durably and answers every parked read.
  *
  * Restart: the /dev/fuse connection is held open by a supervisor process; a new server
  * process takes the same fd (libfuse accepts the mountpoint "/dev/fd/N"), replays a
@@ -29,7 +29,7 @@
 enum lfs_lazy_chunk_state {
 	LFS_LAZY_MISSING = 0,  /* not cached, nobody fetching */
 	LFS_LAZY_FETCHING = 1, /* queued or being fetched; reads park on it */
-	LFS_LAZY_PRESENT = 2,  /* cached: an open fd on the chunk's cache file */
+	LFS_LAZY_PRESENT = 2,  /* durable in the layer's cache file */
 };
 
 /* Counters of one layer since it was registered (monotonic, read without locks). */
@@ -62,9 +62,10 @@ int lfs_lazy_event_fd(struct lfs_lazy *lz);
 /* 1 once the FUSE loop has ended (the connection was unmounted or aborted). */
 int lfs_lazy_stopped(struct lfs_lazy *lz);
 
-/* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot`. */
+/* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot`, cached in the
+ * file `data_path` (created, or sized to `size`, if needed); every chunk starts missing. */
 int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uint64_t size,
-		       uint32_t chunk_size, struct lfs_error *err);
+		       uint32_t chunk_size, const char *data_path, struct lfs_error *err);
 
 /* Forget the layer in `slot`: later lookups fail with ENOENT, reads with EIO. */
 int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err);
@@ -79,18 +80,35 @@ int lfs_lazy_next_fetch(struct lfs_lazy *lz, uint32_t *slot, uint32_t *index);
  * the chunk is present or already being fetched, -1 for a bad slot or index. */
 int lfs_lazy_chunk_claim(struct lfs_lazy *lz, uint32_t slot, uint32_t index);
 
-/* Chunk `index` of `slot` is cached, verified, in the file `path` (its exact bytes):
- * open it, mark it present and answer every read parked on it. */
+/* Chunk `index` of `slot` is already durable in the layer's cache file (restored from
+ * the persisted bitmap): mark it present and answer every read parked on it. */
 int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
-			 const char *path, struct lfs_error *err);
+			 struct lfs_error *err);
 
-/* The fetch of a chunk failed for good: answer every parked read with `errnum` and mark
- * the chunk missing again (a later read retries). Returns the number of reads answered. */
+/* Write the verified bytes of chunk `index` (exactly its length) at its offset in the
+ * layer's cache file and fdatasync them; only then mark it present and answer every
+ * read parked on it.  An all-zero chunk becomes a hole.  On failure (ENOSPC, EIO) the
+ * chunk is not marked and its readers stay parked: the caller retries or calls
+ * lfs_lazy_chunk_failed(). */
+int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 const void *data, size_t len, struct lfs_error *err);
+
 int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, int errnum);
 
-/* Drop a present chunk (cache eviction): returns 1 if dropped, 0 if not present or being
- * read right now, -1 for a bad slot or index. */
+/* Mark a present chunk missing (cache eviction; its bytes stay until
+ * lfs_lazy_chunk_punch()): returns 1 if done, 0 if not present or being read right now,
+ * -1 for a bad slot or index. */
 int lfs_lazy_chunk_evict(struct lfs_lazy *lz, uint32_t slot, uint32_t index);
+
+/* After lfs_lazy_chunk_evict() and after the bitmap without the chunk is persisted:
+ * give its bytes back to the file system (fallocate PUNCH_HOLE).  EBUSY if the chunk
+ * became present again meanwhile. */
+int lfs_lazy_chunk_punch(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 struct lfs_error *err);
+
+/* Bit i of `out` (LSB first) = chunk i present; `nbytes` >= (nchunks + 7) / 8.
+ * Returns nchunks, or -1 for an empty slot or a short buffer. */
+int lfs_lazy_present_bitmap(struct lfs_lazy *lz, uint32_t slot, uint8_t *out, size_t nbytes);
 
 /* State (enum lfs_lazy_chunk_state) and last-access tick of one chunk; -1 if bad. */
 int lfs_lazy_chunk_info(struct lfs_lazy *lz, uint32_t slot, uint32_t index,

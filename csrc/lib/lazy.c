@@ -45,8 +45,7 @@ struct lazy_wait {
 struct lazy_chunk {
 	uint8_t state;           /* enum lfs_lazy_chunk_state */
 	uint8_t touched;         /* in the access trace */
-	uint32_t readers;        /* reads using fd right now (eviction waits for 0) */
-	int fd;                  /* open cache file when PRESENT, else -1 */
+	uint32_t readers;        /* reads of its bytes right now (eviction waits for 0) */
 	uint64_t atime;          /* lz->tick at the last read */
 	struct lazy_wait *waiters;
 };
@@ -57,6 +56,7 @@ struct lazy_layer {
 	uint32_t chunk_size;
 	uint32_t nchunks;
 	int removed;
+	int fd;                  /* the layer's sparse cache file, read-write */
 	pthread_mutex_t lock;    /* chunk states, waiters, trace */
 	struct lazy_chunk *chunks;
 	uint32_t *trace;         /* chunk indexes, first-touch order */
@@ -157,10 +157,10 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		       struct lazy_wait *w)
 {
 	uint64_t end, off = w->off;
-	uint32_t first, last, i, n;
-	struct fuse_bufvec *bv;
+	uint32_t first, last, i;
+	struct fuse_bufvec bv;
 	uint64_t now;
-	int rc, ra = -1;
+	int rc;
 
 	if (off >= l->size || w->size == 0) {
 		fuse_reply_buf(w->req, NULL, 0);
@@ -172,7 +172,7 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		end = l->size;
 	first = (uint32_t)(off / l->chunk_size);
 	last = (uint32_t)((end - 1) / l->chunk_size);
-	n = last - first + 1;
+	bv = (struct fuse_bufvec)FUSE_BUFVEC_INIT(end - off);
 
 	now = atomic_fetch_add(&lz->tick, 1) + 1;
 	pthread_mutex_lock(&l->lock);
@@ -212,49 +212,21 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	}
 	if (!w->waited)
 		l->st.hits++;
-	/* A read at the start of a chunk is how a sequential reader enters it: have this
-	 * chunk's file and the next one's read ahead whole now, so the next requests find
-	 * them in the page cache instead of each waiting for the disk. */
-	ra = -1;
-	if (off % l->chunk_size == 0 && last + 1 < l->nchunks &&
-	    l->chunks[last + 1].state == LFS_LAZY_PRESENT) {
-		l->chunks[last + 1].readers++;
-		ra = l->chunks[last + 1].fd;
-	}
 	pthread_mutex_unlock(&l->lock);
-	if (off % l->chunk_size == 0)
-		posix_fadvise(l->chunks[first].fd, 0, 0, POSIX_FADV_WILLNEED);
-	if (ra >= 0)
-		posix_fadvise(ra, 0, 0, POSIX_FADV_WILLNEED);
 
-	bv = calloc(1, sizeof(*bv) + n * sizeof(struct fuse_buf));
-	if (!bv) {
-		rc = ENOMEM;
-		goto out;
-	}
-	bv->count = n;
-	for (i = 0; i < n; i++) {
-		uint64_t cstart = (uint64_t)(first + i) * l->chunk_size;
-		uint64_t a = off > cstart ? off : cstart;
-		uint64_t b = end < cstart + l->chunk_size ? end : cstart + l->chunk_size;
-
-		bv->buf[i].size = b - a;
-		bv->buf[i].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-		bv->buf[i].fd = l->chunks[first + i].fd;
-		bv->buf[i].pos = (off_t)(a - cstart);
-	}
-	rc = -fuse_reply_data(w->req, bv, FUSE_BUF_NO_SPLICE);
+	/* Present chunks sit at their own offset in the layer's cache file, so the read
+	 * is one pread there (by libfuse), whatever chunks it spans. */
+	bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
+	bv.buf[0].fd = l->fd;
+	bv.buf[0].pos = (off_t)off;
+	rc = -fuse_reply_data(w->req, &bv, FUSE_BUF_NO_SPLICE);
 	if (rc == 0) {
 		__atomic_add_fetch(&l->st.read_bytes, end - off, __ATOMIC_RELAXED);
 		w->req = NULL;
 	}
-	free(bv);
-out:
 	pthread_mutex_lock(&l->lock);
 	for (i = first; i <= last; i++)
 		l->chunks[i].readers--;
-	if (ra >= 0)
-		l->chunks[last + 1].readers--;
 	pthread_mutex_unlock(&l->lock);
 	if (w->req) {
 		/* fuse_reply_data fails only if the reply could not be written or built (a
@@ -518,10 +490,12 @@ int lfs_lazy_stopped(struct lfs_lazy *lz)
 }
 
 int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uint64_t size,
-		       uint32_t chunk_size, struct lfs_error *err)
+		       uint32_t chunk_size, const char *data_path, struct lfs_error *err)
 {
 	struct lazy_layer *l;
+	struct stat st;
 	uint64_t n;
+	int fd;
 
 	if (slot >= LFS_LAZY_MAX_LAYERS)
 		return lfs_error_set(err, EINVAL, "layer slot %u out of range (max %u)", slot,
@@ -544,20 +518,34 @@ int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uin
 			return lfs_error_set(err, EEXIST, "layer `%s` is already in slot %u",
 					     name, s);
 	}
+	fd = open(data_path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return lfs_error_set(err, errno, "layer `%s`: open `%s`: %s", name, data_path,
+				     strerror(errno));
+	/* The file has the layer's size from the start; chunks not yet written are holes. */
+	if (fstat(fd, &st) < 0 || ((uint64_t)st.st_size != size && ftruncate(fd, (off_t)size) < 0)) {
+		int e = errno;
+
+		close(fd);
+		return lfs_error_set(err, e, "layer `%s`: sizing `%s`: %s", name, data_path,
+				     strerror(e));
+	}
 	l = calloc(1, sizeof(*l));
-	if (!l)
+	if (!l) {
+		close(fd);
 		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating", name);
+	}
 	l->chunks = calloc(n ? n : 1, sizeof(*l->chunks));
 	l->trace = calloc(n ? n : 1, sizeof(*l->trace));
 	if (!l->chunks || !l->trace) {
 		free(l->chunks);
 		free(l->trace);
 		free(l);
+		close(fd);
 		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating %lu chunk states",
 				     name, (unsigned long)n);
 	}
-	for (uint64_t i = 0; i < n; i++)
-		l->chunks[i].fd = -1;
+	l->fd = fd;
 	snprintf(l->name, sizeof(l->name), "%s", name);
 	l->size = size;
 	l->chunk_size = chunk_size;
@@ -571,6 +559,7 @@ int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uin
 int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err)
 {
 	struct lazy_layer *l = lazy_slot(lz, slot);
+	uint32_t busy = 0;
 
 	if (!l)
 		return lfs_error_set(err, ENOENT, "no layer in slot %u", slot);
@@ -588,11 +577,13 @@ int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *
 			free(w);
 			w = next;
 		}
-		if (c->fd >= 0 && c->readers == 0) {
-			close(c->fd);
-			c->fd = -1;
-			c->state = LFS_LAZY_MISSING;
-		}
+		busy += c->readers;
+		c->state = LFS_LAZY_MISSING;
+	}
+	/* A read still answering from the file keeps it open (one fd, until exit). */
+	if (!busy && l->fd >= 0) {
+		close(l->fd);
+		l->fd = -1;
 	}
 	pthread_mutex_unlock(&l->lock);
 	/* The struct stays allocated (a READ may still hold a pointer to it) and the slot
@@ -699,41 +690,18 @@ static struct lazy_wait *lazy_take_waiters(struct lazy_chunk *c)
 	return rev;
 }
 
-int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
-			 const char *path, struct lfs_error *err)
+/* Mark chunk `index` present and answer the reads parked on it. */
+static void lazy_mark_present(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
+			      uint32_t index)
 {
-	struct lazy_layer *l = lazy_slot(lz, slot);
 	struct lazy_chunk *c;
 	struct lazy_wait *w;
-	uint64_t want;
-	struct stat st;
-	int fd;
 
-	if (!l || index >= l->nchunks)
-		return lfs_error_set(err, ENOENT, "no chunk %u in layer slot %u", index, slot);
-	want = index + 1 < l->nchunks ? l->chunk_size
-				      : l->size - (uint64_t)index * l->chunk_size;
-	fd = open(path, O_RDONLY | O_CLOEXEC);
-	if (fd < 0) {
-		lfs_error_set(err, errno, "open `%s`: %s", path, strerror(errno));
-		lfs_lazy_chunk_failed(lz, slot, index, EIO);
-		return -1;
-	}
-	if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != want) {
-		lfs_error_set(err, EINVAL, "`%s`: %lld bytes, chunk %u of `%s` has %llu", path,
-			      (long long)st.st_size, index, l->name, (unsigned long long)want);
-		close(fd);
-		lfs_lazy_chunk_failed(lz, slot, index, EIO);
-		return -1;
-	}
 	pthread_mutex_lock(&l->lock);
 	c = &l->chunks[index];
-	if (c->state == LFS_LAZY_PRESENT) {
-		close(fd); /* a racing prefetch got there first; same bytes */
-	} else {
+	if (c->state != LFS_LAZY_PRESENT) {
 		if (c->state == LFS_LAZY_FETCHING)
 			l->st.inflight--;
-		c->fd = fd;
 		c->state = LFS_LAZY_PRESENT;
 		l->st.present++;
 		l->st.ready++;
@@ -746,6 +714,76 @@ int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 		lazy_serve(lz, slot, l, w);
 		w = next;
 	}
+}
+
+static uint64_t lazy_chunk_len(const struct lazy_layer *l, uint32_t index)
+{
+	return index + 1 < l->nchunks ? l->chunk_size
+				      : l->size - (uint64_t)index * l->chunk_size;
+}
+
+int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+
+	if (!l || index >= l->nchunks)
+		return lfs_error_set(err, ENOENT, "no chunk %u in layer slot %u", index, slot);
+	lazy_mark_present(lz, slot, l, index);
+	return 0;
+}
+
+static int lazy_all_zero(const uint8_t *p, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (p[i])
+			return 0;
+	return 1;
+}
+
+int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 const void *data, size_t len, struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	uint64_t want, pos;
+	size_t done = 0;
+
+	if (!l || index >= l->nchunks)
+		return lfs_error_set(err, ENOENT, "no chunk %u in layer slot %u", index, slot);
+	want = lazy_chunk_len(l, index);
+	if (len != want)
+		return lfs_error_set(err, EINVAL, "chunk %u of `%s`: %zu bytes, it has %llu",
+				     index, l->name, len, (unsigned long long)want);
+	if (lfs_lazy_chunk_info(lz, slot, index, NULL) == LFS_LAZY_PRESENT)
+		return 0; /* a racing prefetch got there first; same bytes */
+	pos = (uint64_t)index * l->chunk_size;
+	/* Runs of zeros (unused image space) stay holes, which read back as zeros. */
+	if (lazy_all_zero(data, len)) {
+		if (fallocate(l->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)pos,
+			      (off_t)len) == 0)
+			done = len;
+		else if (errno != EOPNOTSUPP) /* no holes here: write the zeros */
+			return lfs_error_set(err, errno, "chunk %u of `%s`: punching: %s", index,
+					     l->name, strerror(errno));
+	}
+	while (done < len) {
+		ssize_t k = pwrite(l->fd, (const uint8_t *)data + done, len - done,
+				   (off_t)(pos + done));
+
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k <= 0)
+			return lfs_error_set(err, k < 0 ? errno : EIO, "chunk %u of `%s`: writing "
+					     "the cache file: %s", index, l->name,
+					     strerror(k < 0 ? errno : EIO));
+		done += (size_t)k;
+	}
+	/* Durable before present: the persisted bitmap is taken from the present states,
+	 * so a bit set there never names bytes a crash could still lose. */
+	if (fdatasync(l->fd) < 0)
+		return lfs_error_set(err, errno, "chunk %u of `%s`: fdatasync: %s", index,
+				     l->name, strerror(errno));
+	lazy_mark_present(lz, slot, l, index);
 	return 0;
 }
 
@@ -790,14 +828,50 @@ int lfs_lazy_chunk_evict(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
 	pthread_mutex_lock(&l->lock);
 	c = &l->chunks[index];
 	if (c->state == LFS_LAZY_PRESENT && c->readers == 0) {
-		close(c->fd);
-		c->fd = -1;
 		c->state = LFS_LAZY_MISSING;
 		l->st.present--;
 		rc = 1;
 	}
 	pthread_mutex_unlock(&l->lock);
 	return rc;
+}
+
+int lfs_lazy_chunk_punch(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
+			 struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	int rc = 0;
+
+	if (!l || index >= l->nchunks)
+		return lfs_error_set(err, ENOENT, "no chunk %u in layer slot %u", index, slot);
+	pthread_mutex_lock(&l->lock);
+	if (l->chunks[index].state == LFS_LAZY_PRESENT)
+		rc = lfs_error_set(err, EBUSY, "chunk %u of `%s` is present", index, l->name);
+	else if (fallocate(l->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+			   (off_t)index * l->chunk_size, (off_t)lazy_chunk_len(l, index)) < 0)
+		rc = lfs_error_set(err, errno, "chunk %u of `%s`: punching a hole: %s", index,
+				   l->name, strerror(errno));
+	pthread_mutex_unlock(&l->lock);
+	return rc;
+}
+
+int lfs_lazy_present_bitmap(struct lfs_lazy *lz, uint32_t slot, uint8_t *out, size_t nbytes)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+	uint32_t n;
+
+	if (!l)
+		return -1;
+	n = l->nchunks;
+	if (nbytes < ((size_t)n + 7) / 8)
+		return -1;
+	memset(out, 0, nbytes);
+	pthread_mutex_lock(&l->lock);
+	for (uint32_t i = 0; i < n; i++)
+		if (l->chunks[i].state == LFS_LAZY_PRESENT)
+			out[i / 8] |= (uint8_t)(1u << (i % 8));
+	pthread_mutex_unlock(&l->lock);
+	return (int)n;
 }
 
 int lfs_lazy_chunk_info(struct lfs_lazy *lz, uint32_t slot, uint32_t index,

@@ -1,23 +1,30 @@
 """The node's lazy-loading cache directory: chunks fetched from remotes, kept uncompressed
-so that a cached read is a plain ``pread`` in the C file server.
+in one sparse file per layer, so that a cached read is a plain ``pread`` at the same offset
+in the C file server.
 
-Layout (version 1)::
+Layout (version 2)::
 
-    ROOT/layout               "layerfs-lazy-cache 1\\n"
-    ROOT/chunks/XX/<hex>      the exact (uncompressed, verified) bytes of chunk sha256:<hex>
+    ROOT/layout               "layerfs-lazy-cache 2\\n"
+    ROOT/data/<hex>.img       layer sha256:<hex>: a sparse file of the layer's size, each
+                              chunk at its own offset, chunks not cached are holes
+    ROOT/data/<hex>.present   which chunks of it are present and verified (see below)
     ROOT/layers/<hex>.json    registered layers: {"slot", "remote", "manifest"}
     ROOT/traces/<hex>.json    access traces (chunk indexes in first-read order)
-    ROOT/tmp/                 chunks being written
+    ROOT/tmp/                 small files being written
     ROOT/fuse/                the FUSE mount exposing <hex>.erofs files
     ROOT/control.sock         the lazy server's control socket
     ROOT/supervisor.pid, ROOT/server.log
 
-Chunks are named by their digest and shared by every layer that holds them. A chunk file
-exists only whole and verified: it is written to ``tmp/``, fsynced and renamed into place
-(an interrupted write leaves only a temp file, removed at the next start). A cache from
-another layout version is discarded at open (everything in it can be fetched again),
-never misread; a non-empty directory without a layout file is refused, since it may be
-someone else's data.
+A chunk's bytes are verified against its digest, written at its offset, fdatasynced, and
+only then marked present; the ``.present`` bitmap is a snapshot of those marks, replaced
+atomically (temp file, fsync, rename), so a bit set on disk never names bytes that a crash
+could have torn. Eviction clears the bit and persists the bitmap before punching the hole
+(``fallocate(PUNCH_HOLE)``). A bitmap that does not match its layer (size, chunk size,
+checksum) is ignored: the chunks are fetched again, never misread.
+
+A cache from another layout version (version 1 kept one file per chunk) is discarded at
+open (everything in it can be fetched again), never misread; a non-empty directory
+without a layout file is refused, since it may be someone else's data.
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ import errno
 import json
 import os
 import shutil
+import struct
 import tempfile
-from collections.abc import Iterator
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from layerfs.errors import StoreError
 from layerfs.manifest import check_digest
 
-LAYOUT = "layerfs-lazy-cache 1\n"
-_DIRS = ("chunks", "layers", "traces", "tmp", "fuse")
+LAYOUT = "layerfs-lazy-cache 2\n"
+_DIRS = ("data", "layers", "traces", "tmp", "fuse")
+_PRESENT_MAGIC = b"layerfs-present 1\n"
+_PRESENT_HEAD = struct.Struct("<QII")  # layer size, chunk size, chunk count
 
 
 class CacheFullError(StoreError):
@@ -45,9 +55,9 @@ class CacheFullError(StoreError):
 
 @dataclass(frozen=True, slots=True)
 class CacheUsage:
-    """Chunk files in the cache and their bytes."""
+    """Layer cache files in the cache and the bytes they take on disk (holes excluded)."""
 
-    chunks: int
+    layers: int
     bytes: int
 
 
@@ -94,8 +104,6 @@ class ChunkCache:
             if not (server and d == "fuse"):
                 os.makedirs(self.path(d), exist_ok=True)
         if found != LAYOUT:
-            for i in range(256):
-                os.makedirs(self.path("chunks", f"{i:02x}"), exist_ok=True)
             self._atomic_write(self.root, "layout", LAYOUT.encode())
         for name in os.listdir(self.path("tmp")):
             with contextlib.suppress(OSError):
@@ -117,57 +125,74 @@ class ChunkCache:
                 os.unlink(tmp)
             raise
 
-    # -- chunks -------------------------------------------------------------------------
+    # -- layer cache files ---------------------------------------------------------------
 
-    def chunk_path(self, digest: str) -> str:
-        """Where chunk ``digest`` lives (whether or not it is cached)."""
-        hexd = check_digest(digest)[7:]
-        return self.path("chunks", hexd[:2], hexd)
+    def data_path(self, digest: str) -> str:
+        """The sparse cache file of layer ``digest`` (whether or not it exists)."""
+        return self.path("data", check_digest(digest)[7:] + ".img")
 
-    def has(self, digest: str) -> bool:
-        return os.path.exists(self.chunk_path(digest))
+    def present_path(self, digest: str) -> str:
+        """The persisted present-chunk bitmap of layer ``digest``."""
+        return self.path("data", check_digest(digest)[7:] + ".present")
 
-    def put(self, digest: str, data: bytes) -> str:
-        """Store verified chunk bytes atomically; returns the chunk's path.
-
-        Raises :class:`CacheFullError` on ENOSPC (nothing is left behind) and
-        :class:`StoreError` on other I/O errors."""
-        path = self.chunk_path(digest)
+    def save_present(self, digest: str, size: int, chunk_size: int, nchunks: int,
+                     bits: bytes) -> None:
+        """Persist the present bitmap of layer ``digest`` (bit i, LSB first, = chunk i)
+        atomically. Raises :class:`CacheFullError` on ENOSPC, :class:`StoreError` else."""
+        if len(bits) != (nchunks + 7) // 8:
+            raise ValueError(f"bitmap of {len(bits)} bytes for {nchunks} chunks")
+        body = _PRESENT_MAGIC + _PRESENT_HEAD.pack(size, chunk_size, nchunks) + bits
         try:
-            self._atomic_write(os.path.dirname(path), os.path.basename(path), data)
+            self._atomic_write(self.path("data"), check_digest(digest)[7:] + ".present",
+                               body + struct.pack("<I", zlib.crc32(body)))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise CacheFullError(errno.ENOSPC, f"cache {self.root}: disk full writing "
-                                                   f"chunk {digest}") from None
-            raise StoreError(exc.errno, f"cache {self.root}: writing chunk {digest}: "
+                                                   f"the bitmap of {digest}") from None
+            raise StoreError(exc.errno, f"cache {self.root}: writing the bitmap of {digest}: "
                                         f"{exc.strerror}") from None
-        return path
 
-    def remove(self, digest: str) -> int:
-        """Delete chunk ``digest``; returns the bytes freed (0 if it was absent)."""
-        path = self.chunk_path(digest)
+    def load_present(self, digest: str, size: int, chunk_size: int, nchunks: int) -> bytes:
+        """The persisted bitmap of layer ``digest``; all zeros if there is none or it
+        does not describe this layer (wrong shape or checksum)."""
+        want = (nchunks + 7) // 8
         try:
-            size = os.stat(path).st_size
-            os.unlink(path)
+            with open(self.present_path(digest), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return bytes(want)
+        head = len(_PRESENT_MAGIC) + _PRESENT_HEAD.size
+        if (len(raw) != head + want + 4 or not raw.startswith(_PRESENT_MAGIC)
+                or struct.unpack("<I", raw[-4:])[0] != zlib.crc32(raw[:-4])
+                or _PRESENT_HEAD.unpack(raw[len(_PRESENT_MAGIC):head])
+                != (size, chunk_size, nchunks)):
+            return bytes(want)
+        return raw[head:-4]
+
+    def drop_data(self, digest: str) -> int:
+        """Delete the cache file and bitmap of layer ``digest`` (bitmap first, so a crash
+        in between leaves no bits naming a missing file); returns the bytes freed."""
+        freed = self.data_bytes(digest)
+        for p in (self.present_path(digest), self.data_path(digest)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        return freed
+
+    def data_bytes(self, digest: str) -> int:
+        """Bytes the cache file of layer ``digest`` takes on disk (0 if absent)."""
+        try:
+            return os.stat(self.data_path(digest)).st_blocks * 512
         except FileNotFoundError:
             return 0
-        return size
 
-    def chunks(self) -> Iterator[tuple[str, int]]:
-        """Every cached chunk as ``(digest, bytes)``."""
-        base = self.path("chunks")
-        for sub in sorted(os.listdir(base)):
-            d = os.path.join(base, sub)
-            for name in os.listdir(d):
-                with contextlib.suppress(FileNotFoundError):
-                    yield "sha256:" + name, os.stat(os.path.join(d, name)).st_size
+    def cached_layers(self) -> list[str]:
+        """Digests of the layers that have a cache file."""
+        return sorted("sha256:" + n[:-4] for n in os.listdir(self.path("data"))
+                      if n.endswith(".img"))
 
     def usage(self) -> CacheUsage:
-        n = total = 0
-        for _, size in self.chunks():
-            n += 1
-            total += size
-        return CacheUsage(n, total)
+        digests = self.cached_layers()
+        return CacheUsage(len(digests), sum(self.data_bytes(d) for d in digests))
 
     # -- registry and traces ------------------------------------------------------------
 

@@ -14,7 +14,7 @@ then the waiting reads get EIO and one log line names the layer, chunk and remot
 :data:`FAIL_HOLD` seconds after that, reads of the chunk fail at once. A chunk
 that does not match its digest is discarded and fetched again, never served. A full cache
 disk evicts unneeded chunks and retries once, then fails the reads with EIO and logs
-ENOSPC; nothing partial is left in the cache.
+ENOSPC; a chunk whose write failed is never marked present.
 
 Control: an HTTP/JSON API on ``ROOT/control.sock`` (see :mod:`layerfs.lazy.client`).
 """
@@ -27,7 +27,6 @@ import contextlib
 import errno
 import logging
 import os
-import resource
 import sys
 import time
 from bisect import bisect_left
@@ -37,10 +36,10 @@ from typing import Any
 from aiohttp import web
 
 from layerfs.errors import CorruptError, LayerfsError, NotFoundError
-from layerfs.lazy.cache import CacheFullError, ChunkCache
+from layerfs.lazy.cache import ChunkCache
 from layerfs.manifest import Manifest, check_digest
 from layerfs.native import check, ffi, lib, new_error
-from layerfs.remote.base import Remote, RemoteError, open_remote
+from layerfs.remote.base import Remote, RemoteError, open_remote, verify_chunk
 
 log = logging.getLogger("layerfs.lazy")
 
@@ -50,6 +49,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 FAIL_HOLD = 1.0
 """Seconds during which a chunk whose fetch just failed fails again at once."""
+
+FLUSH_DELAY = 0.05
+"""Seconds a changed present bitmap may wait before it is persisted."""
 
 
 class FetchFailed(LayerfsError, OSError):
@@ -104,7 +106,7 @@ class LazyServer:
         self.by_slot: dict[int, Layer] = {}
         self._concurrency = concurrency
         self._remotes: dict[str, Remote] = {}
-        self._flights: dict[str, asyncio.Task[str]] = {}
+        self._flights: dict[str, asyncio.Task[bytes]] = {}
         self._failed: dict[str, float] = {}  # chunk digest -> loop time it failed
         self._tasks: set[asyncio.Task[Any]] = set()
         self._ondemand = 0
@@ -112,6 +114,10 @@ class LazyServer:
         self._idle.set()
         self._stop = asyncio.Event()
         self._cache_bytes = 0
+        self._orphans: dict[str, int] = {}  # unregistered layer -> bytes of its file
+        self._dirty: set[str] = set()
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._holder_maps: dict[str, dict[str, list[int]]] = {}
         self._next_slot = 0
         self.lz: Any = None
 
@@ -121,45 +127,44 @@ class LazyServer:
         """Create the C server, restore registered layers and present chunks, start the
         FUSE loop and watch the fetch queue. Call from inside the event loop."""
         self._sem = asyncio.Semaphore(self._concurrency)
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < hard:
-            # One fd per cached chunk keeps the warm path a single pread.
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         err = new_error()
         lz = lib.lfs_lazy_new(self.fuse_fd, 1 if self.resumed else 0, err)
         if lz == ffi.NULL:
             check(-1, err, "lazy server")
         self.lz = lz
-        usage = self.cache.usage()
-        self._cache_bytes = usage.bytes
         for digest, rec in self.cache.layers().items():
             self._next_slot = max(self._next_slot, int(rec["slot"]) + 1)
             if rec.get("removed"):
                 continue
             m = Manifest.from_json(rec["manifest"].encode(), where=f"cache layer {digest}")
             self._add(Layer(digest, int(rec["slot"]), rec["remote"], m))
+        for digest in self.cache.cached_layers():
+            if digest not in self.layers:
+                # Unregistered layers' files: the first to go when space is needed.
+                self._orphans[digest] = self.cache.data_bytes(digest)
+        self._cache_bytes += sum(self._orphans.values())
         check(lib.lfs_lazy_start(self.lz, self.max_threads, err), err, "lazy server start")
         asyncio.get_running_loop().add_reader(lib.lfs_lazy_event_fd(self.lz), self._on_event)
-        log.info("lazy server pid %d: %d layer(s), %d cached chunk(s) (%d bytes)%s",
-                 os.getpid(), len(self.layers), usage.chunks, usage.bytes,
-                 ", resumed" if self.resumed else "")
+        log.info("lazy server pid %d: %d layer(s), %d bytes cached%s", os.getpid(),
+                 len(self.layers), self._cache_bytes, ", resumed" if self.resumed else "")
 
     def _add(self, layer: Layer) -> None:
         err = new_error()
         m = layer.manifest
         check(lib.lfs_lazy_add_layer(self.lz, layer.slot, layer.name.encode(), m.size,
-                                     m.chunk_size, err), err, f"layer {layer.digest}")
+                                     m.chunk_size,
+                                     self.cache.data_path(layer.digest).encode(), err),
+              err, f"layer {layer.digest}")
         self.layers[layer.digest] = layer
         self.by_slot[layer.slot] = layer
-        for i, c in enumerate(m.chunks):
-            path = self.cache.chunk_path(c.digest)
-            if (os.path.exists(path)
-                    and lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1
-                    and lib.lfs_lazy_chunk_ready(self.lz, layer.slot, i, path.encode(),
-                                                 err) < 0):
-                # A cached file of the wrong size (an older writer?): drop it.
-                log.warning("cache: %s; removing it", ffi.string(err.msg).decode())
-                self._cache_bytes -= self.cache.remove(c.digest)
+        self._cache_bytes -= self._orphans.pop(layer.digest, 0)
+        bits = self.cache.load_present(layer.digest, m.size, m.chunk_size, len(m.chunks))
+        for i in range(len(m.chunks)):
+            if bits[i >> 3] >> (i & 7) & 1 and \
+                    lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
+                check(lib.lfs_lazy_chunk_ready(self.lz, layer.slot, i, err), err,
+                      f"layer {layer.digest}")
+                self._cache_bytes += m.chunk_length(i)
 
     def _remote(self, url: str) -> Remote:
         r = self._remotes.get(url)
@@ -191,10 +196,55 @@ class LazyServer:
         if layer is None:
             raise NotFoundError(f"layer {digest} is not registered")
         del self.by_slot[layer.slot]
+        self._flush_present(layer)
+        self._dirty.discard(digest)
         err = new_error()
         lib.lfs_lazy_remove_layer(self.lz, layer.slot, err)
-        # The slot stays taken (kernel dentries may still name it).
+        # The slot stays taken (kernel dentries may still name it); the cache file stays
+        # for a later registration, first in line for eviction.
         self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
+        self._cache_bytes -= sum(layer.manifest.chunk_length(i)
+                                 for i in range(len(layer.manifest.chunks))
+                                 if self._present(layer, i))
+        self._orphans[digest] = self.cache.data_bytes(digest)
+        self._cache_bytes += self._orphans[digest]
+
+    def _present(self, layer: Layer, index: int) -> bool:
+        return bool(lib.lfs_lazy_chunk_info(self.lz, layer.slot, index, ffi.NULL)
+                    == lib.LFS_LAZY_PRESENT)
+
+    # -- the present bitmaps --------------------------------------------------------------
+
+    def _flush_present(self, layer: Layer) -> None:
+        m = layer.manifest
+        buf = ffi.new("uint8_t[]", max(1, (len(m.chunks) + 7) // 8))
+        n = lib.lfs_lazy_present_bitmap(self.lz, layer.slot, buf, len(buf))
+        if n < 0:
+            return
+        self.cache.save_present(layer.digest, m.size, m.chunk_size, n,
+                                bytes(ffi.buffer(buf, (n + 7) // 8)))
+
+    def _mark_dirty(self, layer: Layer) -> None:
+        """Persist the layer's bitmap soon: at most every :data:`FLUSH_DELAY` seconds,
+        since presence in C already implies durable bytes and a lagging bitmap only
+        means a refetch after a crash."""
+        self._dirty.add(layer.digest)
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY,
+                                                                       self._flush_dirty)
+
+    def _flush_dirty(self) -> None:
+        self._flush_handle = None
+        dirty, self._dirty = self._dirty, set()
+        for digest in dirty:
+            layer = self.layers.get(digest)
+            if layer is None:
+                continue
+            try:
+                self._flush_present(layer)
+            except LayerfsError as exc:
+                log.warning("layer %s: %s (its chunks will be refetched after a restart)",
+                            digest, exc)
 
     # -- fetching -----------------------------------------------------------------------
 
@@ -219,35 +269,50 @@ class LazyServer:
 
     async def _fetch(self, layer: Layer, index: int, *, ondemand: bool) -> None:
         ref = layer.manifest.chunks[index]
-        now = asyncio.get_running_loop().time()
-        if now - self._failed.get(ref.digest, -1e9) < FAIL_HOLD:
-            # The kernel retries a page synchronously right after its readahead failed;
-            # without this the reader would wait out the bound twice.
-            lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
-            if ondemand:
-                self._ondemand -= 1
-                if self._ondemand == 0:
-                    self._idle.set()
-            return
         try:
-            path = await self._get_chunk(layer, index)
-        except FetchFailed as exc:
-            layer.fetch_failures += 1
-            self._failed[ref.digest] = asyncio.get_running_loop().time()
-            log.error("%s", exc)
-            lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
-        else:
-            err = new_error()
-            if lib.lfs_lazy_chunk_ready(self.lz, layer.slot, index, path.encode(), err) < 0:
-                log.error("layer %s chunk %d (%s): %s", layer.digest, index, ref.digest,
-                          ffi.string(err.msg).decode())
+            now = asyncio.get_running_loop().time()
+            if now - self._failed.get(ref.digest, -1e9) < FAIL_HOLD:
+                # The kernel retries a page synchronously right after its readahead
+                # failed; without this the reader would wait out the bound twice.
+                lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
+                return
+            try:
+                data = await self._get_chunk(layer, index)
+                await self._write(layer, index, data)
+            except FetchFailed as exc:
+                layer.fetch_failures += 1
+                self._failed[ref.digest] = asyncio.get_running_loop().time()
+                log.error("%s", exc)
+                lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
         finally:
             if ondemand:
                 self._ondemand -= 1
                 if self._ondemand == 0:
                     self._idle.set()
 
-    async def _get_chunk(self, layer: Layer, index: int) -> str:
+    async def _write(self, layer: Layer, index: int, data: bytes) -> None:
+        """Write a verified chunk into the layer's cache file through C (durable, then
+        present); on ENOSPC evict and retry once. Raises :class:`FetchFailed`."""
+        ref = layer.manifest.chunks[index]
+        for attempt in (1, 2):
+            err = new_error()
+            rc = await asyncio.to_thread(lib.lfs_lazy_chunk_write, self.lz, layer.slot,
+                                         index, data, len(data), err)
+            if rc == 0:
+                self._cache_bytes += len(data)
+                self._mark_dirty(layer)
+                if self.cache.limit is not None and self._cache_bytes > self.cache.limit:
+                    self.evict(self.cache.limit)
+                return
+            code, msg = int(err.code), ffi.string(err.msg).decode()
+            if code == errno.ENOSPC and attempt == 1:
+                self.evict(max(0, self._cache_bytes - 4 * layer.manifest.chunk_size))
+                continue
+            what = "disk full (ENOSPC)" if code == errno.ENOSPC else msg
+            raise FetchFailed(code, f"layer {layer.digest} chunk {index} ({ref.digest}): "
+                                    f"cache {self.cache.root}: {what}")
+
+    async def _get_chunk(self, layer: Layer, index: int) -> bytes:
         digest = layer.manifest.chunks[index].digest
         t = self._flights.get(digest)
         if t is None:
@@ -257,17 +322,40 @@ class LazyServer:
             t.add_done_callback(lambda _t: self._flights.pop(digest, None))
         return await asyncio.shield(t)
 
-    async def _download(self, layer: Layer, index: int) -> str:
+    def _local_copy(self, digest: str, length: int) -> bytes | None:
+        """The chunk's bytes from another layer's cache file that holds it, verified."""
+        for other in self.layers.values():
+            for i in self._holders(other).get(digest, ()):
+                if not self._present(other, i):
+                    continue
+                try:
+                    with open(self.cache.data_path(other.digest), "rb") as f:
+                        data = os.pread(f.fileno(), length, i * other.manifest.chunk_size)
+                    return verify_chunk(digest, data, f"cache {self.cache.root}",
+                                        length=length)
+                except (OSError, CorruptError):
+                    continue
+        return None
+
+    def _holders(self, layer: Layer) -> dict[str, list[int]]:
+        h = self._holder_maps.get(layer.digest)
+        if h is None:
+            h = {}
+            for i, c in enumerate(layer.manifest.chunks):
+                h.setdefault(c.digest, []).append(i)
+            self._holder_maps[layer.digest] = h
+        return h
+
+    async def _download(self, layer: Layer, index: int) -> bytes:
         loop = asyncio.get_running_loop()
         ref = layer.manifest.chunks[index]
         length = layer.manifest.chunk_length(index)
-        path = self.cache.chunk_path(ref.digest)
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(path).st_size == length:
-                return path
+        local = await asyncio.to_thread(self._local_copy, ref.digest, length)
+        if local is not None:
+            return local
         remote = self._remote(layer.remote)
         deadline = loop.time() + self.fetch_timeout
-        delay, attempts, evicted = 0.05, 0, False
+        delay, attempts = 0.05, 0
         last: BaseException | None = None
         while True:
             remaining = deadline - loop.time()
@@ -280,33 +368,22 @@ class LazyServer:
                     data = await asyncio.wait_for(remote.chunk(ref.digest, length=length),
                                                   min(remaining, self.attempt_timeout))
                     spent = time.monotonic() - t0
-                path = await asyncio.to_thread(self.cache.put, ref.digest, data)
-                self._cache_bytes += len(data)
                 layer.observe(spent, len(data))
-                if self.cache.limit is not None and self._cache_bytes > self.cache.limit:
-                    self.evict(self.cache.limit)
-                return path
+                return data
             except CorruptError as exc:
                 layer.corrupt += 1
                 log.warning("layer %s chunk %d: %s; discarded, fetching again",
                             layer.digest, index, exc)
                 last = exc
-            except CacheFullError as exc:
-                last = exc
-                if evicted:
-                    break
-                evicted = True
-                self.evict(max(0, self._cache_bytes - 4 * layer.manifest.chunk_size))
-                continue
             except (RemoteError, NotFoundError, TimeoutError, OSError) as exc:
                 last = exc
             await asyncio.sleep(max(0.0, min(delay, deadline - loop.time())))
             delay = min(delay * 2, 2.0)
         why = f"{type(last).__name__}: {last}" if last is not None else "no attempt"
-        code = errno.ENOSPC if isinstance(last, CacheFullError) else errno.EIO
-        raise FetchFailed(code, f"layer {layer.digest} chunk {index} ({ref.digest}) from "
-                                f"remote {layer.remote}: gave up after {attempts} attempt(s) "
-                                f"in {self.fetch_timeout:g} s; last error: {why}")
+        raise FetchFailed(errno.EIO, f"layer {layer.digest} chunk {index} ({ref.digest}) from "
+                                     f"remote {layer.remote}: gave up after {attempts} "
+                                     f"attempt(s) in {self.fetch_timeout:g} s; last error: "
+                                     f"{why}")
 
     async def prefetch(self, digest: str, indexes: list[int] | None = None,
                        workers: int = 4) -> int:
@@ -346,45 +423,53 @@ class LazyServer:
         return out
 
     def evict(self, target: int) -> int:
-        """Evict cached chunks until the cache holds at most ``target`` bytes: first
-        chunks of no registered layer, then least recently read ones that no read is
-        using right now. Returns the bytes freed."""
-        holders: dict[str, list[tuple[Layer, int]]] = {}
-        for layer in self.layers.values():
-            for i, c in enumerate(layer.manifest.chunks):
-                holders.setdefault(c.digest, []).append((layer, i))
-        atime = ffi.new("uint64_t *")
-        cands: list[tuple[int, str]] = []
-        for digest, _size in self.cache.chunks():
-            hs = holders.get(digest)
-            if not hs:
-                cands.append((-1, digest))
-                continue
-            newest = 0
-            for layer, i in hs:
-                if lib.lfs_lazy_chunk_info(self.lz, layer.slot, i, atime) == \
-                        lib.LFS_LAZY_FETCHING:
-                    newest = -2
-                    break
-                newest = max(newest, int(atime[0]))
-            if newest != -2:
-                cands.append((newest, digest))
-        cands.sort()
+        """Evict cached chunks until the cache holds at most ``target`` bytes: first the
+        files of unregistered layers, then the least recently read chunks that no read is
+        using right now (their bits are cleared and persisted before their holes are
+        punched). Returns the bytes freed."""
         freed = 0
-        for _, digest in cands:
+        for digest in list(self._orphans):
             if self._cache_bytes <= target:
                 break
-            busy = False
-            for layer, i in holders.get(digest, []):
-                st = lib.lfs_lazy_chunk_info(self.lz, layer.slot, i, ffi.NULL)
-                if st == lib.LFS_LAZY_PRESENT and lib.lfs_lazy_chunk_evict(
-                        self.lz, layer.slot, i) != 1:
-                    busy = True
-            if busy:
-                continue
-            n = self.cache.remove(digest)
+            self._orphans.pop(digest)
+            n = self.cache.drop_data(digest)
             self._cache_bytes -= n
             freed += n
+        atime = ffi.new("uint64_t *")
+        cands: list[tuple[int, int, Layer]] = []
+        for layer in self.layers.values():
+            for i in range(len(layer.manifest.chunks)):
+                if lib.lfs_lazy_chunk_info(self.lz, layer.slot, i, atime) == \
+                        lib.LFS_LAZY_PRESENT:
+                    cands.append((int(atime[0]), i, layer))
+        cands.sort(key=lambda c: (c[0], c[1]))
+        evicted: list[tuple[Layer, int]] = []
+        for _, i, layer in cands:
+            if self._cache_bytes <= target:
+                break
+            if lib.lfs_lazy_chunk_evict(self.lz, layer.slot, i) == 1:
+                n = layer.manifest.chunk_length(i)
+                self._cache_bytes -= n
+                freed += n
+                evicted.append((layer, i))
+        flushed = set()
+        for layer in {layer.digest: layer for layer, _ in evicted}.values():
+            # No await from the evict marks to the punches: a chunk marked missing here
+            # can only be written again by a fetch this event loop starts later.
+            try:
+                self._flush_present(layer)
+            except LayerfsError as exc:
+                # Its bitmap on disk still names these chunks: keep their bytes.
+                log.warning("cache: layer %s: %s; not punching its evicted chunks",
+                            layer.digest, exc)
+                continue
+            flushed.add(layer.digest)
+            self._dirty.discard(layer.digest)
+        err = new_error()
+        for layer, i in evicted:
+            if layer.digest in flushed and \
+                    lib.lfs_lazy_chunk_punch(self.lz, layer.slot, i, err) < 0:
+                log.warning("cache: %s", ffi.string(err.msg).decode())
         if freed:
             log.info("cache: evicted %d bytes, %d bytes left", freed, self._cache_bytes)
         return freed
@@ -511,6 +596,9 @@ class LazyServer:
         try:
             await self._stop.wait()
         finally:
+            if self._flush_handle is not None:
+                self._flush_handle.cancel()
+                self._flush_dirty()
             await runner.cleanup()
             for r in self._remotes.values():
                 await r.close()

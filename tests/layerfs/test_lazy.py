@@ -145,7 +145,10 @@ def test_corrupt_chunk_is_detected_and_never_served(layer: Layer,
             assert ei.value.errno == errno.EIO
             st = _stats(c, layer.digest)
             assert int(st["corrupt"]) >= 2 and st["present_chunks"] == 0  # type: ignore[call-overload]
-            assert not os.path.exists(os.path.join(c.cache, "chunks", cdig[7:9], cdig[7:]))
+            data_file = os.path.join(c.cache, "data", layer.digest[7:] + ".img")
+            with open(data_file, "rb") as f:
+                f.seek(idx * CHUNK)
+                assert b"\xee" not in f.read(CHUNK)  # the bad bytes never reached the cache
             # the remote is repaired: the next read (after the 1 s fail-fast hold) fetches
             # again and gets the right bytes
             path = os.path.join(layer.store.root, "chunks", cdig[7:9], cdig[7:])
