@@ -459,6 +459,9 @@ class ContainerBackend:
         }
 
     async def create(self, spec: SandboxSpec) -> None:
+        """Make and start the sandbox; returns once sbx-init has answered a hello. Raises
+        BadRequest (spec), Conflict (id in use), BackendError (spawn, mount, cgroup: the
+        half-made sandbox is removed first)."""
         _check_spec(spec)
         sid = spec.id
         d = self.sandboxes_dir / sid
@@ -472,8 +475,9 @@ class ContainerBackend:
             uid_base = self.uid_base + slot * self.id_count
             meta.update(slot=slot, uid_base=uid_base, task_profile=spec.task_profile,
                         seccomp_profile=spec.seccomp_profile, lowers=list(spec.lowers))
-            self.sandboxes_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.state_dir, 0o700) if self.state_dir != Path("/run") else None
+            if not self.sandboxes_dir.is_dir():
+                self.sandboxes_dir.mkdir(parents=True, mode=0o700)
+                os.chmod(self.state_dir, 0o700)  # host-only: control sockets live below
             d.mkdir(mode=0o700)
             (d / "root").mkdir()
             self._write_meta(d, meta)
@@ -520,6 +524,9 @@ class ContainerBackend:
             self._busy.discard(sid)
 
     async def exec(self, sandbox_id: str, spec: ExecSpec) -> ContainerExec:
+        """Start ``spec.argv`` in the sandbox; returns once the program runs (execve done).
+        Raises NotFound, InvalidState (paused, sbx-init gone), BadRequest (bad spec, or the
+        program cannot start: missing file, bad cwd...)."""
         sbx = self._get(sandbox_id)
         if sbx.paused:
             raise InvalidState(f"sandbox {sandbox_id} is paused")
@@ -576,6 +583,7 @@ class ContainerBackend:
                                f"grader exec was not run")
 
     async def pause(self, sandbox_id: str) -> None:
+        """Freeze every task of the sandbox, sbx-init included (cgroup freezer)."""
         sbx = self._get(sandbox_id)
         if sbx.cg.version == "none":
             raise InvalidState("pause needs a freezer cgroup, none on this host")
@@ -590,6 +598,9 @@ class ContainerBackend:
         sbx.paused = False
 
     async def destroy(self, sandbox_id: str) -> None:
+        """Kill everything (thaw, kill the cgroups' tasks, SIGKILL sbx-init, whose pid
+        namespace dies with it), wait for it, remove cgroups and state. The mounts die with
+        the sandbox's mount namespace. Idempotent; unknown ids are a no-op."""
         sbx = self._sandboxes.pop(sandbox_id, None)
         self._busy.add(sandbox_id)
         try:
@@ -638,9 +649,12 @@ class ContainerBackend:
         return files.stream(fd)
 
     async def list_existing(self) -> list[str]:
+        """Ids under the state dir whose sbx-init is alive (pid and start time match)."""
         return sorted(sid for sid, meta in self._metas().items() if self._alive(meta))
 
     async def adopt(self, sandbox_id: str) -> None:
+        """Reconnect to a live sandbox of an earlier daemon (sbx-init accepts the new
+        connection in place of the old). Raises NotFound if it is not alive."""
         if sandbox_id in self._sandboxes:
             return
         meta = self._meta(sandbox_id)
@@ -669,6 +683,9 @@ class ContainerBackend:
         self._sandboxes[sandbox_id] = sbx
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
+        """Tear down every sandbox found in the state dir or our cgroups that is neither in
+        ``keep`` nor attached to this backend: dead, half-made, or unwanted live ones.
+        Returns the ids removed."""
         metas = self._metas()
         ids = (set(metas) | self.cgroups.existing()) - keep - set(self._sandboxes) - self._busy
         removed = []

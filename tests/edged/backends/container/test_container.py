@@ -82,6 +82,16 @@ def test_lifecycle_and_exit_code(backend: ContainerBackend, busybox_tree: Path) 
         assert out.split() == [b"0", b"host-sb1", b"0"]  # layer files owned by sandbox root
         assert err == b"oops\n"
         assert (end.reason, end.exit_code, end.signal) == ("exited", 3, None)
+        # network "none": an empty netns with loopback up (IFF_UP = 0x1)
+        out, _, _ = await sh(backend, "sb1", "ls /sys/class/net; cat /sys/class/net/lo/flags")
+        assert out.split()[0] == b"lo" and len(out.split()) == 2 and int(out.split()[1], 16) & 1
+        out, _, _ = await sh(backend, "sb1", "cat /proc/1/cmdline | tr '\\0' ' '; echo; "
+                                             "ls /dev; grep -c ' / overlay ' /proc/mounts")
+        lines = out.decode().splitlines()
+        assert lines[0].startswith("sbx-init")
+        assert {"null", "zero", "full", "random", "urandom", "tty", "ptmx", "pts", "shm"} <= set(
+            " ".join(lines[1:-1]).split())
+        assert lines[-1] == "1"
         assert end.duration_s > 0 and end.peak_memory_bytes
         # sandbox root is not host root: the init process runs as the mapped uid
         pid = backend._sandboxes["sb1"].pid
