@@ -101,6 +101,7 @@ async def run_edged(lower: str, state: Path, n: int, conc: int) -> dict[str, Any
         await b.destroy(sid)
     rate = await throughput(one, n, conc, b.destroy)
     await b.cleanup_leftovers(set())
+    await b.close()
     return {"latencies": lat, "creates_per_s": rate, "exec_roundtrips": exec_rt}
 
 

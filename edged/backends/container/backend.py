@@ -699,12 +699,15 @@ class ContainerBackend:
         return removed
 
     async def close(self) -> None:
-        """Drop the control connections (sandboxes keep running, for a later adopt)."""
+        """Drop the control connections (sandboxes keep running, for a later adopt). With no
+        sandbox left in the state dir, also remove our (empty) parent cgroups."""
         for sbx in list(self._sandboxes.values()):
             if sbx.conn is not None:
                 await sbx.conn.close()
             os.close(sbx.pidfd)
         self._sandboxes.clear()
+        if not self._metas() and not self._busy:
+            self.cgroups.prune()
 
 
 def _policy_from_dir(d: Path) -> confinement.Policy | None:

@@ -225,6 +225,12 @@ class CgroupManager:
         for p in self.parents.values():
             p.mkdir(exist_ok=True)
 
+    def prune(self) -> None:
+        """Remove our parent cgroups if they hold no sandbox (rmdir refuses a busy one)."""
+        for p in self.parents.values():
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
     def path_of(self, sandbox_id: str) -> SandboxCgroup:
         """The (possibly not existing) cgroup of a sandbox."""
         cg = SandboxCgroup(self.version)
