@@ -682,7 +682,7 @@ static void child(struct child_args *a)
 		int in = a->in_r;
 
 		if (in < 0)
-			in = open("/dev/null", O_RDONLY);
+			in = open("/dev/null", O_RDONLY | O_CLOEXEC); /* dup2 makes 0 inheritable */
 		if (in < 0)
 			child_fail(a->errpipe_w, errno, "open", "/dev/null");
 		if (dup2(in, 0) < 0 || dup2(a->out_w, 1) < 0 || dup2(a->err_w, 2) < 0)
