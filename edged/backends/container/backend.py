@@ -388,7 +388,7 @@ class ContainerBackend:
         except Exception as exc:  # a monitoring failure must not break the exec stream
             log.warning("sandbox %s: limit counters: %s", sbx.id, exc)
 
-    async def _wait_exit(self, pidfd: int) -> None:
+    async def _wait_exit(self, pidfd: int, cg: SandboxCgroup | None = None) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
@@ -397,12 +397,24 @@ class ContainerBackend:
                 fut.set_result(None)
 
         loop.add_reader(pidfd, on_exit)
+        deadline = loop.time() + EXIT_TIMEOUT_S
         try:
-            await asyncio.wait_for(fut, EXIT_TIMEOUT_S)
-        except TimeoutError as exc:
-            raise BackendError("sbx-init did not exit after SIGKILL") from exc
+            while True:
+                try:
+                    await asyncio.wait_for(asyncio.shield(fut), 0.25)
+                    return
+                except TimeoutError as exc:
+                    if loop.time() > deadline:
+                        raise BackendError("sbx-init did not exit after SIGKILL") from exc
+                # A dying PID 1 waits for every task of its namespace; one that sbx-init
+                # froze (killing an exec's tree) just before its own SIGKILL stays frozen
+                # until thawed.
+                if cg is not None:
+                    await asyncio.to_thread(cg.kill_all)
         finally:
             loop.remove_reader(pidfd)
+            if not fut.done():
+                fut.cancel()
 
     async def _teardown(self, sandbox_id: str, meta: dict[str, Any] | None) -> None:
         """Kill and remove everything of a sandbox, whatever state it is in."""
@@ -419,7 +431,7 @@ class ContainerBackend:
                 # PID 1 dying takes its whole pid namespace with it
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                await self._wait_exit(pidfd)
+                await self._wait_exit(pidfd, cg)
         finally:
             if pidfd >= 0:
                 os.close(pidfd)

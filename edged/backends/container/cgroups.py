@@ -121,8 +121,10 @@ class SandboxCgroup:
         return 0
 
     def kill_all(self) -> None:
-        """SIGKILL every task in the sandbox's cgroups (all levels). Thaws first: on v1 a
-        frozen task does not die until thawed."""
+        """SIGKILL every task in the sandbox's cgroups (all levels). Thaws every level
+        before and after: on v1 a frozen task does not die until thawed, and sbx-init freezes
+        an exec's own cgroup to kill its tree, so one killed mid-way leaves that cgroup
+        frozen (self-frozen: thawing the parent does not thaw it)."""
         if self.version == "v2":
             d = self.dirs["v2"]
             with contextlib.suppress(OSError):
@@ -131,15 +133,22 @@ class SandboxCgroup:
                 _write(d / "cgroup.freeze", "0")
             return
         frz = self.dirs.get("freezer")
-        if frz is not None:
-            with contextlib.suppress(OSError):
-                _write(frz / "freezer.state", "THAWED")
+        self._thaw_all(frz)
         for d in self.dirs.values():
             for sub, _dirs, _files in os.walk(d):
                 with contextlib.suppress(OSError):
                     for pid in _read(Path(sub) / "cgroup.procs").split():
                         with contextlib.suppress(OSError):
                             os.kill(int(pid), 9)
+        self._thaw_all(frz)
+
+    @staticmethod
+    def _thaw_all(frz: Path | None) -> None:
+        if frz is None:
+            return
+        for sub, _dirs, _files in os.walk(frz):
+            with contextlib.suppress(OSError):
+                _write(Path(sub) / "freezer.state", "THAWED")
 
     def remove(self, timeout_s: float = 5.0) -> None:
         """Kill what is left and remove every directory (deepest first). Idempotent.
