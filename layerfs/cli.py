@@ -177,7 +177,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         size = os.path.getsize(target)
         stored: bool | None = None
         try:
-            stored = os.path.exists(_open_store(args)._manifest_path(digest))
+            stored = _open_store(args).has_layer(digest)
         except (NotFoundError, LayerfsError):
             stored = None
         obj = {"digest": digest, "size": size, "path": os.path.abspath(target),

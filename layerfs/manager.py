@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from layerfs.errors import LayerfsError
 from layerfs.lazy import client
 from layerfs.manifest import check_digest
-from layerfs.mount import _mount, mount_erofs, mount_overlay, umount
+from layerfs.mount import mount_erofs, mount_overlay, mount_tmpfs, umount
 
 
 @dataclass
@@ -165,8 +165,7 @@ class LayerManager:
         try:
             os.makedirs(scratch)
             os.makedirs(root)
-            _mount(b"tmpfs", scratch, b"tmpfs", 0, f"size={disk_limit},mode=0700".encode(),
-                   f"mount tmpfs on {scratch}")
+            mount_tmpfs(scratch, size=disk_limit)
             mounted_tmpfs = True
             os.mkdir(os.path.join(scratch, "upper"))
             os.mkdir(os.path.join(scratch, "work"))

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 
 from layerfs.errors import NativeError
 
-__all__ = ["mount_erofs", "mount_overlay", "mounted_erofs", "mounted_overlay", "umount"]
+__all__ = ["mount_erofs", "mount_overlay", "mount_tmpfs", "mounted_erofs", "mounted_overlay",
+           "umount"]
 
 # include/uapi/linux/mount.h
 MS_RDONLY = 0x1
@@ -83,6 +84,21 @@ def mount_overlay(lowers: Sequence[StrPath], upper: StrPath | None, work: StrPat
         opts.append(extra)
     _mount(b"overlay", mountpoint, b"overlay", MS_RDONLY if readonly else 0,
            ",".join(opts).encode(), f"mount overlay on {os.fspath(mountpoint)}")
+
+
+def mount_tmpfs(mountpoint: StrPath, *, size: int, mode: int = 0o700) -> None:
+    """Mount a tmpfs of at most ``size`` bytes (a write past it fails with ENOSPC) on
+    ``mountpoint``, its root directory with permission bits ``mode``.
+
+    Raises :class:`ValueError` for a size that is not positive and :class:`NativeError`
+    with the errno of mount(2) (documentation: Documentation/filesystems/tmpfs.rst).
+    """
+    if size <= 0:
+        raise ValueError(f"tmpfs size {size} must be positive bytes")
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"tmpfs mode {mode:o} is not permission bits")
+    _mount(b"tmpfs", mountpoint, b"tmpfs", 0, f"size={size},mode={mode:o}".encode(),
+           f"mount tmpfs on {os.fspath(mountpoint)}")
 
 
 def umount(mountpoint: StrPath, lazy: bool = False) -> None:

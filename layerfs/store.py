@@ -20,7 +20,8 @@ complete; a chunk file exists only whole under its own digest, and every read re
 so a torn or rotted chunk is caught, never served. A crash mid-add leaves at worst temp files
 and chunks that no manifest references; :meth:`Store.gc` removes both.
 
-Concurrency. Writers (:meth:`add_image`, :meth:`remove`, a build's :meth:`session`) take a
+Concurrency. Writers (:meth:`add_image`, :meth:`remove`, a build's :meth:`session`, a push's
+:meth:`put_chunk` and :meth:`put_manifest`) take a
 shared ``flock`` on ``ROOT/lock`` for their whole run; :meth:`gc` takes it exclusive. So any
 number of adds run together (two adds racing on one chunk both rename identical bytes to the
 same name, which is harmless), while gc never sees the window in which an add has written or
@@ -29,6 +30,11 @@ everything in ``tmp/`` when gc holds the lock belongs to a dead writer. A proces
 call gc while it holds a session on the same store (it would wait on itself). Readers take
 no lock: a chunk may disappear under a reader only if its last manifest was removed, which
 the reader then reports as a missing chunk.
+
+A push arrives chunk by chunk, then its manifest: :meth:`put_chunk` each hold the lock only
+for one chunk, so a gc may run between a pushed chunk and its manifest and remove the chunk
+(nothing references it yet); :meth:`put_manifest` then refuses, naming the missing chunks,
+and the pusher sends them again, so a manifest never points at an absent chunk.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ from typing import IO, Any, BinaryIO, TypeVar
 
 import zstandard
 
-from layerfs.errors import CorruptError, NotFoundError, StoreError
+from layerfs.errors import CorruptError, LayerfsError, NotFoundError, StoreError
 from layerfs.manifest import (
     MAX_CHUNK_SIZE,
     ChunkRef,
@@ -74,6 +80,16 @@ Progress = Callable[[int, int], None]
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+class RejectedError(LayerfsError, ValueError):
+    """The store refused pushed input: chunk bytes that do not match the digest they
+    were sent under, or a manifest whose chunks are not all stored (``missing`` lists
+    their digests, each once, in manifest order)."""
+
+    def __init__(self, message: str, missing: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
 
 
 def default_root() -> str:
@@ -375,7 +391,80 @@ class Store:
             raise NotFoundError(f"chunk {digest} is not in store {self.root}")
         return self._load_chunk(digest, f"store {self.root}")
 
+    def has_chunk(self, digest: str) -> bool:
+        """Whether chunk ``digest`` (``sha256:<hex>``) is stored (not re-verified)."""
+        return os.path.exists(self._chunk_path(check_digest(digest)[7:]))
+
+    def read_stored_chunk(self, digest: str) -> bytes:
+        """The zstd frame of chunk ``digest`` exactly as stored, for serving as is; not
+        verified here (whoever decompresses it must re-hash it). Raises
+        :class:`NotFoundError` if the store does not hold it."""
+        try:
+            with open(self._chunk_path(check_digest(digest)[7:]), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise NotFoundError(f"chunk {digest} is not in store {self.root}") from None
+        except OSError as exc:
+            raise StoreError(exc.errno, f"store {self.root}: reading chunk {digest}: "
+                                        f"{exc.strerror}") from None
+
+    def put_chunk(self, digest: str, data: bytes) -> bool:
+        """Store the uncompressed bytes ``data`` of one pushed chunk under ``digest``;
+        True if it was new. The bytes are hashed first and the file is durable (fsynced,
+        renamed, directory fsynced) when this returns; takes the shared writer lock for
+        the one chunk.
+
+        Raises :class:`RejectedError` if ``data`` does not hash to ``digest`` (nothing is
+        written), :class:`InvalidArgumentError` for a malformed digest or a chunk over
+        64 MiB, :class:`StoreError` on I/O failure (errno ENOSPC for a full disk)."""
+        check_digest(digest)
+        if len(data) > MAX_CHUNK_SIZE:
+            raise InvalidArgumentError(f"chunk {digest}: {len(data)} bytes is over the "
+                                       f"{MAX_CHUNK_SIZE}-byte chunk limit")
+        if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            raise RejectedError(f"store {self.root}: pushed chunk {digest} does not match "
+                                f"its digest")
+        with self._lock(fcntl.LOCK_SH):
+            try:
+                _, _, new = self._put_chunk(data)
+                if new:
+                    _fsync_dir(os.path.dirname(self._chunk_path(digest[7:])))
+            except OSError as exc:
+                if isinstance(exc, StoreError):
+                    raise
+                raise StoreError(exc.errno, f"store {self.root}: writing chunk {digest}: "
+                                            f"{exc.strerror}") from None
+        return new
+
+    def put_manifest(self, manifest: Manifest) -> bool:
+        """Record a pushed layer whose chunks were sent with :meth:`put_chunk`; True if
+        it was new. Under the shared writer lock, so a gc cannot remove a chunk between
+        the check and the write.
+
+        Raises :class:`RejectedError` (with ``missing``) if any chunk it lists is not
+        stored, :class:`StoreError` on I/O failure."""
+        with self._lock(fcntl.LOCK_SH):
+            missing = [d for d in dict.fromkeys(c.digest for c in manifest.chunks)
+                       if not os.path.exists(self._chunk_path(d[7:]))]
+            if missing:
+                raise RejectedError(f"store {self.root}: layer {manifest.digest}: "
+                                    f"{len(missing)} chunk(s) not held, e.g. {missing[0]}",
+                                    missing)
+            if os.path.exists(self._manifest_path(manifest.digest)):
+                return False
+            try:
+                self._atomic_write(self._path("manifests"), manifest.digest[7:] + ".json",
+                                   manifest.to_json())
+            except OSError as exc:
+                raise StoreError(exc.errno, f"store {self.root}: writing manifest "
+                                            f"{manifest.digest}: {exc.strerror}") from None
+        return True
+
     # -- layers ---------------------------------------------------------------------------
+
+    def has_layer(self, digest: str) -> bool:
+        """Whether the manifest of layer ``digest`` is stored (not re-verified)."""
+        return os.path.exists(self._manifest_path(digest))
 
     def add_image(self, path: str | os.PathLike[str], *, kind: str, source: str,
                   chunk_size: int | None = None, progress: Progress | None = None) -> Manifest:

@@ -42,7 +42,7 @@ class DirRemote(Remote):
 
     async def has_layer(self, digest: str) -> bool:
         check_digest(digest)
-        return os.path.exists(self._st()._manifest_path(digest))
+        return await asyncio.to_thread(lambda: self._st().has_layer(digest))
 
     async def chunk(self, digest: str, *, length: int | None = None) -> bytes:
         def load() -> bytes:

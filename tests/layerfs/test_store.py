@@ -480,3 +480,36 @@ def test_disk_full_gives_clear_error_and_consistent_store(tmp_path: Path) -> Non
         assert store.verify(again.digest).ok
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_push_chunk_by_chunk_then_manifest(tmp_path: Path) -> None:
+    from layerfs.store import RejectedError
+
+    src = Store(tmp_path / "src", chunk_size=64 << 10)
+    img = write_image(tmp_path / "a.img", rand(192 << 10, 7), bytes(128 << 10))
+    m = src.add_image(img, kind="base", source="test")
+    dst = Store(tmp_path / "dst")
+    assert not dst.has_layer(m.digest)
+    # a manifest before its chunks is refused, naming each missing chunk once
+    with pytest.raises(RejectedError) as ei:
+        dst.put_manifest(m)
+    assert ei.value.missing == list(dict.fromkeys(c.digest for c in m.chunks))
+    assert isinstance(ei.value, ValueError) and not dst.has_layer(m.digest)
+    first = m.chunks[0].digest
+    with pytest.raises(RejectedError, match="does not match its digest"):
+        dst.put_chunk(first, b"not these bytes")
+    assert not dst.has_chunk(first)
+    with pytest.raises(InvalidArgumentError):
+        dst.put_chunk("sha256:xyz", b"")
+    news = [dst.put_chunk(c.digest, src.read_chunk(c.digest)) for c in m.chunks]
+    assert news == [True, True, True, True, False]  # the second zero chunk is a duplicate
+    assert dst.put_chunk(first, src.read_chunk(first)) is False
+    assert dst.read_stored_chunk(first) and dst.read_chunk(first) == src.read_chunk(first)
+    assert dst.put_manifest(m) is True and dst.put_manifest(m) is False
+    assert dst.has_layer(m.digest) and dst.verify(m.digest).ok
+    out = tmp_path / "out.img"
+    dst.export(m.digest, out)
+    assert out.read_bytes() == img.read_bytes()
+    assert not os.listdir(tmp_path / "dst" / "tmp")
+    with pytest.raises(NotFoundError):
+        dst.read_stored_chunk("sha256:" + "0" * 64)
