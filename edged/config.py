@@ -44,6 +44,12 @@ class Config:
     # The layerfs store holding layers by digest; "" = layerfs's default ($LAYERFS_STORE or
     # /var/lib/edged/layers).
     store_dir: str = ""
+    # Where layers come from: a chunk server (http://HOST:PORT, unix:/PATH) or a shared
+    # directory holding a layerfs store (file:/PATH); "" = the local store above. Either
+    # way layers are loaded lazily, chunk by chunk, through the node's cache.
+    layers_remote: str = ""
+    layers_cache_bytes: int = 0  # size limit of the node's layer cache; 0 = none
+    layers_fetch_timeout_s: float = 30.0  # a read of an unreachable chunk fails (EIO) after
     backend: str = "container"
     # Capacity: 0 means "what this machine has" (cores, MemTotal).
     cpus: float = 0.0
@@ -78,11 +84,12 @@ class Config:
             raise BadRequest(f"config on_shutdown: {self.on_shutdown!r} is not 'stop' or 'keep'")
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
-        for name in ("cpu_overcommit", "memory_overcommit", "reaper_interval_s"):
+        for name in ("cpu_overcommit", "memory_overcommit", "reaper_interval_s",
+                     "layers_fetch_timeout_s"):
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
-                     "events_retention_s"):
+                     "events_retention_s", "layers_cache_bytes"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
 

@@ -157,11 +157,18 @@ class Server:
         backend = self._backend or make_backend(cfg, on_event=ledger.record)
         if getattr(backend, "on_event", False) is None:  # an injected backend
             backend.on_event = ledger.record  # type: ignore[attr-defined]
-        layers = self._layers or LayerMounts.for_layerfs(
-            cfg.store_dir, state / "layer-cache", runtime / "layers"
-        )
+        layers = self._layers
+        if layers is None:
+            layers = await asyncio.to_thread(
+                LayerMounts.for_layerfs, cfg.store_dir, state / "layer-cache",
+                runtime / "layers", remote=cfg.layers_remote,
+                cache_limit=cfg.layers_cache_bytes or None,
+                fetch_timeout=cfg.layers_fetch_timeout_s)
         images = ImageRegistry(state / "images.json", has_layer=layers.ops.has)
-        self.manager = SandboxManager(cfg, backend, images, layers, Metrics())
+        metrics = Metrics()
+        if layers.ops.collector is not None:
+            metrics.registry.register(layers.ops.collector)
+        self.manager = SandboxManager(cfg, backend, images, layers, metrics)
         self.manager.ledger = ledger
         self.recovered = await self.manager.recover()
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})

@@ -1,23 +1,29 @@
 """Node layer mounts: each layer mounted ONCE per node and shared by every sandbox using it.
 
-A layer (``sha256:<hex>``) is exported from the layerfs store to a cache file
-``<cache_dir>/<hex>.erofs`` and mounted read-only (file-backed EROFS mount, Linux ≥ 6.12) at
-``<mount_dir>/<hex>``. Mounts are refcounted; the last release unmounts. The cache file stays
-(re-mounting is then cheap); it is the store's copy, checked by its digest on export.
+A layer (``sha256:<hex>``) is mounted read-only (file-backed EROFS, Linux >= 6.12) at
+``<mount_dir>/<hex>`` from an image file that :attr:`LayerOps.image` makes available. Mounts
+are refcounted here; the last release unmounts.
 
-The store and mount operations are injected (``export``, ``mount``, ``umount``,
-``is_mounted``) so the refcounting is testable without root; :meth:`LayerMounts.for_layerfs`
-wires the real ones from :mod:`layerfs.store` and :mod:`layerfs.mount`.
+On a real node (:meth:`LayerMounts.for_layerfs`) the image file is the layer's lazy file
+(``layerfs.lazy``): the node's lazy FUSE server exposes it at once and fetches only the
+chunks that are read, from the configured remote (``layers_remote``: a chunk server URL or a
+shared directory). With no remote configured, the local layerfs store is that remote
+(``file:<store_dir>``), so there is one code path either way. The lazy server is a node
+service in its own session: sandboxes kept across a daemon restart keep reading through it.
+
+The operations are injected (:class:`LayerOps`) so the refcounting is testable without root.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from edged.errors import BackendError, EdgedError, NotFound
 from edged.images.registry import check_digest
@@ -27,54 +33,89 @@ from edged.images.registry import check_digest
 class LayerOps:
     """Blocking operations behind :class:`LayerMounts` (run in a worker thread).
 
-    ``export(digest, out_path)``: write the layer's bytes to ``out_path`` (raise ``KeyError``
-    if the store lacks it). ``mount(image_path, mountpoint)``, ``umount(mountpoint)``,
-    ``is_mounted(mountpoint) -> bool``. ``has(digest) -> bool``.
+    ``image(digest) -> path``: make the layer's EROFS image file available and return its
+    path (raise ``KeyError`` if no source holds the layer). ``mount(image_path,
+    mountpoint)``, ``umount(mountpoint)``, ``is_mounted(mountpoint) -> bool``,
+    ``has(digest) -> bool``. ``close()``: stop whatever serves the image files (called when
+    the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
+    of the layer source's metrics, if it has any.
     """
 
-    export: Callable[[str, str], object]
+    image: Callable[[str], str]
     mount: Callable[[str, str], object]
     umount: Callable[[str], object]
     is_mounted: Callable[[str], bool]
     has: Callable[[str], bool]
+    close: Callable[[], object] | None = None
+    collector: Any = None
 
 
 class LayerMounts:
     """Refcounted node-wide layer mounts. ``acquire`` → mountpoint path; ``release`` → unmount
     when the count drops to zero. Concurrent acquires of one digest mount it once."""
 
-    def __init__(self, ops: LayerOps, cache_dir: Path, mount_dir: Path) -> None:
+    def __init__(self, ops: LayerOps, mount_dir: Path) -> None:
         self.ops = ops
-        self.cache_dir = cache_dir
         self.mount_dir = mount_dir
         self._refs: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
-    def for_layerfs(cls, store_dir: str, cache_dir: Path, mount_dir: Path) -> LayerMounts:
-        """Wire the real layerfs store (:class:`layerfs.store.Store`, created if absent) and
-        file-backed EROFS mounts (:mod:`layerfs.mount`); imported here, not at module load,
-        so the SDK-free parts of edged stay importable without the C core."""
+    def for_layerfs(cls, store_dir: str, cache_dir: Path, mount_dir: Path, *,
+                    remote: str = "", cache_limit: int | None = None,
+                    fetch_timeout: float = 30.0) -> LayerMounts:
+        """Layers loaded lazily from ``remote`` (default: the local store ``store_dir``,
+        created if absent, as a ``file:`` remote) through the node's lazy server on the
+        cache directory ``cache_dir`` (started if not running; ``cache_limit`` bytes,
+        ``fetch_timeout`` seconds before a read of an unreachable chunk fails with EIO).
+        layerfs is imported here, not at module load, so the SDK-free parts of edged stay
+        importable without the C core. Raises :class:`BackendError` if the lazy server
+        does not start."""
         from layerfs import mount as lmount
-        from layerfs.store import Store
+        from layerfs.errors import LayerfsError
+        from layerfs.lazy.metrics import LazyCollector
+        from layerfs.manager import LayerManager
 
-        st = Store(store_dir or None)
+        has: Callable[[str], bool]
+        if not remote:
+            from layerfs.store import Store
 
-        def has(d: str) -> bool:
-            try:
-                st.manifest(d)
-            except KeyError:
-                return False
-            return True
+            st = Store(store_dir or None)
+            remote = "file:" + st.root
+            has = st.has_layer
+        else:
+            has = functools.partial(_remote_has, remote)
+        try:
+            mgr = LayerManager(str(cache_dir), remote, str(mount_dir), idle_seconds=0.0,
+                               fetch_timeout=fetch_timeout, cache_limit=cache_limit)
+        except LayerfsError as e:
+            raise BackendError(f"layer cache {cache_dir}: {e}") from e
 
-        ops = LayerOps(
-            export=lambda d, out: st.export(d, out),
-            mount=lambda img, mp: lmount.mount_erofs(img, mp),
-            umount=lambda mp: lmount.umount(mp),
-            is_mounted=os.path.ismount,
-            has=has,
-        )
-        return cls(ops, cache_dir, mount_dir)
+        def image(digest: str) -> str:
+            return str(mgr.client.register(digest, remote)["file"])
+
+        def mount(img: str, mp: str) -> None:
+            digest = "sha256:" + os.path.basename(mp)
+            got = mgr.acquire([digest])[0]
+            if os.path.abspath(got) != os.path.abspath(mp):
+                mgr.release([digest])
+                raise BackendError(f"layer {digest}: mounted at {got}, not {mp}")
+
+        def umount(mp: str) -> None:
+            mgr.release(["sha256:" + os.path.basename(mp)])
+            mgr.reap(0.0)
+            if os.path.ismount(mp):  # mounted by an earlier daemon, re-adopted
+                lmount.umount(mp)
+
+        def close() -> None:
+            mgr.close()
+            from layerfs.lazy import client
+
+            client.stop(str(cache_dir))  # also a server an earlier daemon started
+
+        ops = LayerOps(image=image, mount=mount, umount=umount, is_mounted=os.path.ismount,
+                       has=has, close=close, collector=LazyCollector(mgr.client))
+        return cls(ops, mount_dir)
 
     def mountpoint(self, digest: str) -> Path:
         """Where ``digest`` is (or would be) mounted."""
@@ -114,26 +155,19 @@ class LayerMounts:
     def _mount(self, digest: str, mp: Path) -> None:
         if self.ops.is_mounted(str(mp)):
             return  # left by a previous daemon whose sandboxes we are re-adopting
-        img = self.cache_dir / (digest.split(":", 1)[1] + ".erofs")
         try:
-            if not img.exists():
-                if not self.ops.has(digest):
-                    raise NotFound(f"layer {digest}: not in the layer store")
-                self.cache_dir.mkdir(parents=True, exist_ok=True)
-                tmp = img.with_name("." + img.name + f".{os.getpid()}.tmp")
-                try:
-                    self.ops.export(digest, str(tmp))
-                    os.replace(tmp, img)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        tmp.unlink()
+            if not self.ops.has(digest):
+                raise NotFound(f"layer {digest}: not in the layer store")
+            img = self.ops.image(digest)
             mp.mkdir(parents=True, exist_ok=True)
-            self.ops.mount(str(img), str(mp))
+            self.ops.mount(img, str(mp))
         except EdgedError:
             raise
         except KeyError as e:
             raise NotFound(f"layer {digest}: not in the layer store") from e
         except Exception as e:
+            with contextlib.suppress(OSError):
+                mp.rmdir()
             raise BackendError(f"layer {digest}: cannot mount at {mp}: {e}") from e
 
     async def release(self, digest: str) -> None:
@@ -177,8 +211,33 @@ class LayerMounts:
         return gone
 
     async def close(self) -> None:
-        """Unmount every layer still mounted (daemon shutdown with no sandboxes kept)."""
+        """Unmount every layer still mounted and stop the layer source (daemon shutdown
+        with no sandboxes kept)."""
         for d in list(self._refs):
             self._refs[d] = 1
             with contextlib.suppress(EdgedError):
                 await self.release(d)
+        if self.ops.close is not None:
+            try:
+                await asyncio.to_thread(self.ops.close)
+            except Exception as e:
+                raise BackendError(f"stopping the layer source: {e}") from e
+
+
+def _remote_has(url: str, digest: str) -> bool:
+    """Whether the remote at ``url`` holds layer ``digest`` (blocking; its own event loop
+    in a worker thread, since the caller may be on the daemon's loop)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from layerfs.errors import LayerfsError
+    from layerfs.remote.base import open_remote
+
+    async def ask() -> bool:
+        async with open_remote(url) as r:
+            return await r.has_layer(digest)
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            return pool.submit(asyncio.run, ask()).result(60)
+        except (LayerfsError, OSError) as e:
+            raise BackendError(f"layer {digest}: asking remote {url}: {e}") from e

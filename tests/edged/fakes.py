@@ -216,22 +216,26 @@ class FakeBackend:
 
 
 class FakeLayerOps:
-    """Layers "exported" as small files and "mounted" as directories, recorded in ``mounted``."""
+    """Layer images as small files under ``cache``, "mounted" as records in ``mounted``."""
 
-    def __init__(self, digests: set[str]) -> None:
+    def __init__(self, digests: set[str], cache: Path) -> None:
         self.digests = set(digests)
+        self.cache = cache
         self.mounted: dict[str, str] = {}
         self.mount_calls = 0
         self.umount_calls = 0
 
     def ops(self) -> LayerOps:
-        return LayerOps(export=self.export, mount=self.mount, umount=self.umount,
+        return LayerOps(image=self.image, mount=self.mount, umount=self.umount,
                         is_mounted=lambda mp: mp in self.mounted, has=self.digests.__contains__)
 
-    def export(self, digest: str, out: str) -> None:
+    def image(self, digest: str) -> str:
         if digest not in self.digests:
             raise KeyError(digest)
-        Path(out).write_bytes(digest.encode())
+        self.cache.mkdir(parents=True, exist_ok=True)
+        out = self.cache / (digest[7:] + ".erofs")
+        out.write_bytes(digest.encode())
+        return str(out)
 
     def mount(self, img: str, mp: str) -> None:
         self.mount_calls += 1
@@ -247,5 +251,5 @@ def digest(n: int) -> str:
 
 
 def fake_layers(tmp: Path, digests: set[str]) -> tuple[LayerMounts, FakeLayerOps]:
-    f = FakeLayerOps(digests)
-    return LayerMounts(f.ops(), tmp / "cache", tmp / "mnt"), f
+    f = FakeLayerOps(digests, tmp / "cache")
+    return LayerMounts(f.ops(), tmp / "mnt"), f
