@@ -1,0 +1,102 @@
+"""End to end: a sandbox whose layer exists only on a remote chunk server (``layerfs serve``
+on 127.0.0.1), created through the real daemon and container backend. The node loads the
+layer lazily: the sandbox runs a command, and the bytes fetched are a small fraction of
+the layer, as the daemon's /metrics shows (root, FUSE)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from edged.client import Sandbox
+from tests.edged.test_e2e_container import BUSYBOX, real_node  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
+
+LAYERFS = [sys.executable, "-m", "layerfs.cli"]
+BLOB = 24 << 20  # never read by the sandbox
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, int]]:
+    """A busybox layer with a large unread file, pushed to a ``layerfs serve`` on
+    loopback and absent from the node's store: (url, digest, layer size)."""
+    from layerfs.build import build_layer
+    from layerfs.store import Store
+
+    if not os.path.exists(BUSYBOX):
+        pytest.skip("needs busybox-static")
+    root = tmp_path_factory.mktemp("lazyroot")
+    for d in ("bin", "etc", "tmp", "data"):
+        (root / d).mkdir()
+    shutil.copy(BUSYBOX, root / "bin" / "busybox")
+    for a in ("sh", "cat", "ls", "wc", "id"):
+        os.symlink("busybox", root / "bin" / a)
+    (root / "etc" / "marker").write_text("from the remote\n")
+    (root / "data" / "blob").write_bytes(os.urandom(BLOB))
+    local = Store(tmp_path_factory.mktemp("build-store"), chunk_size=256 << 10)
+    m = build_layer(str(root), kind="base", store=local, chunk_size=256 << 10).manifest
+    serve = subprocess.Popen([*LAYERFS, "--json", "--store",
+                              str(tmp_path_factory.mktemp("served")), "serve", "--listen",
+                              "127.0.0.1:0"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        url = json.loads(serve.stdout.readline())["url"]
+        subprocess.run([*LAYERFS, "--store", local.root, "push", m.digest, "--to", url],
+                       check=True, capture_output=True, timeout=120)
+        shutil.rmtree(local.root)  # the remote is the only copy now
+        yield url, m.digest, m.size
+    finally:
+        serve.terminate()
+        serve.wait(30)
+        if serve.stdout is not None:
+            serve.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def layer_store(served: tuple[str, str, int],
+                tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Overrides the container e2e fixture: an empty node store, the remote's layer."""
+    return str(tmp_path_factory.mktemp("node-store")), served[1]
+
+
+def _metrics(sock: str) -> str:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(30)
+        s.connect(sock)
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: edged\r\n\r\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out.decode()
+
+
+def _sample(text: str, name: str, digest: str) -> float:
+    m = re.search(rf'^{name}{{layer="{digest}"}} (\S+)$', text, re.M)
+    assert m, f"{name} for {digest} not in /metrics"
+    return float(m.group(1))
+
+
+def test_sandbox_from_a_remote_only_layer_fetches_a_fraction(
+        real_node, served: tuple[str, str, int]) -> None:  # noqa: F811 - fixture
+    url, digest, size = served
+    node = real_node(layers_remote=url)
+    with Sandbox.create(layers=[digest], env={"PATH": "/bin"}, socket=node.socket) as sbx:
+        r = sbx.exec("cat /etc/marker; id -u; ls /data")
+        assert (r.exit_code, r.stdout) == (0, "from the remote\n0\nblob\n")
+        text = _metrics(node.socket)
+    assert "layerfs_lazy_up 1.0" in text
+    fetched = _sample(text, "layerfs_lazy_fetched_bytes_total", digest)
+    assert _sample(text, "layerfs_lazy_layer_bytes", digest) == size
+    # busybox and the metadata were read; the 24 MiB blob was not
+    assert 0 < fetched < 0.25 * size
+    assert _sample(text, "layerfs_lazy_fraction_fetched", digest) == pytest.approx(
+        fetched / size)
