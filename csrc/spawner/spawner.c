@@ -326,13 +326,13 @@ static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
 		return fail(e, errno ? errno : EPROTO, "receive the scratch dir");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return fail(e, errno, "make `/` private");
-	/* Still host uid 0 here (unmapped in the new namespace, yet with all its
-	 * capabilities): the owner of the 0700 state dir, so its path can be
-	 * searched; sandbox root could not. */
-	if (move_mount(rootmnt, "", AT_FDCWD, o->root, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-		return fail(e, errno, "attach the rootfs on `%s`", o->root);
-	if (chdir(o->root) < 0)
-		return fail(e, errno, "chdir `%s`", o->root);
+	/* Attached on top of this namespace's "/", not on --root: this child runs
+	 * as the sandbox's host uid, which cannot search the 0700 state dir.  The
+	 * old root underneath is detached after pivot_root all the same. */
+	if (move_mount(rootmnt, "", AT_FDCWD, "/", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return fail(e, errno, "attach the rootfs");
+	if (fchdir(rootmnt) < 0)
+		return fail(e, errno, "chdir into the rootfs");
 	/* The maps are written now: become root of the new user namespace. */
 	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
 		return fail(e, errno, "setresuid(0) in the user namespace");
@@ -710,7 +710,27 @@ static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
 		return fail(e, errno, "socketpair");
 	sync_p = sv[0];
+	/* The user namespace belongs to the euid that creates it, and per-user
+	 * kernel counters (inotify instances and watches, user namespaces, ...)
+	 * of everything inside are also charged to that owner in the initial
+	 * namespace.  Owned by host root, one sandbox could use up root's share
+	 * for the host and every other sandbox; owned by the sandbox's own host
+	 * uid, it can only exhaust its own. */
+	if (setresuid((uid_t)-1, (uid_t)o->uid_base, (uid_t)-1) < 0) {
+		close(sv[1]);
+		return fail(e, errno, "seteuid(%lu) to create the user namespace", o->uid_base);
+	}
 	pid = (pid_t)syscall(SYS_clone3, &ca, sizeof(ca));
+	if (pid != 0 && setresuid((uid_t)-1, 0, (uid_t)-1) < 0) {
+		int saved = errno;
+
+		if (pid > 0) {
+			kill(pid, SIGKILL);
+			waitpid(pid, NULL, 0);
+		}
+		close(sv[1]);
+		return fail(e, saved, "seteuid(0) after clone3");
+	}
 	if (pid < 0) {
 		close(sv[1]);
 		return fail(e, errno, "clone3 with new namespaces");
