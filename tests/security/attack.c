@@ -13,7 +13,7 @@
  *                       unmount it and write into it
  *   mem                 allocate and touch memory until killed
  *   fds                 open files until refused
- *   inotify             inotify instances and watches until refused
+ *   inotify [hold]      inotify instances until refused (then keep them)
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -277,29 +277,16 @@ static int do_fds(void)
 	return 0;
 }
 
-static int do_inotify(void)
+static int do_inotify(int hold)
 {
-	long n = 0, w = 0;
-	int fd = -1;
+	long n = 0;
 
 	while (inotify_init1(IN_CLOEXEC) >= 0)
 		n++;
 	printf("inotify_instances %ld %s\n", n, strerrorname_np(errno));
-	for (long i = 3; i < 3 + n && fd < 0; i++)
-		if (fcntl((int)i, F_GETFD) >= 0)
-			fd = (int)i;
-	if (fd >= 0) {
-		char p[64];
-
-		for (;;) {
-			snprintf(p, sizeof(p), "/tmp/w%ld", w);
-			close(open(p, O_CREAT | O_WRONLY, 0600));
-			if (inotify_add_watch(fd, p, IN_MODIFY) < 0)
-				break;
-			w++;
-		}
-		printf("inotify_watches %ld %s\n", w, strerrorname_np(errno));
-	}
+	fflush(stdout);
+	if (hold)
+		pause();
 	return 0;
 }
 
@@ -319,8 +306,8 @@ int main(int argc, char **argv)
 		return do_mem();
 	if (argc == 2 && !strcmp(argv[1], "fds"))
 		return do_fds();
-	if (argc == 2 && !strcmp(argv[1], "inotify"))
-		return do_inotify();
+	if (argc >= 2 && !strcmp(argv[1], "inotify"))
+		return do_inotify(argc == 3 && !strcmp(argv[2], "hold"));
 	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify\n");
 	return 2;
 }

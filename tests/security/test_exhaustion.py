@@ -1,0 +1,134 @@
+"""Done-when 6: resource exhaustion, each kind in its own victim sandbox while a bystander
+sandbox keeps a heartbeat going: fork bomb (pids limit), memory bomb (memory limit, OOM
+reported as such), disk fill (ENOSPC inside the upper, nothing outside), CPU hog (quota),
+output flood (output limit), fd and inotify exhaustion (rlimit, per-user inotify limits), and
+``kill -9 -1`` from sandbox root (only its own processes die; sbx-init and the bystander live).
+
+Recorded: ``pids_limit`` (pids.events), ``oom_kill``, ``disk_full`` (the upper's free space
+at an exec's end), ``cpu_throttled`` (cpu.stat), ``output_limit``, ``timeout``. Not recorded:
+fd and inotify limits (an EMFILE from a rlimit or from the per-user inotify count is not
+observable outside the process; the inotify count is per sandbox: the spawner makes each
+sandbox's host uid the owner of its user namespace, which is who the kernel charges) and
+``kill -1`` (permitted within the sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from edged.backends.base import ExecEnd, ExecSpec
+from tests.security.conftest import Node, execv, kinds, run, sh, spec
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+LIMITS = {"pids": 64, "memory_bytes": 64 << 20, "disk_bytes": 16 << 20, "cpus": 0.5}
+HEARTBEAT = "i=0; while [ $i -lt 25 ]; do echo $i; sleep 0.1; i=$((i+1)); done"
+
+
+def _inotify_init() -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    return int(libc.inotify_init1(os.O_CLOEXEC))
+
+
+def _host_ok() -> None:
+    t0 = time.monotonic()
+    assert os.system("true") == 0
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
+    b, ledger = node.backend, node.ledger
+
+    async def victim(name: str, script: str, **kw: object) -> tuple[str, str, ExecEnd]:
+        out, err, end = await sh(b, "victim", script, **kw)  # type: ignore[arg-type]
+        return out, err, end
+
+    async def bystander() -> tuple[str, str, ExecEnd]:
+        return await sh(b, "bystander", HEARTBEAT, timeout_s=30)
+
+    async def body() -> None:
+        await b.create(spec(rootfs, "victim", **LIMITS))
+        await b.create(spec(rootfs, "bystander"))
+        try:
+            beat = asyncio.create_task(bystander())
+            # fork bomb: the pids limit stops it; the timeout ends it
+            _, err, end = await victim("fork", "b() { b | b & }; b; sleep 5", timeout_s=2)
+            assert end.reason == "timeout"
+            _host_ok()
+            # memory bomb: killed by the OOM killer, reported as such
+            _, _, end = await execv(b, "victim", ("/usr/bin/attack", "mem"), timeout_s=20)
+            assert end.reason == "oom", end
+            # disk fill: ENOSPC inside, nothing outside
+            # (the upper is the sandbox's own size-limited tmpfs, charged to its memory cgroup)
+            _, err, end = await victim("disk", "dd if=/dev/zero of=/tmp/fill bs=1M count=64")
+            assert end.exit_code != 0 and "No space left" in err, err
+            out, _, _ = await victim("disk", "stat -c %s /tmp/fill; rm /tmp/fill")
+            assert int(out) <= LIMITS["disk_bytes"]
+            # CPU hog: held to its quota
+            st0 = await b.stats("victim")
+            t0 = time.monotonic()
+            _, _, end = await victim("cpu", "while :; do :; done", timeout_s=2)
+            assert end.reason == "timeout"
+            used = ((await b.stats("victim"))["cpu_usage_ns"] - st0["cpu_usage_ns"]) / 1e9
+            assert used < 0.5 * (time.monotonic() - t0) * 1.5 + 0.2, used
+            # output flood: cut at the limit
+            out, _, end = await victim("out", "yes", output_limit=1 << 20)
+            assert end.reason == "output_limit" and len(out) <= 1 << 20
+            # fds and inotify: refused by limits, the sandbox goes on
+            out, _, end = await execv(b, "victim", ("/usr/bin/attack", "fds"))
+            n, err_name = out.split()[1:3]
+            assert err_name == "EMFILE" and int(n) < 4096, out
+            # inotify: the victim holds every instance it can get; the bystander and host
+            # root still get theirs (the per-user count is charged to each sandbox's own
+            # host uid, the owner of its user namespace, not to host root)
+            hog = await b.exec("victim", ExecSpec(argv=("/usr/bin/attack", "inotify", "hold"),
+                                                  env={"PATH": "/bin"}))
+            first = b""
+            async for ev in hog.events():
+                assert not isinstance(ev, ExecEnd)
+                first += ev[1]
+                if first.endswith(b"\n"):
+                    break
+            n_victim, why = first.decode().split()[1:3]
+            assert why == "EMFILE" and int(n_victim) > 0, first
+            out, _, _ = await execv(b, "bystander", ("/usr/bin/attack", "inotify"))
+            assert out.split()[1] == n_victim, out
+            host_fd = _inotify_init()
+            assert host_fd >= 0, "host root lost its inotify instances"
+            os.close(host_fd)
+            await hog.kill()
+            # kill -9 -1 as sandbox root: its own processes only. kill(-1) spares the caller
+            # and PID 1; Landlock's signal scoping also spares other execs' processes (each
+            # exec is a domain of its own: a grader's tree is safe from the agent's).
+            pid1 = b._get("victim").pid
+            bg = await b.exec("victim", ExecSpec(argv=("sleep", "30"), env={"PATH": "/bin"}))
+            out, _, end = await victim(
+                "kill", "sleep 30 & kill -9 -1; wait $!; echo child=$?")
+            assert out == "child=137\n" and end.exit_code == 0, (out, end)
+            with contextlib.suppress(TimeoutError):
+                first_ev = await asyncio.wait_for(bg.events().__anext__(), 0.5)
+                raise AssertionError(f"the other exec was hit: {first_ev}")
+            await bg.kill()
+            assert b._get("victim").pid == pid1
+            out, _, _ = await victim("after", "echo still here")
+            assert out == "still here\n"
+            # the bystander saw none of it
+            out, err, end = await beat
+            assert end.exit_code == 0 and out.split() == [str(i) for i in range(25)], err
+            _host_ok()
+        finally:
+            await b.destroy("victim")
+            await b.destroy("bystander")
+
+    run(body)
+    k = kinds(ledger, "victim")
+    assert {"pids_limit", "oom_kill", "disk_full", "cpu_throttled", "output_limit",
+            "timeout"} <= k, k
+    assert not ledger.known("bystander")  # not a single event for the bystander
