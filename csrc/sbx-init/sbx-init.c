@@ -5,7 +5,7 @@
  * every fd non-blocking so that no peer (client or workload) can stall it.
  *
  * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
- *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD]
+ *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
  *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
  *                  SO_PEERCRED on a client's connection names sbx-init);
  *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
@@ -17,6 +17,8 @@
  *                  still exactly what the layers hold;
  *   SECCOMP_FD     a file holding a classic-BPF seccomp program whose denials
  *                  are user notifications;
+ *   PROFILE        an AppArmor profile (loaded by the daemon) each exec changes
+ *                  to at execve (aa_change_onexec), on kernels with AppArmor;
  *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
  *                  overlay): only kept open, so the daemon can inspect the
  *                  upper through /proc/<pid>/fd before a grader exec.
@@ -105,6 +107,7 @@ static uint32_t ll_flags;
 static uint8_t *sc_prog;        /* seccomp program, NULL: none */
 static size_t sc_len;
 static uint32_t ev_dropped;     /* events not queued since the last one sent */
+static const char *aa_profile;  /* AppArmor profile for execs, NULL: none */
 
 static uint64_t now_ns(void)
 {
@@ -640,6 +643,19 @@ static void confine_child(int errpipe_w)
 	struct lfs_error err = {0};
 	int l;
 
+	if (aa_profile) {
+		/* the AppArmor onexec protocol: the profile applies from the execve on */
+		char cmd[128];
+		int n = snprintf(cmd, sizeof(cmd), "exec %s", aa_profile);
+		int fd = open("/proc/self/attr/apparmor/exec", O_WRONLY | O_CLOEXEC);
+
+		if (fd < 0)
+			fd = open("/proc/self/attr/exec", O_WRONLY | O_CLOEXEC);
+		if (fd < 0 || n <= 0 || n >= (int)sizeof(cmd) || write(fd, cmd, (size_t)n) != n)
+			child_fail(errpipe_w, errno ? errno : EINVAL, "apparmor change_onexec",
+				   aa_profile);
+		close(fd);
+	}
 	if (ll_ruleset >= 0 && lfs_landlock_enforce(ll_ruleset, ll_flags, &err) < 0)
 		child_fail(errpipe_w, err.code, "confine", err.msg);
 	if (!sc_prog)
@@ -1426,7 +1442,7 @@ int main(int argc, char **argv)
 
 	int ll_fd = -1, sc_fd = -1;
 
-	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:")) != -1) {
+	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:A:")) != -1) {
 		switch (opt) {
 		case 'l': listen_fd = parse_fd(optarg); break;
 		case 'f': cg_freezer = parse_fd(optarg); break;
@@ -1435,9 +1451,10 @@ int main(int argc, char **argv)
 		case 'L': ll_fd = parse_fd(optarg); break;
 		case 'S': sc_fd = parse_fd(optarg); break;
 		case 'U': parse_fd(optarg); break; /* kept open, close-on-exec */
+		case 'A': aa_profile = optarg; break;
 		default:
 			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
-			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD]");
+			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]");
 			return 2;
 		}
 	}

@@ -13,7 +13,8 @@
  *                 [--upper-dir DIR]      (host dir for upper/ and work/ instead of a tmpfs)
  *                 [--protect PATH...]    (sandbox paths made read-only mounts)
  *                 [--caps MASK]          (capabilities kept, bit n = capability n)
- *                 [--landlock FILE] [--seccomp FILE]  (policies sbx-init applies per exec)
+ *                 [--landlock FILE] [--seccomp FILE] [--apparmor PROFILE]
+ *                                        (policies sbx-init applies per exec)
  * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
  * "error ERRNO MESSAGE", and exits 0 or 1.
  *
@@ -87,7 +88,7 @@ struct opts {
 	const char *join[MAX_JOIN];
 	int n_join;
 	const char *cg_freezer, *cg_memory, *cg_v2;
-	const char *upper_dir, *landlock, *seccomp;
+	const char *upper_dir, *landlock, *seccomp, *apparmor;
 	const char *protect[MAX_PROTECT];
 	int n_protect;
 	int has_caps;
@@ -373,7 +374,7 @@ static int place_fd(int fd, int to)
 static void child_main(const struct opts *o, struct child_fds *f)
 {
 	struct err e = {0};
-	char *argv[20];
+	char *argv[24];
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
 	int argc = 0, hi = 100, nul;
 
@@ -473,6 +474,10 @@ static void child_main(const struct opts *o, struct child_fds *f)
 			snprintf(scfd, sizeof(scfd), "%d", f->sc);
 			argv[argc++] = "-S";
 			argv[argc++] = scfd;
+		}
+		if (o->apparmor) {
+			argv[argc++] = "-A";
+			argv[argc++] = (char *)o->apparmor;
 		}
 		snprintf(upfd, sizeof(upfd), "%d", f->scratch);
 		argv[argc++] = "-U";
@@ -828,6 +833,8 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 			o->landlock = v;
 		else if (!strcmp(k, "--seccomp"))
 			o->seccomp = v;
+		else if (!strcmp(k, "--apparmor"))
+			o->apparmor = v;
 		else if (!strcmp(k, "--caps")) {
 			char *end;
 

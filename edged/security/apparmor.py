@@ -105,6 +105,20 @@ def load(text: str) -> bool:
     return True
 
 
+def unload(name: str) -> None:
+    """Remove profile ``name`` from the kernel (``.remove`` in securityfs); a no-op where the
+    kernel has no AppArmor or the profile is not loaded."""
+    if not _NAME.match(name.removeprefix("edged-sbx-")):
+        raise ProfileError(f"apparmor: {name!r} is not a profile name of ours")
+    try:
+        with open(os.path.join(SECURITYFS, ".remove"), "w") as f:
+            f.write(name)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("apparmor: remove profile %s: %s", name, e)
+
+
 def template_names() -> list[str]:
     """Names of the templates in ``profiles/apparmor/``."""
     return sorted(p.name[: -len(".profile.in")]

@@ -436,6 +436,7 @@ class ContainerBackend:
             if pidfd >= 0:
                 os.close(pidfd)
         await asyncio.to_thread(cg.remove)
+        await asyncio.to_thread(confinement.release, sandbox_id)
         if self.scratch_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self.scratch_dir / sandbox_id, True)
         shutil.rmtree(d, ignore_errors=True)

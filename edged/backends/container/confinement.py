@@ -32,7 +32,7 @@ from typing import Any
 from edged.backends.base import ExecEnd, SandboxSpec
 from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import SandboxCgroup
-from edged.security import landlock, seccomp, tasks
+from edged.security import apparmor, landlock, seccomp, tasks
 from edged.security.confine import AUDIT_ARCH_X86_64, WORKLOAD_CAPS
 
 log = logging.getLogger("edged.container")
@@ -54,6 +54,7 @@ class Policy:
     seccomp_prog: bytes
     landlock_blob: bytes | None
     caps: int
+    apparmor_profile: str | None = None
 
     @property
     def protected(self) -> tuple[str, ...]:
@@ -61,7 +62,9 @@ class Policy:
 
 
 def prepare(spec: SandboxSpec) -> Policy | None:
-    """Load and compile the policy ``spec`` names (None when it asks for none). Raises
+    """Load and compile the policy ``spec`` names (None when it asks for none); where the
+    kernel has AppArmor, render and load the sandbox's profile (``edged-sbx-<id>``, applied
+    by sbx-init at each exec; unload with :func:`release`). Raises
     :class:`edged.security.profile.ProfileError` (a ``BadRequest``) for a bad profile: a
     sandbox is never created with less confinement than it asked for."""
     if spec.task_profile is None:
@@ -75,7 +78,30 @@ def prepare(spec: SandboxSpec) -> Policy | None:
     else:
         log.info("sandbox %s: no Landlock in this kernel; protected paths rest on read-only "
                  "mounts and seccomp", spec.id)
-    return Policy(task, sc_name, prog, blob, WORKLOAD_CAPS)
+    aa = None
+    if apparmor.probe()["kernel"]:
+        text = apparmor.render(spec.id, task.all_protected())
+        if apparmor.load(text):
+            aa = f"edged-sbx-{spec.id}"
+    else:
+        _notice_once("no AppArmor in this kernel: sandboxes run without an AppArmor profile "
+                     "(Landlock, seccomp and read-only mounts still apply)")
+    return Policy(task, sc_name, prog, blob, WORKLOAD_CAPS, aa)
+
+
+def release(sandbox_id: str) -> None:
+    """Undo what :func:`prepare` left in the kernel (the AppArmor profile, if any)."""
+    if apparmor.probe()["kernel"]:
+        apparmor.unload(f"edged-sbx-{sandbox_id}")
+
+
+_noticed: set[str] = set()
+
+
+def _notice_once(msg: str) -> None:
+    if msg not in _noticed:
+        _noticed.add(msg)
+        log.info(msg)
 
 
 def spawner_args(policy: Policy, sandbox_dir: Path) -> list[str]:
@@ -91,6 +117,8 @@ def spawner_args(policy: Policy, sandbox_dir: Path) -> list[str]:
         ll = sandbox_dir / "landlock.bin"
         ll.write_bytes(policy.landlock_blob)
         args += ["--landlock", str(ll)]
+    if policy.apparmor_profile is not None:
+        args += ["--apparmor", policy.apparmor_profile]
     return args
 
 
@@ -224,4 +252,4 @@ def tamper_check(sink: EventSink | None, sandbox_id: str, pid: int,
 
 
 __all__ = ["EventSink", "LimitWatch", "Policy", "prepare", "record_end", "record_event",
-           "scratch_path", "spawner_args", "tamper_check"]
+           "release", "scratch_path", "spawner_args", "tamper_check"]

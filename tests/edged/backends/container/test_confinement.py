@@ -1,0 +1,92 @@
+"""The container backend's confinement glue: SBX_EVENT decoding into ledger records, limit
+counters, the policy files handed to the spawner, and failing closed when a policy cannot be
+applied (an AppArmor profile on a kernel without AppArmor)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.container import ContainerBackend, confinement
+from edged.backends.container import protocol as P
+from edged.errors import EdgedError
+from edged.security import seccomp
+from edged.security.ledger import Ledger
+
+
+def _event(nr: int, args: tuple[int, ...], arch: int = 0xC000003E, dropped: int = 0) -> bytes:
+    return P.EVENT_S.pack(P.EV_SECCOMP, 42, nr, arch, *args, 0x401000, dropped, 0, b"attack")
+
+
+def test_record_event_decodes_seccomp_denials() -> None:
+    led = Ledger(None)
+    ioctl = next(n for n in range(512) if seccomp.syscall_name(n) == "ioctl")
+    confinement.record_event(led.record, "s", 3,
+                             _event(ioctl, (4, 0xDEAD_C0C0586D, 0, 0, 0, 0), dropped=2))
+    confinement.record_event(led.record, "s", 3, _event(1, (0,) * 6, arch=0x40000003))
+    confinement.record_event(led.record, "s", 3, b"short")
+    ev = led.events("s")
+    assert [e.kind for e in ev] == ["seccomp_denied", "seccomp_denied", "protocol_violation"]
+    assert ev[0].syscall == "ioctl" and ev[0].process == "attack" and ev[0].pid == 42
+    assert ev[0].detail["ioctl"] == "0xc0c0586d"  # the low 32 bits the kernel compares
+    assert ev[0].detail["dropped_before"] == 2 and ev[0].detail["exec_id"] == 3
+    assert ev[1].syscall == "syscall_1" and "foreign" in ev[1].detail["abi"]
+
+
+def test_record_end_only_limit_hits() -> None:
+    led = Ledger(None)
+    for reason in ("exited", "oom", "timeout", "output_limit", "killed", "signalled"):
+        confinement.record_end(led.record, "s", 1, ExecEnd(reason=reason, exit_code=None,
+                                                            signal=None, duration_s=0.5,
+                                                            peak_memory_bytes=None))
+    assert [e.kind for e in led.events("s")] == ["oom_kill", "timeout", "output_limit"]
+
+
+def test_spawner_args_write_policy_files(tmp_path: Path, busybox_tree: Path) -> None:
+    spec = SandboxSpec(id="p1", lowers=(str(busybox_tree),), resources=Resources(), env={},
+                       hostname="h")
+    pol = confinement.prepare(spec)
+    assert pol is not None
+    args = confinement.spawner_args(dataclasses.replace(pol, apparmor_profile="edged-sbx-p1"),
+                                    tmp_path)
+    assert (tmp_path / "seccomp.bpf").read_bytes() == pol.seccomp_prog
+    assert args[args.index("--seccomp") + 1] == str(tmp_path / "seccomp.bpf")
+    assert args[args.index("--apparmor") + 1] == "edged-sbx-p1"
+    assert args.count("--protect") == len(pol.protected) and "/bin" in pol.protected
+    assert confinement.prepare(dataclasses.replace(spec, task_profile=None)) is None
+    with pytest.raises(EdgedError):
+        confinement.prepare(dataclasses.replace(spec, task_profile="no-such-profile"))
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_exec_fails_closed_when_apparmor_cannot_apply(
+        backend: ContainerBackend, busybox_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox told to use an AppArmor profile never runs an exec without it: here, with no
+    AppArmor in the kernel, sbx-init cannot set it and the exec is refused."""
+    if Path("/sys/kernel/security/apparmor").exists():
+        pytest.skip("the kernel has AppArmor: the profile would apply")
+    real = confinement.prepare
+
+    def with_aa(spec: SandboxSpec) -> Any:
+        pol = real(spec)
+        return dataclasses.replace(pol, apparmor_profile="edged-sbx-aa") if pol else None
+
+    monkeypatch.setattr(confinement, "prepare", with_aa)
+    spec = SandboxSpec(id="aa", lowers=(str(busybox_tree),), resources=Resources(),
+                       env={"PATH": "/bin"}, hostname="aa")
+
+    async def body() -> None:
+        await backend.create(spec)
+        try:
+            with pytest.raises(EdgedError, match="apparmor"):
+                await backend.exec("aa", ExecSpec(argv=("true",), env={"PATH": "/bin"}))
+        finally:
+            await backend.destroy("aa")
+
+    asyncio.run(asyncio.wait_for(body(), 60))
