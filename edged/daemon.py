@@ -198,16 +198,27 @@ class Server:
             os.chown(sock, -1, gid)
 
     async def main_loop(self) -> None:
-        """Wait until asked to exit."""
+        """Wait until asked to exit; meanwhile forget security events past their retention
+        (once a minute)."""
         assert self._wake is not None
+        next_prune = time.monotonic() + 60.0
         while not self.should_exit:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 1.0)
+            if time.monotonic() >= next_prune and self.manager and self.manager.ledger:
+                next_prune = time.monotonic() + 60.0
+                try:
+                    self.manager.ledger.prune()
+                except OSError as e:
+                    log.warning("ledger prune: %s", e)
 
     async def shutdown(self) -> None:
         """Stop listening, let in-flight requests end (unless forced), then stop or keep
         sandboxes per ``on_shutdown``."""
         log.info("shutting down", extra={"force": self.force_exit})
+        if self.manager is not None and self.manager.ledger is not None:
+            # ends the event streams, which would otherwise hold the runner's cleanup
+            self.manager.ledger.close()
         if self._runner is not None:
             # In-flight requests (exec streams) may take up to shutdown_timeout_s; a second
             # signal cuts the wait short.
