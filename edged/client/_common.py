@@ -78,8 +78,9 @@ class ExecCollector:
 
 def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
               cwd: str | None, stdin: str | None, output_limit: int | None,
-              user: int | None = None) -> dict[str, Any]:
-    """The ``POST .../exec`` body. A string runs through ``/bin/sh -c``; a list is argv."""
+              user: int | None = None, trusted: bool = False) -> dict[str, Any]:
+    """The ``POST .../exec`` body. A string runs through ``/bin/sh -c``; a list is argv.
+    ``trusted``: a grader exec (refused if the workload changed a protected path)."""
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     if timeout is not None:
         body["timeout_s"] = timeout
@@ -93,13 +94,17 @@ def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[s
         body["output_limit"] = output_limit
     if user is not None:
         body["uid"] = body["gid"] = user
+    if trusted:
+        body["trusted"] = True
     return body
 
 
 def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | None,
                 cpus: float | None, memory_bytes: int | None, pids: int | None,
                 disk_bytes: int | None, env: Mapping[str, str] | None, timeout: float | None,
-                idle_timeout: float | None, labels: Mapping[str, str] | None) -> dict[str, Any]:
+                idle_timeout: float | None, labels: Mapping[str, str] | None,
+                task_profile: str | None = None,
+                seccomp_profile: str | None = None) -> dict[str, Any]:
     """The ``POST /v1/sandboxes`` body."""
     body: dict[str, Any] = {}
     if image is not None:
@@ -120,6 +125,10 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
         body["idle_timeout_s"] = idle_timeout
     if labels:
         body["labels"] = dict(labels)
+    if task_profile is not None:
+        body["task_profile"] = task_profile
+    if seccomp_profile is not None:
+        body["seccomp_profile"] = seccomp_profile
     return body
 
 

@@ -126,12 +126,14 @@ class AsyncSandbox:
                      disk_bytes: int | None = None, env: Mapping[str, str] | None = None,
                      timeout: float | None = None, idle_timeout: float | None = None,
                      labels: Mapping[str, str] | None = None,
-                     socket: str | None = None) -> AsyncSandbox:
+                     socket: str | None = None, task_profile: str | None = None,
+                     seccomp_profile: str | None = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
         t = AsyncTransport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                           idle_timeout=idle_timeout, labels=labels)
+                           idle_timeout=idle_timeout, labels=labels,
+                           task_profile=task_profile, seccomp_profile=seccomp_profile)
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:
@@ -158,10 +160,10 @@ class AsyncSandbox:
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    stdin: str | None = None, output_limit: int | None = None,
                    user: int | None = None, on_stdout: OutputCallback | None = None,
-                   on_stderr: OutputCallback | None = None) -> ExecResult:
+                   on_stderr: OutputCallback | None = None, trusted: bool = False) -> ExecResult:
         """See :meth:`edged.client.Sandbox.exec`."""
         body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user)
+                         output_limit=output_limit, user=user, trusted=trusted)
         col = ExecCollector(on_stdout, on_stderr)
         resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"), json=body)
         async with resp:
@@ -190,6 +192,14 @@ class AsyncSandbox:
         """Expire ``seconds`` from now (0: never)."""
         self.info = await self._t.json("POST", path_for("sandboxes", self.id, "timeout"),
                                        {"ttl_s": seconds})
+
+    async def events(self, since: int = 0, kind: str | None = None) -> list[dict[str, Any]]:
+        """See :meth:`edged.client.Sandbox.events`."""
+        q: list[tuple[str, str]] = [("since", str(since))]
+        if kind is not None:
+            q.append(("kind", kind))
+        data = await self._t.json("GET", path_for("sandboxes", self.id, "events", query=q))
+        return list(data["events"])
 
     async def kill(self) -> None:
         """Destroy the sandbox (idempotent)."""

@@ -101,13 +101,18 @@ class Sandbox:
                memory_bytes: int | None = None, pids: int | None = None,
                disk_bytes: int | None = None, env: Mapping[str, str] | None = None,
                timeout: float | None = None, idle_timeout: float | None = None,
-               labels: Mapping[str, str] | None = None, socket: str | None = None) -> Sandbox:
+               labels: Mapping[str, str] | None = None, socket: str | None = None,
+               task_profile: str | None = None,
+               seccomp_profile: str | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
-        ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec."""
+        ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
+        ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
+        ``default``)."""
         t = Transport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                           idle_timeout=idle_timeout, labels=labels)
+                           idle_timeout=idle_timeout, labels=labels,
+                           task_profile=task_profile, seccomp_profile=seccomp_profile)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod
@@ -139,12 +144,12 @@ class Sandbox:
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              stdin: str | None = None, output_limit: int | None = None,
              user: int | None = None, on_stdout: OutputCallback | None = None,
-             on_stderr: OutputCallback | None = None) -> ExecResult:
+             on_stderr: OutputCallback | None = None, trusted: bool = False) -> ExecResult:
         """Run ``cmd`` (a string via ``/bin/sh -c``, or an argv list) and wait for it.
         ``timeout`` (seconds) kills the whole process tree; the result keeps partial output
         and says ``reason == "timeout"``. Callbacks get text chunks as they arrive."""
         body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user)
+                         output_limit=output_limit, user=user, trusted=trusted)
         col = ExecCollector(on_stdout, on_stderr)
         for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
             col.feed(ev)
@@ -174,6 +179,16 @@ class Sandbox:
     def stats(self) -> dict[str, int]:
         """Usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
         return dict(self._t.json("GET", path_for("sandboxes", self.id, "stats")))
+
+    def events(self, since: int = 0, kind: str | None = None) -> builtins.list[dict[str, Any]]:
+        """The sandbox's security events after sequence number ``since`` (up to 1000), e.g.
+        ``{"kind": "seccomp_denied", "syscall": "mount", "pid": 12, ...}``; still readable
+        for a while after the sandbox is gone."""
+        q: builtins.list[tuple[str, str]] = [("since", str(since))]
+        if kind is not None:
+            q.append(("kind", kind))
+        data = self._t.json("GET", path_for("sandboxes", self.id, "events", query=q))
+        return builtins.list(data["events"])
 
     def kill(self) -> None:
         """Destroy the sandbox (idempotent: an already gone sandbox is fine)."""
