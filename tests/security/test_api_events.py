@@ -36,6 +36,9 @@ def test_events_through_the_api(real_node: Any, layer_store: tuple[str, str]) ->
     # a grader exec: nothing shadows the protected paths, so it runs
     r = api.post("/v1/sandboxes/evt/exec", {"cmd": "echo graded", "trusted": True})
     assert r.status == 200 and any("graded" in str(x) for x in r.lines), r.body
+    assert sbx.exec("echo graded too", trusted=True).stdout == "graded too\n"  # the SDK
+    assert {"sethostname", "mount"} <= {e["syscall"] for e in
+                                        sbx.events(kind="seccomp_denied")}
     r = api.get("/v1/sandboxes/evt/events")
     assert r.status == 200
     evs = r.json()["events"]
