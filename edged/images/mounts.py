@@ -38,7 +38,8 @@ class LayerOps:
     mountpoint)``, ``umount(mountpoint)``, ``is_mounted(mountpoint) -> bool``,
     ``has(digest) -> bool``. ``close()``: stop whatever serves the image files (called when
     the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
-    of the layer source's metrics, if it has any.
+    of the layer source's metrics, if it has any. ``fetched() -> {digest: (bytes fetched,
+    layer size)}``: what the node has fetched so far of each layer it serves lazily.
     """
 
     image: Callable[[str], str]
@@ -48,6 +49,7 @@ class LayerOps:
     has: Callable[[str], bool]
     close: Callable[[], object] | None = None
     collector: Any = None
+    fetched: Callable[[], dict[str, tuple[int, int]]] | None = None
 
 
 class LayerMounts:
@@ -113,8 +115,13 @@ class LayerMounts:
 
             client.stop(str(cache_dir))  # also a server an earlier daemon started
 
+        def fetched() -> dict[str, tuple[int, int]]:
+            return {d: (int(st["bytes_fetched"]), int(st["size"]))
+                    for d, st in mgr.client.stats()["layers"].items()}
+
         ops = LayerOps(image=image, mount=mount, umount=umount, is_mounted=os.path.ismount,
-                       has=has, close=close, collector=LazyCollector(mgr.client))
+                       has=has, close=close, collector=LazyCollector(mgr.client),
+                       fetched=fetched)
         return cls(ops, mount_dir)
 
     def mountpoint(self, digest: str) -> Path:
@@ -169,6 +176,18 @@ class LayerMounts:
             with contextlib.suppress(OSError):
                 mp.rmdir()
             raise BackendError(f"layer {digest}: cannot mount at {mp}: {e}") from e
+
+    async def fetched(self, digests: list[str]) -> dict[str, tuple[int, int]] | None:
+        """``{digest: (bytes the node has fetched so far, layer size)}`` for those of
+        ``digests`` that the layer source serves now (a layer not yet registered is
+        absent: nothing fetched), or None if it does not load lazily or does not answer."""
+        if self.ops.fetched is None:
+            return None
+        try:
+            per = await asyncio.to_thread(self.ops.fetched)
+        except Exception:
+            return None
+        return {d: per[d] for d in digests if d in per}
 
     async def release(self, digest: str) -> None:
         """Count one holder less; unmount at zero. Raises :class:`BackendError` if the

@@ -149,6 +149,9 @@ class SandboxManager:
         self.records_dir = Path(config.state_dir) / "sandboxes"
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._execs: dict[str, dict[int, ExecHandle]] = {}
+        #: sandbox -> {layer: (bytes fetched, size)} at create, until its first exec ends
+        #: (see Metrics.start_fetched_fraction)
+        self._starts: dict[str, dict[str, tuple[int, int]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._reaper: asyncio.Task[None] | None = None
         self.features: dict[str, object] = {}
@@ -178,6 +181,7 @@ class SandboxManager:
         write_json_atomic(self.records_dir / f"{rec.id}.json", rec.persisted())
 
     def _forget(self, rec: SandboxRecord) -> None:
+        self._starts.pop(rec.id, None)
         if self.ledger is not None and rec.id in self._sandboxes:
             self.ledger.sandbox_gone(rec.id)
         self._sandboxes.pop(rec.id, None)
@@ -276,6 +280,7 @@ class SandboxManager:
         lock = self._lock(rec.id)
         try:
             async with lock:
+                fetched0 = await self.layers.fetched(rec.layers)
                 rec.lowers = await self.layers.acquire_all(rec.layers)
                 try:
                     self._save(rec)
@@ -311,6 +316,8 @@ class SandboxManager:
             if isinstance(e, Exception):
                 raise BackendError(f"sandbox {rec.id}: create failed: {e}") from e
             raise
+        if fetched0 is not None:
+            self._starts[rec.id] = fetched0
         self.metrics.creates.labels(result="ok").inc()
         self.metrics.create_seconds.observe(time.monotonic() - t0)
         self._update_gauges()
@@ -466,6 +473,19 @@ class SandboxManager:
             execs.pop(handle.exec_id, None)
             rec.active_execs -= 1
             rec.touch()
+            start = self._starts.pop(sandbox_id, None)
+            if start is not None:
+                await self._observe_start(rec, start)
+
+    async def _observe_start(self, rec: SandboxRecord,
+                             start: dict[str, tuple[int, int]]) -> None:
+        now = await self.layers.fetched(rec.layers)
+        size = sum(n for _, n in (now or {}).values())
+        if not now or size <= 0:
+            return
+        delta = sum(max(0, f - start.get(d, (0, 0))[0]) for d, (f, _) in now.items())
+        self.metrics.start_fetched_bytes.inc(delta)
+        self.metrics.start_fetched_fraction.observe(delta / size)
 
     async def signal(self, sandbox_id: str, body: object) -> list[int]:
         """Send ``{"signal": int | "SIGTERM", "exec_id": optional}`` to one exec or to every

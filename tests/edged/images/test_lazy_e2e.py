@@ -1,7 +1,8 @@
 """End to end: a sandbox whose layer exists only on a remote chunk server (``layerfs serve``
 on 127.0.0.1), created through the real daemon and container backend. The node loads the
 layer lazily: the sandbox runs a command, and the bytes fetched are a small fraction of
-the layer, as the daemon's /metrics shows (root, FUSE)."""
+the layer, as the daemon's /metrics shows, per layer and for the sandbox's start
+(root, FUSE)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -92,7 +94,10 @@ def test_sandbox_from_a_remote_only_layer_fetches_a_fraction(
     with Sandbox.create(layers=[digest], env={"PATH": "/bin"}, socket=node.socket) as sbx:
         r = sbx.exec("cat /etc/marker; id -u; ls /data")
         assert (r.exit_code, r.stdout) == (0, "from the remote\n0\nblob\n")
-        text = _metrics(node.socket)
+        deadline = time.monotonic() + 10
+        while "edged_sandbox_start_fetched_fraction_count 1.0" not in (
+                text := _metrics(node.socket)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the start is observed as the first exec's stream ends
     assert "layerfs_lazy_up 1.0" in text
     fetched = _sample(text, "layerfs_lazy_fetched_bytes_total", digest)
     assert _sample(text, "layerfs_lazy_layer_bytes", digest) == size
@@ -100,3 +105,8 @@ def test_sandbox_from_a_remote_only_layer_fetches_a_fraction(
     assert 0 < fetched < 0.25 * size
     assert _sample(text, "layerfs_lazy_fraction_fetched", digest) == pytest.approx(
         fetched / size)
+    # the sandbox's start (create to the end of its first exec) fetched all of it
+    m = re.search(r"^edged_sandbox_start_fetched_bytes_total (\S+)$", text, re.M)
+    assert m and float(m.group(1)) == fetched
+    m = re.search(r"^edged_sandbox_start_fetched_fraction_sum (\S+)$", text, re.M)
+    assert m and float(m.group(1)) == pytest.approx(fetched / size)
