@@ -64,6 +64,10 @@ def test_protected_binaries_survive_and_grader_runs_pristine(node: Node, rootfs:
                                      " readlink /lib")
             assert "rm=1" in out and "ln=1" in out and "w=1" in out, (out, err)
             assert out.strip().endswith("usr/lib")
+            # the loader's preload list (absent): cannot be created
+            out, err, end = await sh(b, "prot", "echo /tmp/evil.so > /etc/ld.so.preload;"
+                                     " echo rc=$?; ls /etc/ld.so.preload")
+            assert "rc=1" in out and "/etc/ld.so.preload" not in out, (out, err)
             # the grader: a trusted exec, in a Landlock domain of its own
             out, err, end = await sh(b, "prot", "sha256sum /bin/busybox /usr/bin/attack;"
                                      " /bin/sh -c 'echo grader ran'", trusted=True)
