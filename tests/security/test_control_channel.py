@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,12 @@ def test_garbage_frames_on_the_control_connection(node: Node, rootfs: Path) -> N
             await conn.send(P.frame(0x55, 0, b"\xff" * 100))  # unknown type
             await conn.send(P.frame(P.SIGNAL_T, 999, b"x"))  # wrong size, unknown exec
             await conn.send(P.frame(P.EXEC_T, 7, b"\x00" * 41))  # strings missing
+            rng = random.Random(5)
+            for _ in range(300):  # random well-framed garbage: types, ids, sizes, bytes
+                t = rng.choice([rng.randrange(0, 0x100), P.EXEC_T, P.SIGNAL_T, P.RESIZE_T,
+                                P.CREDIT, P.STDIN, P.KILL])
+                await conn.send(P.frame(t, rng.randrange(0, 5),
+                                        rng.randbytes(rng.randrange(0, 200))))
             await asyncio.sleep(0.2)
             out, _, _ = await sh(b, "frames", "echo still")
             assert out == "still\n"
