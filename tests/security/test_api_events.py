@@ -53,4 +53,6 @@ def test_events_through_the_api(real_node: Any, layer_store: tuple[str, str]) ->
     kinds = [e["kind"] for e in r.json()["events"]]
     assert kinds[-1] == "sandbox_gone" and "seccomp_denied" in kinds
     assert api.get("/v1/sandboxes/never-was/events").status == 404
+    feats = api.get("/v1/node").json()["features"]  # the node says what confinement it found
+    assert {"landlock_abi", "seccomp_notify", "apparmor"} <= set(feats), feats
     assert api.get("/v1/sandboxes/evt/events?since=x").status == 400
