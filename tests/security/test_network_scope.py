@@ -1,0 +1,43 @@
+"""Landlock TCP rules where the task profile asks for them: only the listed ports can be bound
+or connected to (ABI >= 4), even by sandbox root. Landlock denials are not recorded (the kernel
+reports them only through audit); the workload sees EACCES."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from edged.security import landlock
+from tests.security.conftest import Node, run, sh, spec
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+
+def test_tcp_ports_limited_by_the_task_profile(node: Node, rootfs: Path, tmp_path: Path) -> None:
+    if landlock.abi() < 4:
+        pytest.skip("needs Landlock ABI >= 4 (TCP rules)")
+    prof = tmp_path / "netonly.toml"
+    default = (Path(__file__).resolve().parents[2] / "profiles" / "tasks" /
+               "default.toml").read_text()
+    prof.write_text(default + "\ntcp_bind = [8080]\ntcp_connect = [8080]\n")
+    b = node.backend
+
+    async def body() -> None:
+        await b.create(dataclasses.replace(spec(rootfs, "net"), task_profile=str(prof)))
+        try:
+            out, err, _ = await sh(
+                b, "net",
+                "nc -l -p 8081 </dev/null; echo b8081=$?;"
+                " nc -l -p 8080 </dev/null >/tmp/got 2>&1 & sleep 0.2;"
+                " echo hi | nc -w 1 127.0.0.1 8080; echo c8080=$?;"
+                " nc -w 1 127.0.0.1 8081 </dev/null; echo c8081=$?; wait; cat /tmp/got",
+                timeout_s=20)
+            assert "b8081=1" in out and "c8080=0" in out and "c8081=1" in out, (out, err)
+            assert out.rstrip().endswith("hi"), out
+            assert "bind: Permission denied" in err and "connect" in err, err
+        finally:
+            await b.destroy("net")
+
+    run(body)
