@@ -35,7 +35,7 @@ from typing import Any
 
 import edged
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
-from edged.backends.container import confinement, files
+from edged.backends.container import confinement, files, scratch
 from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import CgroupManager, SandboxCgroup
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
@@ -258,7 +258,8 @@ class ContainerBackend:
     ``bin_dir``: where ``edged-spawner`` and ``sbx-init`` are (default: ``edged/_bin``).
     ``scratch_dir``: a host directory (e.g. an XFS filesystem of the node's scratch storage)
     in which each sandbox's overlay upper lives (``<scratch_dir>/<id>/``), size-limited by
-    that filesystem; default: a tmpfs of ``resources.disk_bytes`` per sandbox.
+    that filesystem (per sandbox ``resources.disk_bytes`` where it is XFS with project quotas,
+    see :mod:`.scratch`); default: a tmpfs of ``resources.disk_bytes`` per sandbox.
     ``on_event``: where security events go (see :mod:`.confinement`), e.g. a ledger's
     ``record``. Raises :class:`edged.errors` exceptions only.
     """
@@ -439,6 +440,12 @@ class ContainerBackend:
         await asyncio.to_thread(confinement.release, sandbox_id)
         if self.scratch_dir is not None:
             await asyncio.to_thread(shutil.rmtree, self.scratch_dir / sandbox_id, True)
+        if meta and meta.get("quota"):
+            try:
+                await asyncio.to_thread(scratch.unlimit, str(meta["quota"][0]),
+                                        int(meta["quota"][1]))
+            except BackendError as exc:
+                log.warning("sandbox %s: %s", sandbox_id, exc)
         shutil.rmtree(d, ignore_errors=True)
         if meta and "slot" in meta:
             self._slots.discard(int(meta["slot"]))
@@ -506,9 +513,15 @@ class ContainerBackend:
             if policy is not None:
                 argv += confinement.spawner_args(policy, d)
             if self.scratch_dir is not None:
-                scratch = self.scratch_dir / sid
-                scratch.mkdir(parents=True, mode=0o700)
-                argv += ["--upper-dir", str(scratch)]
+                scratch_path = self.scratch_dir / sid
+                scratch_path.mkdir(parents=True, mode=0o700)
+                mnt = await asyncio.to_thread(scratch.project_quota_mount, self.scratch_dir)
+                if mnt is not None:
+                    meta["quota"] = [mnt, uid_base]
+                    self._write_meta(d, meta)
+                    await asyncio.to_thread(scratch.limit, mnt, scratch_path, uid_base,
+                                            spec.resources.disk_bytes)
+                argv += ["--upper-dir", str(scratch_path)]
             for j in cg.join:
                 argv += ["--join", str(j)]
             if cg.version == "v1":
