@@ -36,9 +36,10 @@ IOCTLS = {"FICLONE": 0x40049409, "FICLONERANGE": 0x4020940D, "FIDEDUPERANGE": 0x
           "XFS_IOC_SWAPEXT": 0xC0C0586D}
 
 
-@pytest.fixture
-def xfs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """(mountpoint, image) of a fresh 300 MiB XFS (the mkfs.xfs minimum), unmounted after."""
+@pytest.fixture(params=["noquota"])
+def xfs(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, Path]]:
+    """(mountpoint, image) of a fresh 300 MiB XFS (the mkfs.xfs minimum), unmounted after;
+    mounted with project quotas when parametrized ``prjquota``."""
     if not shutil.which("mkfs.xfs"):
         pytest.skip("needs xfsprogs")
     image = tmp_path / "xfs.img"
@@ -48,7 +49,12 @@ def xfs(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     mnt = tmp_path / "xfs"
     mnt.mkdir()
     # mount(8) makes an autoclear loop device: it goes with the unmount
-    subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+    opts = "loop,prjquota" if request.param == "prjquota" else "loop"
+    r = subprocess.run(["mount", "-o", opts, str(image), str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0 and request.param == "prjquota":
+        pytest.skip("XFS project quotas: this kernel has no XFS quota support")
+    assert r.returncode == 0, r.stderr
     try:
         yield mnt, image
     finally:
@@ -96,3 +102,39 @@ def test_extent_ioctls_denied_on_xfs(node_factory, attack_bin: Path,
         assert fsck.returncode == 0, fsck.stdout + fsck.stderr
     finally:
         subprocess.run(["mount", "-o", "loop", str(image), str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("xfs", ["prjquota"], indirect=True)
+def test_disk_fill_on_xfs_scratch_is_per_sandbox(node_factory, attack_bin: Path,
+                                                 xfs: tuple[Path, Path]) -> None:
+    """Uppers on the node's XFS scratch: each sandbox's project quota is its disk limit; a
+    full one is ENOSPC (and ``disk_full``) for that sandbox only."""
+    mnt, image = xfs
+    lower = make_rootfs(mnt / "lower", attack_bin)
+    (mnt / "scratch").mkdir()
+    node: Node = node_factory(scratch_dir=mnt / "scratch")
+    b, ledger = node.backend, node.ledger
+
+    async def body() -> None:
+        await b.create(spec(lower, "full", disk_bytes=16 << 20))
+        await b.create(spec(lower, "other", disk_bytes=64 << 20))
+        try:
+            _, err, end = await sh(b, "full", "dd if=/dev/zero of=/tmp/fill bs=1M count=64")
+            assert end.exit_code != 0 and "No space left" in err, err
+            out, _, _ = await sh(b, "full", "stat -c %s /tmp/fill")
+            assert int(out) <= 16 << 20
+            _, err, end = await sh(b, "other", "dd if=/dev/zero of=/tmp/fill bs=1M count=32")
+            assert end.exit_code == 0, err
+        finally:
+            await b.destroy("full")
+            await b.destroy("other")
+
+    run(body)
+    assert "disk_full" in {e.kind for e in ledger.events("full")}
+    assert not ledger.known("other")
+    subprocess.run(["umount", str(mnt)], check=True)
+    try:
+        fsck = subprocess.run(["xfs_repair", "-n", str(image)], capture_output=True, text=True)
+        assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    finally:
+        subprocess.run(["mount", "-o", "loop,prjquota", str(image), str(mnt)], check=True)
