@@ -7,7 +7,7 @@
  * at the same offset.  A read that needs a missing chunk is parked on that chunk (no
  * thread blocks); the chunk is queued ONCE for the Python side, which is woken through
  * an eventfd, fetches and verifies the chunk and calls lfs_lazy_chunk_write() (or
- * lfs_lazy_chunk_failed()), which writes it durably and answers every parked read.
+ * lfs_lazy_chunk_failed()), which writes it at its offset and answers every parked read.
  *
  * Restart: the /dev/fuse connection is held open by a supervisor process; a new server
  * process takes the same fd (libfuse accepts the mountpoint "/dev/fd/N"), replays a
@@ -86,12 +86,17 @@ int lfs_lazy_chunk_ready(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 			 struct lfs_error *err);
 
 /* Write the verified bytes of chunk `index` (exactly its length) at its offset in the
- * layer's cache file and fdatasync them; only then mark it present and answer every
- * read parked on it.  An all-zero chunk becomes a hole.  On failure (ENOSPC, EIO) the
- * chunk is not marked and its readers stay parked: the caller retries or calls
- * lfs_lazy_chunk_failed(). */
+ * layer's cache file, then mark it present and answer every read parked on it.  An
+ * all-zero chunk becomes a hole.  The bytes are not yet durable: see
+ * lfs_lazy_layer_sync().  On failure (ENOSPC, EIO) the chunk is not marked and its
+ * readers stay parked: the caller retries or calls lfs_lazy_chunk_failed(). */
 int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 			 const void *data, size_t len, struct lfs_error *err);
+
+/* fdatasync the layer's cache file.  To persist the present bitmap: take it
+ * (lfs_lazy_present_bitmap), call this, then write it; every chunk it names was then
+ * written before the flush. */
+int lfs_lazy_layer_sync(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err);
 
 int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, int errnum);
 

@@ -778,12 +778,23 @@ int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 					     strerror(k < 0 ? errno : EIO));
 		done += (size_t)k;
 	}
-	/* Durable before present: the persisted bitmap is taken from the present states,
-	 * so a bit set there never names bytes a crash could still lose. */
-	if (fdatasync(l->fd) < 0)
-		return lfs_error_set(err, errno, "chunk %u of `%s`: fdatasync: %s", index,
-				     l->name, strerror(errno));
+	/* Present at once for readers (the bytes are in the page cache).  Not yet durable:
+	 * whoever persists the present bitmap takes it, then calls lfs_lazy_layer_sync(),
+	 * then writes it, so a bit on disk never names bytes a crash could lose.  An
+	 * fdatasync per chunk here would cost each cold read a disk flush (~4 ms). */
 	lazy_mark_present(lz, slot, l, index);
+	return 0;
+}
+
+int lfs_lazy_layer_sync(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err)
+{
+	struct lazy_layer *l = lazy_slot(lz, slot);
+
+	if (!l)
+		return lfs_error_set(err, ENOENT, "no layer in slot %u", slot);
+	if (fdatasync(l->fd) < 0)
+		return lfs_error_set(err, errno, "layer `%s`: fdatasync of its cache file: %s",
+				     l->name, strerror(errno));
 	return 0;
 }
 

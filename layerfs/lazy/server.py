@@ -221,13 +221,17 @@ class LazyServer:
         n = lib.lfs_lazy_present_bitmap(self.lz, layer.slot, buf, len(buf))
         if n < 0:
             return
+        # Snapshot, flush, write: every chunk the bitmap names was written before the
+        # flush, so the bitmap on disk never names bytes a crash could lose.
+        err = new_error()
+        check(lib.lfs_lazy_layer_sync(self.lz, layer.slot, err), err, f"layer {layer.digest}")
         self.cache.save_present(layer.digest, m.size, m.chunk_size, n,
                                 bytes(ffi.buffer(buf, (n + 7) // 8)))
 
     def _mark_dirty(self, layer: Layer) -> None:
-        """Persist the layer's bitmap soon: at most every :data:`FLUSH_DELAY` seconds,
-        since presence in C already implies durable bytes and a lagging bitmap only
-        means a refetch after a crash."""
+        """Persist the layer's bitmap soon: at most every :data:`FLUSH_DELAY` seconds (one
+        fdatasync for every chunk written meanwhile); a lagging bitmap only means a
+        refetch after a crash."""
         self._dirty.add(layer.digest)
         if self._flush_handle is None:
             self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_DELAY,
