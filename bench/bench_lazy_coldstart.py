@@ -1,27 +1,30 @@
 """Cold start of a sandbox from lazily loaded layers against pulling the whole image first,
-same run, same layers, same chunk server.
+same run, same layers, same chunk server; for one or several chunk sizes.
 
-    .venv/bin/python bench/bench_lazy_coldstart.py [--json] [--cmd 'import numpy']
+    .venv/bin/python bench/bench_lazy_coldstart.py [--json] [--chunk-size 256K,1M]
 
 Layers: a Debian base (the main job's rootfs tarball, ``mmdebstrap --variant=minbase
---include=python3 bookworm``) and a toolkit holding a real scientific Python stack from
-PyPI (numpy, scipy, pandas, scikit-learn, matplotlib, sympy, pyarrow, polars, OpenCV,
+--include=python3 bookworm``), a toolkit holding a real scientific Python stack from PyPI
+(numpy, scipy, pandas, scikit-learn, matplotlib, sympy, pyarrow, polars, OpenCV,
 statsmodels, numba), installed with pip into ``usr/local/lib/python3.11/dist-packages``
-(cached under /var/cache/edged-test). Both are built with ``layerfs build`` (1 MiB chunks
-unless ``--chunk-size``)
-and served by ``layerfs serve`` on 127.0.0.1.
+(cached under /var/cache/edged-test), and a workspace: a real project's source release
+from PyPI with its test suite (``more-itertools``, as in ``edged rollout``) at
+``/work/<project>`` and pytest under ``/work/.deps``. All are built with ``layerfs build``
+at each chunk size (the default: the store's) and served by a chunk server on 127.0.0.1.
 
-For each way, from an empty node cache, the clock runs from "start the sandbox" to the
-first byte of output of ``python3 -c '<cmd>; print("ok")'`` run by chroot in an overlay of
-the two layers (toolkit over base, tmpfs upper):
+Two cases, each from an empty node cache, the clock running from "start the sandbox" to
+the first byte of output, in a chroot of an overlay of the layers (tmpfs upper):
 
-- lazy: start the lazy server, register both layers, mount them (EROFS on the lazy files),
-  overlay, run: only chunks read are fetched;
-- full pull: fetch every chunk of both layers (8 in flight, verified), write the two image
-  files, mount them, overlay, run.
+- ``import``: ``python3 -c 'import numpy; print("ok")'`` over toolkit + base;
+- ``pytest``: ``python3 -m pytest -q`` in the project over workspace + toolkit + base.
 
-Printed: seconds to first output, bytes fetched, fraction of the image bytes, and the
-ratios (goal: lazy fetches <= 5% of the bytes and starts >= 5x sooner). Needs root.
+Each case two ways: lazy (start the lazy server, register the layers, mount them, overlay,
+run: only chunks read are fetched) and full pull (fetch every chunk of the layers, 8 in
+flight, verified, write the image files, mount, overlay, run).
+
+Printed per chunk size and case: seconds to first output, bytes fetched, the fraction of
+the image's bytes, chunks fetched (requests), the manifests' bytes, and the ratios (goal:
+lazy fetches <= 5% of the bytes and starts >= 5x sooner). Needs root.
 """
 
 from __future__ import annotations
@@ -38,16 +41,20 @@ import threading
 import time
 from typing import Any
 
+from edged.rollout import fetch_sdist
 from layerfs.build import build_layer
 from layerfs.lazy import client
-from layerfs.mount import mount_erofs, mount_overlay, umount
+from layerfs.manifest import Manifest
+from layerfs.mount import mount_erofs, mount_overlay, mount_tmpfs, umount
 from layerfs.remote import open_remote
 from layerfs.remote.server import ChunkServer
-from layerfs.store import Store
+from layerfs.store import DEFAULT_CHUNK_SIZE, Store
 
 CACHE = os.environ.get("EDGED_TEST_CACHE", "/var/cache/edged-test")
 BASE_TAR = os.path.join(CACHE, "debian-rootfs.tar")
 SITE = os.path.join(CACHE, "toolkit-site")
+WS_DEPS = os.path.join(CACHE, "workspace-deps")
+PROJECT = "more-itertools==10.5.0"
 PACKAGES = ["numpy", "scipy", "pandas", "scikit-learn", "matplotlib", "sympy", "pyarrow",
             "polars", "opencv-python-headless", "statsmodels", "numba"]
 
@@ -64,18 +71,40 @@ def toolkit_tree(tmp: str) -> str:
     return root
 
 
-def run_first_output(root: str, cmd: str) -> float:
-    """Seconds until the first byte of stdout of python3 in a chroot of ``root``."""
+def workspace_tree(tmp: str) -> tuple[str, str]:
+    """The workspace layer's tree and the project directory inside the sandbox."""
+    if not os.path.isdir(WS_DEPS):
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile",
+                        "--target", WS_DEPS + ".tmp", "pytest"], check=True)
+        os.rename(WS_DEPS + ".tmp", WS_DEPS)
+    from pathlib import Path
+
+    name, src = fetch_sdist(PROJECT, Path(tmp) / "sdist")
+    root = os.path.join(tmp, "workspace")
+    inside = f"/work/{name}"
+    shutil.copytree(src, root + inside, symlinks=True)
+    shutil.copytree(WS_DEPS, os.path.join(root, "work", ".deps"), symlinks=True)
+    return root, inside
+
+
+def run_first_output(root: str, argv: list[str], cwd: str = "/") -> float:
+    """Seconds until the first byte of stdout of ``argv`` in a chroot of ``root`` (which
+    must then finish with status 0)."""
     t0 = time.perf_counter()
     chroot = shutil.which("chroot") or "/usr/sbin/chroot"
-    p = subprocess.Popen([chroot, root, "/usr/bin/python3", "-c", f"{cmd}; print('ok')"],
-                         stdout=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "HOME": "/"})
+    script = 'cd "$0" && exec "$@"'
+    p = subprocess.Popen([chroot, root, "/bin/sh", "-c", script, cwd, *argv],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp",
+                              "PYTHONPATH": "/work/.deps", "PYTHONDONTWRITEBYTECODE": "1"})
     assert p.stdout is not None
     first = p.stdout.read(1)
     dt = time.perf_counter() - t0
+    rest = p.stdout.read()
     p.stdout.close()
-    if p.wait() != 0 or first != b"o":
-        raise RuntimeError(f"python3 in the sandbox failed (status {p.returncode})")
+    if p.wait() != 0 or not first:
+        raise RuntimeError(f"{argv} in the sandbox failed (status {p.returncode}): "
+                           f"{(first + rest)[-400:]!r}")
     return dt
 
 
@@ -97,8 +126,7 @@ class Sandbox:
     def overlay(self, lowers_top_first: list[str]) -> str:
         scratch = os.path.join(self.dir, "scratch")
         os.mkdir(scratch)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", scratch],
-                       check=True)
+        mount_tmpfs(scratch, size=256 << 20)
         self.mounts.append(scratch)
         for d in ("upper", "work"):
             os.mkdir(os.path.join(scratch, d))
@@ -137,95 +165,139 @@ async def pull(url: str, digest: str, out: str, concurrency: int = 8) -> int:
     return sum(got)
 
 
+CASES = {
+    # name: (layers top first, argv, cwd)
+    "import": (("toolkit", "base"), ["python3", "-c", "import numpy; print('ok')"], "/"),
+    "pytest": (("workspace", "toolkit", "base"),
+               ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="],
+               "PROJECT"),
+}
+
+
+def measure(url: str, layers: dict[str, Manifest], case: str, project: str,
+            tmp: str) -> dict[str, Any]:
+    """One case both ways (full pull first) from empty caches; ``tmp`` is a fresh
+    directory."""
+    kinds, argv, cwd = CASES[case]
+    cwd = project if cwd == "PROJECT" else cwd
+    ms = [layers[k] for k in kinds]
+    total = sum(m.size for m in ms)
+    res: dict[str, Any] = {"image_bytes": total, "layers": list(kinds)}
+    sb = Sandbox(tmp, f"{case}-full")
+    try:
+        os.sync()
+        t0 = time.perf_counter()
+        imgs, fetched = [], 0
+        for m in ms:
+            out = os.path.join(sb.dir, m.digest[7:] + ".erofs")
+            fetched += asyncio.run(pull(url, m.digest, out))
+            imgs.append(out)
+        pulled = time.perf_counter() - t0
+        lowers = [sb.mount_layer(img, k) for img, k in zip(imgs, kinds, strict=True)]
+        root = sb.overlay(lowers)
+        ready = time.perf_counter() - t0
+        run = run_first_output(root, argv, cwd)
+        res["full"] = {"seconds": ready + run, "pull_seconds": pulled,
+                       "run_seconds": run, "bytes_fetched": fetched,
+                       "chunks_fetched": sum(len(m.chunks) for m in ms)}
+    finally:
+        sb.close()
+    sb = Sandbox(tmp, f"{case}-lazy")
+    cache = os.path.join(tmp, f"cache-{case}")
+    proc = None
+    try:
+        t0 = time.perf_counter()
+        proc = client.start(cache)
+        t1 = time.perf_counter()
+        c = client.LazyClient(cache)
+        files = [c.register(m.digest, url)["file"] for m in ms]
+        t2 = time.perf_counter()
+        lowers = [sb.mount_layer(f, k) for f, k in zip(files, kinds, strict=True)]
+        root = sb.overlay(lowers)
+        t3 = time.perf_counter()
+        run = run_first_output(root, argv, cwd)
+        secs = t3 - t0 + run
+        st = c.stats()["layers"]
+        res["lazy"] = {"seconds": secs, "run_seconds": run, "server_start_seconds": t1 - t0,
+                       "register_seconds": t2 - t1, "mount_seconds": t3 - t2,
+                       "bytes_fetched": sum(int(st[m.digest]["bytes_fetched"]) for m in ms),
+                       "chunks_fetched": sum(int(st[m.digest]["chunks_fetched"]) for m in ms),
+                       "per_layer": {k: {"size": m.size,
+                                         "bytes_fetched": st[m.digest]["bytes_fetched"]}
+                                     for k, m in zip(kinds, ms, strict=True)}}
+    finally:
+        sb.close()
+        if proc is not None:
+            client.stop(cache, proc=proc)
+        shutil.rmtree(cache, ignore_errors=True)
+    res["fraction_fetched_lazy"] = res["lazy"]["bytes_fetched"] / total
+    res["speedup_lazy_over_full"] = res["full"]["seconds"] / res["lazy"]["seconds"]
+    res["manifest_bytes"] = sum(len(m.to_json()) for m in ms)
+    return res
+
+
+def parse_size(text: str) -> int:
+    t = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20}.get(t[-1:], 1)
+    return int(t.rstrip("KM")) * mult
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cmd", default="import numpy")
-    ap.add_argument("--chunk-size", type=int, default=1 << 20, help="bytes (default 1 MiB)")
+    ap.add_argument("--chunk-size", default=str(DEFAULT_CHUNK_SIZE),
+                    help="bytes, K or M suffix; comma-separated for several "
+                         f"(default {DEFAULT_CHUNK_SIZE >> 10}K, the store's)")
+    ap.add_argument("--cases", default="import,pytest")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_lazy_coldstart: needs root")
     if not os.path.exists(BASE_TAR):
         sys.exit(f"bench_lazy_coldstart: {BASE_TAR} missing (run scripts/main.sh once)")
-
+    sizes = [parse_size(x) for x in args.chunk_size.split(",")]
+    cases = args.cases.split(",")
+    os.environ.setdefault("SOURCE_DATE_EPOCH", "1700000000")
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cold.", dir="/var/tmp") as tmp:
-        store = Store(os.path.join(tmp, "store"), chunk_size=args.chunk_size)
-        base = build_layer(BASE_TAR, kind="base", store=store).manifest
-        tool = build_layer(toolkit_tree(tmp), kind="toolkit", store=store).manifest
-        total = base.size + tool.size
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        srv = ChunkServer(store, "127.0.0.1:0")
-        url = asyncio.run_coroutine_threadsafe(srv.start(), loop).result(30)
-        res: dict[str, Any] = {}
-        try:
-            # -- full pull first ---------------------------------------------------------
-            sb = Sandbox(tmp, "full")
+        trees = {"base": BASE_TAR, "toolkit": toolkit_tree(tmp)}
+        trees["workspace"], project = workspace_tree(tmp)
+        for csize in sizes:
+            store = Store(os.path.join(tmp, f"store-{csize}"), chunk_size=csize)
+            layers = {k: build_layer(src, kind=k, store=store).manifest
+                      for k, src in trees.items()}
+            loop = asyncio.new_event_loop()
+            thread = threading.Thread(target=loop.run_forever, daemon=True)
+            thread.start()
+            srv = ChunkServer(store, "127.0.0.1:0")
+            url = asyncio.run_coroutine_threadsafe(srv.start(), loop).result(30)
             try:
-                os.sync()
-                t0 = time.perf_counter()
-                imgs = []
-                fetched = 0
-                for m in (base, tool):
-                    out = os.path.join(sb.dir, m.digest[7:] + ".erofs")
-                    fetched += asyncio.run(pull(url, m.digest, out))
-                    imgs.append(out)
-                pulled = time.perf_counter() - t0
-                lowers = [sb.mount_layer(imgs[1], "tool"), sb.mount_layer(imgs[0], "base")]
-                root = sb.overlay(lowers)
-                run = run_first_output(root, args.cmd)
-                res["full"] = {"seconds": time.perf_counter() - t0, "pull_seconds": pulled,
-                               "run_seconds": run, "bytes_fetched": fetched}
+                for case in cases:
+                    work = tempfile.mkdtemp(prefix=f"{csize}-{case}.", dir=tmp)
+                    r = measure(url, layers, case, project, work)
+                    runs.append({"chunk_size": csize, "case": case, **r})
             finally:
-                sb.close()
-            # -- lazy --------------------------------------------------------------------
-            sb = Sandbox(tmp, "lazy")
-            cache = os.path.join(tmp, "cache")
-            proc = None
-            try:
-                t0 = time.perf_counter()
-                proc = client.start(cache)
-                c = client.LazyClient(cache)
-                files = [c.register(m.digest, url)["file"] for m in (tool, base)]
-                lowers = [sb.mount_layer(files[0], "tool"), sb.mount_layer(files[1], "base")]
-                root = sb.overlay(lowers)
-                run = run_first_output(root, args.cmd)
-                st = c.stats()["layers"]
-                fetched = sum(int(st[m.digest]["bytes_fetched"]) for m in (base, tool))
-                res["lazy"] = {"seconds": time.perf_counter() - t0, "run_seconds": run,
-                               "bytes_fetched": fetched,
-                               "per_layer": {m.kind: {"size": m.size, "bytes_fetched":
-                                                      st[m.digest]["bytes_fetched"]}
-                                             for m in (base, tool)}}
-            finally:
-                sb.close()
-                if proc is not None:
-                    client.stop(cache, proc=proc)
-        finally:
-            asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
+                asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(30)
+                loop.call_soon_threadsafe(loop.stop)
+                thread.join(10)
+                shutil.rmtree(store.root, ignore_errors=True)
 
-    out = {"cmd": args.cmd, "chunk_size": args.chunk_size, "image_bytes": total,
-           "base_bytes": base.size, "toolkit_bytes": tool.size, **res,
-           "fraction_fetched_lazy": res["lazy"]["bytes_fetched"] / total,
-           "speedup_lazy_over_full": res["full"]["seconds"] / res["lazy"]["seconds"],
-           "goal": "fraction <= 0.05 and speedup >= 5"}
+    out = {"runs": runs, "goal": "fraction_fetched_lazy <= 0.05 and "
+                                 "speedup_lazy_over_full >= 5"}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
     mib = 2 ** 20
-    print(f"image: base {base.size / mib:.0f} MiB + toolkit {tool.size / mib:.0f} MiB = "
-          f"{total / mib:.0f} MiB in {args.chunk_size >> 10} KiB chunks; command: "
-          f"python3 -c '{args.cmd}'")
-    print(f"{'way':<10} {'first output s':>15} {'fetched MiB':>12} {'fraction':>9}")
-    for way in ("full", "lazy"):
-        r = res[way]
-        print(f"{way:<10} {r['seconds']:>15.2f} {r['bytes_fetched'] / mib:>12.1f} "
-              f"{r['bytes_fetched'] / total:>8.1%}")
-    print(f"lazy starts {out['speedup_lazy_over_full']:.1f}x sooner and fetches "
-          f"{out['fraction_fetched_lazy']:.1%} of the image (goal: >= 5x, <= 5%)")
+    print(f"{'chunk':>6} {'case':<7} {'image MiB':>9} {'full s':>7} {'lazy s':>7} "
+          f"{'sooner':>7} {'lazy MiB':>9} {'fraction':>9} {'requests':>9} "
+          f"{'manifests KiB':>14}")
+    for r in runs:
+        print(f"{r['chunk_size'] >> 10:>5}K {r['case']:<7} {r['image_bytes'] / mib:>9.0f} "
+              f"{r['full']['seconds']:>7.2f} {r['lazy']['seconds']:>7.2f} "
+              f"{r['speedup_lazy_over_full']:>6.1f}x "
+              f"{r['lazy']['bytes_fetched'] / mib:>9.1f} "
+              f"{r['fraction_fetched_lazy']:>8.1%} {r['lazy']['chunks_fetched']:>9} "
+              f"{r['manifest_bytes'] / 1024:>14.0f}")
+    print("goal: lazy fetches <= 5% of the image and starts >= 5x sooner than a full pull")
     return 0
 
 
