@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -28,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,11 +162,22 @@ class _Conn:
                 if not data:
                     break
                 for f in dec.feed(data):
-                    self._dispatch(f)
-        except (ConnectionError, ValueError) as exc:
+                    try:
+                        self._dispatch(f)
+                    except struct.error as exc:
+                        raise ValueError(f"frame type {f.type:#x}: bad payload ({exc})") from exc
+        except ConnectionError as exc:
             log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
+        except ValueError as exc:
+            # sbx-init broke the protocol: only a compromised PID 1 would
+            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
+            self._violation({"from": "sbx-init", "error": str(exc)})
         finally:
             self._lost()
+
+    def _violation(self, detail: dict[str, object]) -> None:
+        if self.sink is not None:
+            self.sink(self.sandbox_id, "protocol_violation", detail=detail)
 
     def _dispatch(self, f: P.Frame) -> None:
         if f.type in (P.STDOUT, P.STDERR):
@@ -186,9 +199,10 @@ class _Conn:
         elif f.type == P.EVENT:
             confinement.record_event(self.sink, self.sandbox_id, f.exec_id, f.payload)
         elif f.type == P.STARTED:
+            pid = P.STARTED_S.unpack(f.payload)[0]
             fut = self.pending.pop(f.exec_id, None)
             if fut and not fut.done():
-                fut.set_result(P.STARTED_S.unpack(f.payload)[0])
+                fut.set_result(pid)
         elif f.type == P.ERROR:
             code = P.ERROR_S.unpack_from(f.payload)[0]
             msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
@@ -200,12 +214,16 @@ class _Conn:
             else:
                 log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
                             f.exec_id, msg)
-                if self.sink is not None:
-                    # sbx-init refused a frame nobody is waiting on: a malformed request
-                    self.sink(self.sandbox_id, "protocol_violation",
-                              detail={"exec_id": f.exec_id, "errno": code, "message": msg})
-        elif f.type == P.HELLO_OK and not self.hello.done():
-            self.hello.set_result(P.HELLO_S.unpack(f.payload))
+                if code in (errno.EINVAL, errno.EMSGSIZE):
+                    # sbx-init refused a malformed frame (not a benign race such as a signal
+                    # for an exec that has just ended, ESRCH)
+                    self._violation({"from": "client", "exec_id": f.exec_id, "errno": code,
+                                     "message": msg})
+        elif f.type == P.HELLO_OK:
+            if not self.hello.done():
+                self.hello.set_result(P.HELLO_S.unpack(f.payload))
+        else:
+            raise ValueError(f"unknown frame type {f.type:#x} from sbx-init")
 
     def _lost(self) -> None:
         self.closed = True

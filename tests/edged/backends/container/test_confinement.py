@@ -90,3 +90,34 @@ def test_exec_fails_closed_when_apparmor_cannot_apply(
             await backend.destroy("aa")
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+@pytest.mark.parametrize("garbage", [
+    P.frame(0x99, 0, b"x"),  # unknown type
+    P.frame(P.STARTED, 1, b"\x00"),  # wrong payload size
+    P.HDR.pack(P.MAX_PAYLOAD + 1, P.STDOUT, 0, 1, 0),  # oversized
+])
+def test_a_misbehaving_sbx_init_is_a_recorded_violation(garbage: bytes) -> None:
+    """Frames only a compromised PID 1 would send end the connection and are recorded."""
+    import socket
+
+    from edged.backends.container.backend import _Conn
+
+    led = Ledger(None)
+
+    async def body() -> None:
+        a, b = socket.socketpair()
+        reader, writer = await asyncio.open_unix_connection(sock=a)
+        conn = _Conn("bad", reader, writer, led.record)
+        b.sendall(garbage)
+        for _ in range(100):
+            if conn.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert conn.closed
+        await conn.close()
+        b.close()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+    ev = led.events("bad")
+    assert [e.kind for e in ev] == ["protocol_violation"] and ev[0].detail["from"] == "sbx-init"
