@@ -59,8 +59,9 @@ def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
         try:
             beat = asyncio.create_task(bystander())
             # fork bomb: the pids limit stops it; the timeout ends it
+            # (the shell itself may fail to fork first and exit)
             _, err, end = await victim("fork", "b() { b | b & }; b; sleep 5", timeout_s=2)
-            assert end.reason == "timeout"
+            assert end.reason in ("timeout", "exited"), end
             _host_ok()
             # memory bomb: killed by the OOM killer, reported as such
             _, _, end = await execv(b, "victim", ("/usr/bin/attack", "mem"), timeout_s=20)

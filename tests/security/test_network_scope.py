@@ -30,10 +30,13 @@ def test_tcp_ports_limited_by_the_task_profile(node: Node, rootfs: Path, tmp_pat
             out, err, _ = await sh(
                 b, "net",
                 "nc -l -p 8081 </dev/null; echo b8081=$?;"
-                " nc -l -p 8080 </dev/null >/tmp/got 2>&1 & c=1; i=0;"
+                # the listener's stdin stays open: at EOF it would quit before reading
+                " sleep 5 | nc -l -p 8080 >/tmp/got 2>&1 & c=1; i=0;"
                 " while [ $c -ne 0 ] && [ $i -lt 100 ]; do sleep 0.05; i=$((i+1));"
                 "   echo hi | nc -w 1 127.0.0.1 8080 2>/dev/null; c=$?; done; echo c8080=$c;"
-                " nc -w 1 127.0.0.1 8081 </dev/null; echo c8081=$?; wait; cat /tmp/got",
+                " nc -w 1 127.0.0.1 8081 </dev/null; echo c8081=$?;"
+                " i=0; until grep -q hi /tmp/got || [ $i -gt 50 ]; do sleep 0.1; i=$((i+1));"
+                " done; cat /tmp/got",
                 timeout_s=20)
             assert "b8081=1" in out and "c8080=0" in out and "c8081=1" in out, (out, err)
             assert out.rstrip().endswith("hi"), out
