@@ -105,6 +105,9 @@ async def _sandbox_rows(nbytes: int, rounds: int) -> dict[str, dict[str, float]]
                 finally:
                     await b.destroy(sid)
         await b.close()
+        for parent in b.cgroups.parents.values():  # our subtree, empty by now
+            if parent.exists():
+                parent.rmdir()
         return {label: {"unconfined_s": statistics.median(v["unconfined"]),
                         "confined_s": statistics.median(v["confined"]),
                         "ratio": statistics.median(v["confined"]) /
