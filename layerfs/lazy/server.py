@@ -300,8 +300,9 @@ class LazyServer:
         ref = layer.manifest.chunks[index]
         for attempt in (1, 2):
             err = new_error()
-            rc = await asyncio.to_thread(lib.lfs_lazy_chunk_write, self.lz, layer.slot,
-                                         index, data, len(data), err)
+            # On the loop, not in a thread: a pwrite into the page cache (no flush here,
+            # see _flush_present) costs less than the thread hop.
+            rc = lib.lfs_lazy_chunk_write(self.lz, layer.slot, index, data, len(data), err)
             if rc == 0:
                 self._cache_bytes += len(data)
                 self._mark_dirty(layer)
@@ -326,19 +327,23 @@ class LazyServer:
             t.add_done_callback(lambda _t: self._flights.pop(digest, None))
         return await asyncio.shield(t)
 
-    def _local_copy(self, digest: str, length: int) -> bytes | None:
-        """The chunk's bytes from another layer's cache file that holds it, verified."""
-        for other in self.layers.values():
-            for i in self._holders(other).get(digest, ()):
-                if not self._present(other, i):
-                    continue
-                try:
-                    with open(self.cache.data_path(other.digest), "rb") as f:
-                        data = os.pread(f.fileno(), length, i * other.manifest.chunk_size)
-                    return verify_chunk(digest, data, f"cache {self.cache.root}",
-                                        length=length)
-                except (OSError, CorruptError):
-                    continue
+    def _local_copies(self, digest: str) -> list[tuple[str, int]]:
+        """(cache file, offset) of every present copy of a chunk in the cache."""
+        return [(self.cache.data_path(other.digest), i * other.manifest.chunk_size)
+                for other in self.layers.values()
+                for i in self._holders(other).get(digest, ()) if self._present(other, i)]
+
+    def _read_copy(self, digest: str, length: int,
+                   copies: list[tuple[str, int]]) -> bytes | None:
+        """The chunk's bytes from one of ``copies``, verified (one may have been evicted
+        meanwhile)."""
+        for path, off in copies:
+            try:
+                with open(path, "rb") as f:
+                    data = os.pread(f.fileno(), length, off)
+                return verify_chunk(digest, data, f"cache {self.cache.root}", length=length)
+            except (OSError, CorruptError):
+                continue
         return None
 
     def _holders(self, layer: Layer) -> dict[str, list[int]]:
@@ -354,9 +359,11 @@ class LazyServer:
         loop = asyncio.get_running_loop()
         ref = layer.manifest.chunks[index]
         length = layer.manifest.chunk_length(index)
-        local = await asyncio.to_thread(self._local_copy, ref.digest, length)
-        if local is not None:
-            return local
+        copies = self._local_copies(ref.digest)
+        if copies:
+            local = await asyncio.to_thread(self._read_copy, ref.digest, length, copies)
+            if local is not None:
+                return local
         remote = self._remote(layer.remote)
         deadline = loop.time() + self.fetch_timeout
         delay, attempts = 0.05, 0
@@ -404,6 +411,8 @@ class LazyServer:
         async def worker() -> None:
             while queue:
                 await self._idle.wait()
+                if not queue:  # another worker took the last one meanwhile
+                    break
                 i = queue.pop()
                 if lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
                     await self._fetch(layer, i, ondemand=False)
