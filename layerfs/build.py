@@ -23,6 +23,7 @@ from typing import Any
 
 from layerfs.errors import InvalidSourceError, NotFoundError
 from layerfs.manifest import InvalidArgumentError, Manifest, check_chunk_size, check_kind
+from layerfs.output import STDOUT, check_output, copy_to_stdout, replace_with
 from layerfs.store import DEFAULT_CHUNK_SIZE, Store, sha256_file
 from layerfs.tree import Tree
 from layerfs.writer import WriterOptions, write_image
@@ -106,7 +107,8 @@ class _Job:
 
 def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
           chunk_size: int, scratch: str, progress: BuildProgress | None) -> BuildResult:
-    where = os.path.dirname(job.output) if job.output else scratch
+    where = (os.path.dirname(job.output) if job.output and job.output != STDOUT
+             else scratch)
     fd, tmp = tempfile.mkstemp(prefix=".layerfs-build.", suffix=".erofs", dir=where)
     os.close(fd)
     try:
@@ -126,16 +128,10 @@ def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
         else:
             digest, size = sha256_file(tmp), os.path.getsize(tmp)
         t2 = time.monotonic()
-        if job.output:
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.rename(tmp, job.output)
-            dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        if job.output == STDOUT:
+            copy_to_stdout(tmp)
+        elif job.output:
+            replace_with(tmp, job.output)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -179,8 +175,12 @@ def build_layers(src: str, *, kind: str, store: Store | None, output: str | None
     ``src``: a directory; a tar file (plain, gzip or zstd); ``"-"`` for a tar on stdin; or
     ``oci:LAYOUT_DIR[:REF]`` (one layer per OCI layer, bottom first, or one flattened layer
     with ``flatten``). ``store``: where to add the layers (None: only write ``output``).
-    ``output``: the image path for one layer; for several OCI layers a directory that
-    receives ``layer-<index>.erofs``. ``chunk_size`` (bytes) defaults to the store's.
+    ``output``: the image path for one layer (``"-"``: stdout, not a terminal); for
+    several OCI layers a directory that receives ``layer-<index>.erofs``. An existing
+    output that is not a regular file (a device, FIFO, symlink, directory) is refused
+    with :class:`~layerfs.output.OutputError` before any work (see
+    :mod:`layerfs.output`); images get mode 0644 minus the umask. ``chunk_size``
+    (bytes) defaults to the store's.
     At least one of ``store`` and ``output`` is required.
 
     Raises :class:`InvalidSourceError` for a bad source (naming the entry),
@@ -202,9 +202,11 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
                              else store.chunk_size if store is not None
                              else DEFAULT_CHUNK_SIZE)
     opts = writer_options(options, csize)
-    out = os.path.abspath(output) if output is not None else None
-    if out is not None and not os.path.isdir(os.path.dirname(out)):
+    out = output if output is None or output == STDOUT else os.path.abspath(output)
+    if out is not None and out != STDOUT and not os.path.isdir(os.path.dirname(out)):
         raise NotFoundError(f"{output}: directory {os.path.dirname(out)} does not exist")
+    if output is not None and not (src.startswith("oci:") and os.path.isdir(output)):
+        check_output(output)  # before any work; a multi-layer OCI output is a directory
     with _scratch(store) as scratch:
         jobs: list[_Job] = []
         if src.startswith("oci:"):
@@ -214,6 +216,9 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
             layers = load_oci(layout, ref, workdir=scratch, flatten=flatten)
             if len(layers) == 1:
                 outs: list[str | None] = [out]
+            elif out == STDOUT:
+                raise InvalidArgumentError(
+                    f"{src}: has {len(layers)} layers; -o - takes one (use --flatten)")
             elif out is not None:
                 os.makedirs(out, exist_ok=True)
                 outs = [os.path.join(out, f"layer-{lay.index}.erofs") for lay in layers]
@@ -241,6 +246,9 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
             raise InvalidSourceError(f"{src}: not a directory, tar file or oci: layout")
         else:
             raise NotFoundError(f"{src}: no such file or directory")
+        for j in jobs:
+            if j.output is not None:
+                check_output(j.output)
         if single and len(jobs) != 1:
             raise InvalidArgumentError(
                 f"{src}: has {len(jobs)} layers; use build_layers() or flatten=True")

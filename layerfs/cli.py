@@ -18,6 +18,7 @@ from typing import Any
 from layerfs import cli_remote
 from layerfs.errors import LayerfsError, NotFoundError
 from layerfs.manifest import KINDS, Manifest, check_chunk_size
+from layerfs.output import STDOUT, check_output
 from layerfs.progress import Bar, human_bytes
 from layerfs.store import DEFAULT_LEVEL, Store, default_root, sha256_file
 
@@ -57,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                         "or oci:LAYOUT_DIR[:REF]")
     b.add_argument("--kind", required=True, choices=KINDS)
     b.add_argument("-o", "--output", metavar="IMAGE.erofs",
-                   help="also write the image here (a directory for several OCI layers)")
+                   help="also write the image here (a directory for several OCI layers; "
+                        "- for stdout); an existing non-regular file is refused")
     b.add_argument("--no-store", action="store_true",
                    help="only write -o, do not add to the store")
     b.add_argument("--flatten", action="store_true",
@@ -80,7 +82,9 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", parents=[common], help="reassemble a layer's image")
     e.add_argument("digest", metavar="DIGEST")
-    e.add_argument("-o", "--output", required=True, metavar="IMAGE.erofs")
+    e.add_argument("-o", "--output", required=True, metavar="IMAGE.erofs",
+                   help="where to write the image (- for stdout); an existing "
+                        "non-regular file (device, FIFO, symlink, directory) is refused")
 
     r = sub.add_parser("rm", parents=[common], help="remove a layer (chunks go at gc)")
     r.add_argument("digest", metavar="DIGEST")
@@ -89,10 +93,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], human: str) -> None:
+    # With `-o -` stdout carries the image; the report goes to stderr.
+    out = sys.stderr if getattr(args, "output", None) == STDOUT else sys.stdout
     if args.json:
-        sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+        out.write(json.dumps(obj, sort_keys=True) + "\n")
     elif human:
-        sys.stdout.write(human.rstrip("\n") + "\n")
+        out.write(human.rstrip("\n") + "\n")
 
 
 def _open_store(args: argparse.Namespace, *, create: bool = False, **kw: Any) -> Store:
@@ -261,8 +267,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     store = _open_store(args)
     digest = store.resolve(args.digest)
     with Bar("exporting") as bar:
-        m = store.export(digest, args.output, progress=bar)
-    out = os.path.abspath(args.output)
+        if args.output == STDOUT:
+            check_output(STDOUT)
+            m = store.export(digest, sys.stdout.buffer, progress=bar)
+            sys.stdout.buffer.flush()
+        else:
+            m = store.export(digest, args.output, progress=bar)
+    out = args.output if args.output == STDOUT else os.path.abspath(args.output)
     _emit(args, {"digest": m.digest, "size": m.size, "output": out},
           f"{m.digest}  {human_bytes(m.size)} -> {out}")
     return 0

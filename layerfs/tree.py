@@ -16,6 +16,7 @@ symlink, or any other non-directory, is rejected.
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,24 @@ from dataclasses import dataclass, field
 from layerfs.errors import InvalidSourceError
 
 NAME_MAX = 255  # EROFS_NAME_LEN, linux/limits.h NAME_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class SourceId:
+    """What a source file was when it was scanned: ``st_dev``, ``st_ino``, ``st_size``
+    (bytes, of the whole source file) and ``st_mtime_ns``. The writer refuses a source
+    that no longer matches (swapped, grown, shrunk or rewritten between the scan and the
+    write)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> SourceId:
+        """The identity recorded by ``st`` (an ``os.stat``/``os.fstat`` result)."""
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +53,16 @@ class Data:
     With ``extents`` (sparse files) each ``(file_offset, length, source_offset)`` triple
     places ``length`` bytes; they are sorted, do not overlap, and everything outside them
     is a hole that reads as zeros.
+
+    ``identity``, if given, is the :class:`SourceId` of ``path`` at scan time; the writer
+    then refuses the file if ``path`` is no longer that file. Whatever ``identity``, the
+    writer never follows a symlink at ``path`` and reads only a regular file there.
     """
 
     path: str
     offset: int = 0
     extents: tuple[tuple[int, int, int], ...] | None = None
+    identity: SourceId | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -50,7 +74,11 @@ class Inode:
     ``size`` is the byte size for a regular file and ``len(target)`` for a symlink; the
     writer computes directory sizes. ``rdev_major``/``rdev_minor`` are for character and
     block devices (a 0:0 character device is an overlay whiteout). ``xattrs`` maps full
-    names (``b"security.capability"``) to raw values.
+    names (``b"security.capability"``) to raw values. ``implicit`` marks a directory that
+    no source entry described: a missing parent (or the root) made up by
+    :meth:`Tree.put` with default metadata; flattening and per-layer OCI conversion let
+    it take the metadata of the same directory in the layers below
+    (:mod:`layerfs.sources.whiteout`). An explicit entry for it clears the mark.
     """
 
     mode: int
@@ -64,6 +92,7 @@ class Inode:
     xattrs: dict[bytes, bytes] = field(default_factory=dict)
     data: Data | None = None
     children: dict[bytes, Inode] | None = None
+    implicit: bool = False
 
     @property
     def is_dir(self) -> bool:
@@ -118,7 +147,10 @@ class Tree:
     """
 
     def __init__(self, root: Inode | None = None) -> None:
-        self.root = root if root is not None else new_dir()
+        if root is None:
+            root = new_dir()
+            root.implicit = True  # until a source entry describes "/"
+        self.root = root
         if not self.root.is_dir:
             raise ValueError("the root of a tree must be a directory")
 
@@ -132,6 +164,7 @@ class Tree:
                 if not create:
                     return None
                 child = new_dir(mtime_ns=default_mtime_ns)
+                child.implicit = True
                 node.children[comp] = child
             elif not child.is_dir:
                 kind = "a symlink" if stat.S_ISLNK(child.mode) else "not a directory"
@@ -156,7 +189,8 @@ class Tree:
     def put(self, path: str | bytes | tuple[bytes, ...], inode: Inode, *,
             implicit_mtime_ns: int = 0) -> None:
         """Place ``inode`` at ``path``, creating missing parent directories (mode 0755,
-        owner 0:0, mtime ``implicit_mtime_ns``).
+        owner 0:0, mtime ``implicit_mtime_ns``, marked :attr:`Inode.implicit`; in a
+        single layer with nothing below, that is the metadata they keep).
 
         An existing entry is replaced; a directory put over a directory keeps the old
         children. Putting a directory at the root updates the root's metadata. Raises
@@ -182,6 +216,7 @@ class Tree:
     def _merge_dir(old: Inode, new: Inode) -> None:
         old.mode, old.uid, old.gid = new.mode, new.uid, new.gid
         old.mtime_ns, old.xattrs = new.mtime_ns, dict(new.xattrs)
+        old.implicit = new.implicit
         if new.children:
             assert old.children is not None
             old.children.update(new.children)

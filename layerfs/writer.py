@@ -10,22 +10,21 @@ order of ``children`` or ``xattrs`` dicts (format facts: ``csrc/include/erofs_fs
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from layerfs.errors import ImageFormatError
 from layerfs.native import ffi, lib, new_error, raise_error
+from layerfs.output import atomic_output
 from layerfs.tree import Inode, Tree
 
 __all__ = ["ImageStats", "WriterOptions", "write_image"]
 
 # Packed mirrors of struct lfs_wr_inode / _dirent / _xattr / _extent (lfs_writer.h).
-_INODE = struct.Struct("<qQQQ16I")
+_INODE = struct.Struct("<qQQQ16IQQQqII")
 _DIRENT = struct.Struct("<QII")
 _XATTR = struct.Struct("<QQII")
 _EXTENT = struct.Struct("<QQQ")
@@ -126,6 +125,7 @@ class _Flat:
                 blob += xvalue
             efirst = len(extents)
             flags = str_off = str_len = src_offset = 0
+            sid: tuple[int, ...] = (0, 0, 0, 0, 0, 0)
             size = 0
             fmt = stat.S_IFMT(node.mode)
             if fmt == stat.S_IFREG:
@@ -139,8 +139,13 @@ class _Flat:
                         blob += raw
                     str_off, str_len = off, len(raw)
                     src_offset = node.data.offset
+                    ident = node.data.identity
+                    if ident is not None:
+                        flags |= lib.LFS_WR_SRC_ID
+                        sid = (ident.dev, ident.ino, ident.size,
+                               *divmod(ident.mtime_ns, _NS), 0)
                     if node.data.extents is not None:
-                        flags = lib.LFS_WR_SPARSE
+                        flags |= lib.LFS_WR_SPARSE
                         for ext in node.data.extents:
                             extents.append(_EXTENT.pack(*ext))
                 elif size:
@@ -157,7 +162,7 @@ class _Flat:
                     sec, size, src_offset, str_off, str_len, node.mode, node.uid, node.gid,
                     nsec, node.rdev_major, node.rdev_minor, flags,
                     dfirst, len(dirents) - dfirst, xfirst, len(xattrs) - xfirst,
-                    efirst, len(extents) - efirst, self.parent[i], self.name_dirent[i]))
+                    efirst, len(extents) - efirst, self.parent[i], self.name_dirent[i], *sid))
             except struct.error as exc:
                 raise ImageFormatError(
                     f"entry {self.path(i)}: a field is out of range ({exc})") from None
@@ -224,8 +229,10 @@ def write_image(tree: Tree, out: str | os.PathLike[str] | int,
     """Write ``tree`` as an EROFS image to ``out`` and return its :class:`ImageStats`.
 
     ``out`` is a path (written to a temporary file beside it and renamed into place,
-    so a failed build leaves nothing) or an open, seekable file descriptor (truncated
-    and written from offset 0; left as is on failure). Regular file bytes are copied
+    so a failed build leaves nothing; an existing path that is not a regular file, e.g.
+    a device, symlink or directory, is refused with :class:`~layerfs.output.OutputError`
+    and left alone; see :mod:`layerfs.output`) or an open, seekable file descriptor
+    (truncated and written from offset 0; left as is on failure). Regular file bytes are copied
     by the C side from each file's :class:`layerfs.tree.Data` source through one
     buffer; memory does not grow with file size.
 
@@ -238,18 +245,6 @@ def write_image(tree: Tree, out: str | os.PathLike[str] | int,
     flat = _Flat(tree)
     if isinstance(out, int):
         return _write_fd(flat, out, options)
-    path = os.fspath(out)
-    fd, tmp = tempfile.mkstemp(prefix=".layerfs-", suffix=".tmp",
-                               dir=os.path.dirname(os.path.abspath(path)))
-    try:
-        try:
-            stats = _write_fd(flat, fd, options)
-            os.fchmod(fd, 0o644)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_output(out) as fd:
+        stats = _write_fd(flat, fd, options)
     return stats

@@ -17,6 +17,21 @@
 #include "lfs_error.h"
 
 #define LFS_WR_SPARSE 0x1u  /* regular file: data placed by extents, rest holes */
+#define LFS_WR_SRC_ID 0x2u  /* regular file: the source must still be the file scanned
+			     * (src_dev/src_ino/src_size/src_mtime_*), else refused */
+
+/* Largest regular file size (bytes) the writer accepts: 2^62.  The kernel derives
+ * i_blocks as round_up(i_size, block size) >> 9 in a signed loff_t
+ * (fs/erofs/inode.c), which wraps negative for sizes within a block of 2^63. */
+#define LFS_WR_MAX_FILE_SIZE (1ull << 62)
+/* Largest metadata area (superblock, inodes, inline data, chunk maps) in bytes: it
+ * is held in memory while the image is written. */
+#define LFS_WR_MAX_META (1ull << 30)
+/* A sparse file's best layout (chunk map plus the chunks that hold data, each
+ * stored whole: EROFS has no partial chunks) may cost at most this many times its
+ * real data bytes plus LFS_WR_SPARSE_SLACK; tiny extents far apart are refused. */
+#define LFS_WR_SPARSE_FACTOR 4
+#define LFS_WR_SPARSE_SLACK (64ull << 20)
 
 struct lfs_wr_inode {
 	int64_t  mtime_sec;     /* seconds since the Unix epoch, may be negative */
@@ -39,6 +54,12 @@ struct lfs_wr_inode {
 	uint32_t extent_count;
 	uint32_t parent;        /* for messages: a directory holding it (root: 0) */
 	uint32_t name_dirent;   /* for messages: a dirent naming it (root: UINT32_MAX) */
+	uint64_t src_dev;       /* LFS_WR_SRC_ID: st_dev of the source file as scanned */
+	uint64_t src_ino;       /* st_ino */
+	uint64_t src_size;      /* st_size (of the source file, e.g. the whole tar) */
+	int64_t  src_mtime_sec; /* st_mtim */
+	uint32_t src_mtime_nsec;
+	uint32_t reserved;      /* 0 */
 };
 
 struct lfs_wr_dirent {

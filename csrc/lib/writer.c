@@ -240,9 +240,9 @@ static int validate_inode(struct wr *w, uint32_t i)
 		return wr_fail(w, i, EINVAL, "a non-directory has children");
 	}
 	if (type == S_IFREG) {
-		if (ino->size > (uint64_t)INT64_MAX)
-			return wr_fail(w, i, EINVAL, "size %llu too large",
-				       (unsigned long long)ino->size);
+		if (ino->size > LFS_WR_MAX_FILE_SIZE)
+			return wr_fail(w, i, EINVAL, "size %llu too large (maximum %llu)",
+				       (unsigned long long)ino->size, LFS_WR_MAX_FILE_SIZE);
 		if (ino->size && (!ino->str_len || ino->str_len > PATH_MAX ||
 				  !blob_ok(w, ino->str_off, ino->str_len) ||
 				  memchr(in->blob + ino->str_off, 0, ino->str_len)))
@@ -513,69 +513,83 @@ static uint64_t dir_size(const struct wr *w, const struct wr_node *n)
 	return size + used;
 }
 
-/* A sparse file: pick the chunk size minimising map + stored bytes; 0 if a flat
- * layout is no bigger (then holes would not save anything). */
-static void plan_sparse(struct wr *w, uint32_t i)
+/* Stored bytes of a sparse file laid out in chunks of 2^bits: every chunk that holds
+ * any extent byte is stored whole (the last one up to the file end, block-rounded),
+ * plus the map of 4-byte entries.  O(extents), in 128 bits so no size overflows. */
+static unsigned __int128 sparse_cost(const struct wr *w, uint32_t i, unsigned bits,
+				     uint64_t *stored_blocks)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	const struct lfs_wr_extent *ext = w->in->extents + ino->extent_first;
+	uint64_t size = ino->size, blksz = w->blksz, cs = 1ull << bits;
+	uint64_t nchunks = (size >> bits) + ((size & (cs - 1)) != 0);
+	uint64_t last = UINT64_MAX, count = 0, tail_blocks = cs / blksz;
+	bool has_tail = false;
+
+	for (uint32_t k = 0; k < ino->extent_count; k++) {
+		uint64_t a = ext[k].file_off >> bits;
+		uint64_t b = (ext[k].file_off + ext[k].len - 1) >> bits;
+
+		if (last != UINT64_MAX && a <= last)
+			a = last + 1;
+		if (a <= b) {
+			count += b - a + 1;
+			if (b == nchunks - 1)
+				has_tail = true;
+			last = b;
+		}
+	}
+	if (has_tail)       /* the last chunk ends at the file end */
+		tail_blocks = (size - ((nchunks - 1) << bits) + blksz - 1) / blksz;
+	*stored_blocks = count ? (count - 1) * (cs / blksz) + tail_blocks : 0;
+	return (unsigned __int128)nchunks * EROFS_BLOCK_MAP_ENTRY_SIZE +
+		(unsigned __int128)*stored_blocks * blksz;
+}
+
+/* A sparse file: pick the chunk size minimising map + stored bytes, or a flat
+ * layout if that is no bigger (then holes would not save anything).  Refuses a file
+ * whose best layout costs more than LFS_WR_SPARSE_FACTOR x data + SLACK. */
+static int plan_sparse(struct wr *w, uint32_t i)
 {
 	const struct lfs_wr_inode *ino = &w->in->inodes[i];
 	const struct lfs_wr_extent *ext = w->in->extents + ino->extent_first;
 	struct wr_node *n = &w->nodes[i];
-	uint64_t size = ino->size, blksz = w->blksz;
-	uint64_t best = (size + blksz - 1) / blksz * blksz;
+	uint64_t size = ino->size, blksz = w->blksz, data = 0, best_blocks = 0;
+	unsigned __int128 best = (size + blksz - 1) / blksz * blksz, bound;
 	unsigned best_bits = 0;
 
+	for (uint32_t k = 0; k < ino->extent_count; k++)
+		data += ext[k].len;     /* extents do not overlap and lie inside size */
 	for (unsigned bits = w->blkbits; bits <= w->blkbits + EROFS_CHUNK_FORMAT_BLKBITS_MASK &&
 	     bits < 63; bits++) {
-		uint64_t cs = 1ull << bits, nchunks = (size + cs - 1) >> bits;
-		uint64_t cost = nchunks * EROFS_BLOCK_MAP_ENTRY_SIZE, last = UINT64_MAX;
+		uint64_t blocks;
+		unsigned __int128 cost = sparse_cost(w, i, bits, &blocks);
 
-		for (uint32_t k = 0; k < ino->extent_count && cost < best; k++) {
-			uint64_t a = ext[k].file_off >> bits;
-			uint64_t b = (ext[k].file_off + ext[k].len - 1) >> bits;
-
-			if (last != UINT64_MAX && a <= last)
-				a = last + 1;
-			for (; a <= b; a++) {
-				uint64_t bytes = a == nchunks - 1 ? size - (a << bits) : cs;
-
-				cost += (bytes + blksz - 1) / blksz * blksz;
-			}
-			if (b > last || last == UINT64_MAX)
-				last = b;
-		}
 		if (cost < best) {
 			best = cost;
 			best_bits = bits;
+			best_blocks = blocks;
 		}
-		if (cs >= size)
+		if ((1ull << bits) >= size)
 			break;
 	}
+	bound = (unsigned __int128)data * LFS_WR_SPARSE_FACTOR + LFS_WR_SPARSE_SLACK;
+	if (best > bound)
+		return wr_fail(w, i, EINVAL, "sparse file of %llu bytes with %llu data bytes in "
+			       "%u extents: its smallest EROFS layout needs %llu bytes, more than "
+			       "%d x data + %llu MiB (extents too small and far apart)",
+			       (unsigned long long)size, (unsigned long long)data,
+			       ino->extent_count,
+			       best > UINT64_MAX ? ~0ull : (unsigned long long)best,
+			       LFS_WR_SPARSE_FACTOR, LFS_WR_SPARSE_SLACK >> 20);
 	if (!best_bits)
-		return;
+		return 0;
 	n->layout = EROFS_INODE_CHUNK_BASED;
 	n->chunkbits = (uint8_t)best_bits;
 	n->nchunks = (size + (1ull << best_bits) - 1) >> best_bits;
 	n->inline_len = n->nchunks * EROFS_BLOCK_MAP_ENTRY_SIZE;
-	n->nblocks = 0;
-	{
-		uint64_t last = UINT64_MAX;
-
-		for (uint32_t k = 0; k < ino->extent_count; k++) {
-			uint64_t a = ext[k].file_off >> best_bits;
-			uint64_t b = (ext[k].file_off + ext[k].len - 1) >> best_bits;
-
-			if (last != UINT64_MAX && a <= last)
-				a = last + 1;
-			for (; a <= b; a++) {
-				uint64_t bytes = a == n->nchunks - 1 ? size - (a << best_bits)
-					: (1ull << best_bits);
-
-				n->nblocks += (bytes + blksz - 1) / blksz;
-			}
-			if (last == UINT64_MAX || b > last)
-				last = b;
-		}
-	}
+	n->nblocks = best_blocks;
+	return 0;
 }
 
 static int layout(struct wr *w)
@@ -610,8 +624,8 @@ static int layout(struct wr *w)
 		base = (n->extended ? sizeof(struct erofs_inode_extended)
 			: sizeof(struct erofs_inode_compact)) + n->xattr_isize;
 		n->layout = EROFS_INODE_FLAT_PLAIN;
-		if (type == S_IFREG && (ino->flags & LFS_WR_SPARSE))
-			plan_sparse(w, i);
+		if (type == S_IFREG && (ino->flags & LFS_WR_SPARSE) && plan_sparse(w, i) < 0)
+			return -1;
 		if (n->layout == EROFS_INODE_CHUNK_BASED) {
 			w->chunked = true;
 		} else if (type == S_IFREG || type == S_IFLNK || type == S_IFDIR) {
@@ -638,6 +652,9 @@ static int layout(struct wr *w)
 		n->meta_off = start;
 		n->nid = start >> EROFS_ISLOTBITS;
 		pos = (start + base + n->inline_len + EROFS_ISLOT - 1) & ~(uint64_t)(EROFS_ISLOT - 1);
+		if (pos > LFS_WR_MAX_META)
+			return wr_fail(w, i, EINVAL, "metadata area exceeds %llu MiB (too many "
+				       "inodes, xattrs or chunk map entries)", LFS_WR_MAX_META >> 20);
 		if (type == S_IFREG && n->nblocks && w->opt->chunk_align &&
 		    n->size >= w->opt->chunk_align)
 			n->big = 1;
@@ -904,6 +921,57 @@ static int chunk_map_fn(struct wr *w, uint32_t i, uint64_t chunk, uint64_t rank,
 	return 0;
 }
 
+/* Open a regular file's source for reading.  Sources were scanned earlier (a
+ * directory walk, a tar file) and may have been replaced since: a symlink must not
+ * be followed (it could point at a secret), a device or FIFO must not be read (random
+ * bytes, or a read that never returns), and with LFS_WR_SRC_ID the file must still be
+ * the one scanned (same device, inode, size and mtime), so a file that grew or was
+ * swapped is refused rather than silently truncated or mixed. */
+static int open_source(struct wr *w, uint32_t i, const char *path)
+{
+	const struct lfs_wr_inode *ino = &w->in->inodes[i];
+	struct stat st;
+	int fd, flags;
+
+	fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+	if (fd < 0) {
+		int e = errno;
+
+		if (e == ELOOP)
+			return wr_fail(w, i, EINVAL, "source `%s` is now a symlink (changed "
+				       "since it was scanned?)", path);
+		return wr_fail(w, i, e, "open `%s`: %s", path, strerror(e));
+	}
+	if (fstat(fd, &st) < 0) {
+		int e = errno;
+
+		close(fd);
+		return wr_fail(w, i, e, "fstat `%s`: %s", path, strerror(e));
+	}
+	if (!S_ISREG(st.st_mode)) {
+		close(fd);
+		return wr_fail(w, i, EINVAL, "source `%s` is not a regular file (mode 0%o; "
+			       "changed since it was scanned?)", path, (unsigned)st.st_mode);
+	}
+	if ((ino->flags & LFS_WR_SRC_ID) &&
+	    ((uint64_t)st.st_dev != ino->src_dev || (uint64_t)st.st_ino != ino->src_ino ||
+	     (uint64_t)st.st_size != ino->src_size ||
+	     (int64_t)st.st_mtim.tv_sec != ino->src_mtime_sec ||
+	     (uint32_t)st.st_mtim.tv_nsec != ino->src_mtime_nsec)) {
+		close(fd);
+		return wr_fail(w, i, EINVAL, "source `%s` changed since it was scanned (now "
+			       "%llu bytes, inode %llu; was %llu bytes, inode %llu)", path,
+			       (unsigned long long)st.st_size, (unsigned long long)st.st_ino,
+			       (unsigned long long)ino->src_size,
+			       (unsigned long long)ino->src_ino);
+	}
+	/* O_NONBLOCK only guarded the open; regular files ignore it, but drop it. */
+	flags = fcntl(fd, F_GETFL);
+	if (flags >= 0)
+		(void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+	return fd;
+}
+
 static int write_file(struct wr *w, uint32_t i)
 {
 	const struct lfs_wr_inode *ino = &w->in->inodes[i];
@@ -916,9 +984,9 @@ static int write_file(struct wr *w, uint32_t i)
 		return 0;
 	memcpy(path, w->in->blob + ino->str_off, ino->str_len);
 	path[ino->str_len] = '\0';
-	fd = open(path, O_RDONLY | O_CLOEXEC);
+	fd = open_source(w, i, path);
 	if (fd < 0)
-		return wr_fail(w, i, errno, "open `%s`: %s", path, strerror(errno));
+		return -1;
 	if (n->layout == EROFS_INODE_CHUNK_BASED) {
 		struct chunk_copy cc = { fd, path };
 

@@ -6,7 +6,9 @@ namespace byte-exact (``trusted.*`` and ``security.capability`` need root to rea
 device numbers, hardlinks (same ``(st_dev, st_ino)`` → the same :class:`Inode`) and
 holes of sparse files (``SEEK_DATA``/``SEEK_HOLE``, lseek(2)). File bytes are not read:
 each regular file gets a :class:`~layerfs.tree.Data` pointing at itself, and the writer
-reads it later (it must not change in between; the writer reports a file that shrank).
+reads it later and refuses one that changed in between (its ``lstat`` identity is kept
+in :attr:`Data.identity <layerfs.tree.Data>`: a swapped, grown or rewritten file, or a
+symlink or device put in its place, is an error naming it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import stat
 
 from layerfs.errors import InvalidSourceError
-from layerfs.tree import Data, Inode, Tree
+from layerfs.tree import Data, Inode, SourceId, Tree
 
 __all__ = ["load_directory"]
 
@@ -77,7 +79,7 @@ def _inode(path: bytes, st: os.stat_result) -> Inode:
         # storage; then SEEK_DATA just reports one extent).
         if st.st_size and st.st_blocks * 512 < st.st_size:
             extents = _extents(path, st.st_size)
-        node.data = Data(os.fsdecode(path), 0, extents)
+        node.data = Data(os.fsdecode(path), 0, extents, SourceId.of(st))
     elif stat.S_ISLNK(mode):
         node.target = os.readlink(path)
         node.size = len(node.target)

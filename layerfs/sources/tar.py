@@ -69,7 +69,7 @@ from typing import Any, BinaryIO, Protocol
 import zstandard
 
 from layerfs.errors import InvalidSourceError
-from layerfs.tree import Data, Inode, Tree, split_path
+from layerfs.tree import Data, Inode, SourceId, Tree, split_path
 
 BLOCK = 512
 MAX_META = 8 << 20           # one PAX/GNU metadata payload; xattr values are <= 64 KiB
@@ -233,6 +233,7 @@ class _Input:
         self.size = size
         self.pos = 0
         self.compressed = False
+        self.identity: SourceId | None = None  # of the in-place file, checked at write
 
     def read(self, n: int) -> bytes:
         """Up to ``n`` bytes; short only at the end of the stream."""
@@ -449,6 +450,10 @@ def _read_entries(inp: _Input) -> Iterator[_Entry]:
     while True:
         offset = inp.pos
         block = inp.read(BLOCK)
+        if not block and offset == 0:
+            # A failed download piped in (`curl ... | layerfs build -`) must not
+            # become an empty base layer; an empty archive still has its zero blocks.
+            raise _Fail("empty archive (0 bytes)")
         if len(block) < BLOCK:
             if block.strip(b"\0"):
                 raise _Fail(f"archive truncated in the header at byte {offset}")
@@ -571,7 +576,8 @@ def _extents(entry: _Entry, inp: _Input, spool: _Spool,
     assert spool.path is not None or inp.in_place is not None
     src = inp.in_place if inp.in_place is not None else spool.path
     assert src is not None
-    return realsize, Data(path=src, offset=placed[0][2], extents=placed)
+    return realsize, Data(path=src, offset=placed[0][2], extents=placed,
+                          identity=inp.identity if inp.in_place is not None else None)
 
 
 def _read_sparse_v1_map(inp: _Input, stored: int) -> tuple[list[tuple[int, int]], int]:
@@ -642,7 +648,9 @@ def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
                 size = entry.size
                 at = _place(inp, spool, size, what)
                 src = inp.in_place if inp.in_place is not None else spool.path
-                data = Data(path=src, offset=at) if size and src is not None else None
+                data = (Data(path=src, offset=at, identity=inp.identity
+                             if inp.in_place is not None else None)
+                        if size and src is not None else None)
             tree.put(parts, new(stat.S_IFREG | perm, size=size, data=data))
         elif t in (_DIR, _GNU_DUMPDIR):
             if t == _GNU_DUMPDIR:
@@ -758,8 +766,9 @@ def _decompressor(magic: bytes, raw: BinaryIO) -> _Readable | None:
     return None
 
 
-def _in_place_path(stream: BinaryIO, path: str | None) -> tuple[str | None, int | None]:
-    """(path, file size) if ``stream`` is a seekable regular file that ``path`` names."""
+def _in_place_path(stream: BinaryIO,
+                   path: str | None) -> tuple[str | None, os.stat_result | None]:
+    """(path, its fstat) if ``stream`` is a seekable regular file that ``path`` names."""
     if path is None:
         return None, None
     try:
@@ -771,7 +780,7 @@ def _in_place_path(stream: BinaryIO, path: str | None) -> tuple[str | None, int 
         return None, None
     if (pst.st_dev, pst.st_ino) != (st.st_dev, st.st_ino):
         return None, None
-    return os.path.abspath(path), st.st_size
+    return os.path.abspath(path), st
 
 
 def load_tar(src: str | os.PathLike[str] | BinaryIO, *, workdir: str | os.PathLike[str],
@@ -852,7 +861,9 @@ def _open_input(stream: BinaryIO, path: str | None) -> _Input:
         inp = _Input(dec, in_place=None, base=0, size=None)
         inp.compressed = True
         return inp
-    in_place, size = _in_place_path(stream, path) if seekable else (None, None)
-    if in_place is not None and size is not None:
-        return _Input(stream, in_place=in_place, base=base, size=size - base)
+    in_place, st = _in_place_path(stream, path) if seekable else (None, None)
+    if in_place is not None and st is not None:
+        inp = _Input(stream, in_place=in_place, base=base, size=st.st_size - base)
+        inp.identity = SourceId.of(st)
+        return inp
     return _Input(raw, in_place=None, base=0, size=None)

@@ -417,8 +417,24 @@ def test_missing_end_of_archive_accepted(workdir: Path) -> None:
     assert load_bytes(arc + b"\0" * 100, workdir).get("a") is not None   # partial zeros
 
 
-def test_empty_input_is_an_empty_tree(workdir: Path) -> None:
-    assert load_bytes(b"", workdir).root.children == {}
+@pytest.mark.parametrize("wrap", [bytes, gzip.compress,
+                                  lambda b: zstandard.ZstdCompressor().compress(b)])
+def test_zero_byte_archive_is_refused(workdir: Path, wrap: object) -> None:
+    # A failed `curl ... | layerfs build -` must not become an empty base layer.
+    with pytest.raises(InvalidSourceError, match="empty archive"):
+        load_bytes(wrap(b""), workdir)  # type: ignore[operator]
+    assert os.listdir(workdir) == []
+
+
+def test_zero_byte_file_is_refused(workdir: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(InvalidSourceError, match=r"empty.tar: empty archive"):
+        load_tar(tmp_path / "empty.tar", workdir=workdir)
+
+
+def test_end_blocks_only_is_an_empty_tree(workdir: Path) -> None:
+    # What `tar cf x.tar --files-from /dev/null` writes: a real, empty archive.
+    assert load_bytes(END, workdir).root.children == {}
 
 
 def test_content_after_end_marker_ignored(workdir: Path) -> None:

@@ -334,3 +334,187 @@ def test_memory_does_not_grow_with_file_size(scratch: pathlib.Path) -> None:
         rss.append(int(r.stdout))
     assert os.path.getsize(scratch / "img.erofs") > 2 * size  # both copies written
     assert rss[1] - rss[0] < 16 << 10, f"peak RSS {rss} KiB"  # ru_maxrss is in KiB
+
+
+# -- sparse files whose layout cannot be compact; the file size cap ----------------------
+
+def _sparse_tar(path: pathlib.Path, realsize: int, extents: list[tuple[int, int]]) -> None:
+    import tarfile
+
+    data = b"".join(b"x" * n for _, n in extents)
+    t = tarfile.TarInfo("sp")
+    t.size = len(data)
+    t.pax_headers = {"GNU.sparse.name": "sp", "GNU.sparse.realsize": str(realsize),
+                     "GNU.sparse.map": ",".join(f"{o},{n}" for o, n in extents)}
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(t, __import__("io").BytesIO(data))
+
+
+_SPARSE_CHILD = """
+import sys, time
+from layerfs.errors import ImageFormatError
+from layerfs.sources.tar import load_tar
+from layerfs.writer import write_image
+tar, work, out = sys.argv[1:4]
+t0 = time.monotonic()
+try:
+    write_image(load_tar(tar, workdir=work), out)
+    print("WROTE")
+except ImageFormatError as exc:
+    print("REFUSED", exc)
+# VmHWM is this program's peak (ru_maxrss would include the forking pytest's).
+hwm = [l.split()[1] for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(time.monotonic() - t0, hwm)
+"""
+
+
+@pytest.mark.parametrize("case", ["two far extents", "200k one-byte extents"])
+def test_sparse_file_too_scattered_is_refused_fast(scratch: pathlib.Path, case: str) -> None:
+    # Found by review: 2^63-1 bytes with two 4-byte extents made a 16 GiB image in 99 s
+    # with 8.4 GB of memory; 200k one-byte extents a 1.8 GiB image.
+    if case == "two far extents":
+        size, ext = 2**63 - 1, [(0, 4), (2**63 - 5, 4)]
+    else:
+        size, ext = 200_000 * 8192, [(k * 8192, 1) for k in range(200_000)]
+    tar = scratch / "sp.tar"
+    _sparse_tar(tar, size, ext)
+    work = scratch / "work"
+    work.mkdir()
+    out = scratch / "img.erofs"
+    r = subprocess.run([sys.executable, "-c", _SPARSE_CHILD, str(tar), str(work), str(out)],
+                       capture_output=True, text=True, check=True, timeout=120)
+    lines = r.stdout.splitlines()
+    secs, rss_kib = lines[-1].split()
+    assert lines[0].startswith("REFUSED") and "entry /sp" in lines[0], r.stdout
+    assert ("too large" in lines[0]) if size > 1 << 62 else ("sparse" in lines[0])
+    assert float(secs) < 20 and int(rss_kib) < 400 << 10, lines[-1]
+    assert not out.exists()
+
+
+def test_sparse_layout_bound_refuses_scattered_extents(scratch: pathlib.Path) -> None:
+    src = scratch / "s"
+    src.write_bytes(b"\1" * 4096)
+    t = Tree()
+    # 64 GiB apart, 1 byte each: every chunk size needs over 512 MiB of map + chunks,
+    # far more than 4 x data + 64 MiB.
+    ext = tuple((k << 36, 1, 0) for k in range(1000))
+    t.put("sparse", Inode(mode=stat.S_IFREG | 0o644, size=1000 << 36,
+                          data=Data(str(src), 0, ext)))
+    # 200 extents 1 GiB apart fit in 64 KiB chunks (~26 MB of map + chunks): accepted.
+    ext = tuple((k << 30, 1, 0) for k in range(200))
+    ok = Tree()
+    ok.put("sparse", Inode(mode=stat.S_IFREG | 0o644, size=200 << 30,
+                           data=Data(str(src), 0, ext)))
+    assert write_image(ok, scratch / "ok.erofs").size < 64 << 20
+    with pytest.raises(ImageFormatError, match=r"entry /sparse .*smallest EROFS layout"):
+        write_image(t, scratch / "img.erofs")
+    assert not (scratch / "img.erofs").exists()
+
+
+@pytest.mark.mount
+def test_largest_file_size_has_sane_stat(scratch: pathlib.Path) -> None:
+    # i_blocks = round_up(i_size, 4096) >> 9 in a signed loff_t (fs/erofs/inode.c):
+    # negative st_blocks near 2^63, so 2^62 is the cap; 2^62 + 1 is refused.
+    # (Data in such a file is not representable compactly: see the layout bound.)
+    src = scratch / "s"
+    src.write_bytes(b"head")
+    t = Tree()
+    t.put("big", Inode(mode=stat.S_IFREG | 0o644, size=1 << 62, data=Data(str(src), 0, ())))
+    img = scratch / "img.erofs"
+    assert write_image(t, img).size < 4 << 20
+    with mounted_erofs(img) as mp:
+        st = os.stat(os.path.join(mp, "big"))
+        assert st.st_size == 1 << 62 and st.st_blocks >= 0
+        with open(os.path.join(mp, "big"), "rb") as f:
+            f.seek((1 << 62) - 4096)
+            assert f.read() == bytes(4096)
+    t.put("big", Inode(mode=stat.S_IFREG | 0o644, size=(1 << 62) + 1,
+                       data=Data(str(src), 0, ())))
+    with pytest.raises(ImageFormatError, match=r"/big .*too large"):
+        write_image(t, img)
+
+
+# -- a source changed between the scan and the write -------------------------------------
+
+def _swap(p: pathlib.Path, how: str, secret: pathlib.Path) -> None:
+    if how == "symlink":
+        p.unlink()
+        os.symlink(secret, p)
+    elif how == "chardev":
+        p.unlink()
+        os.mknod(p, stat.S_IFCHR | 0o644, os.makedev(1, 3))
+    elif how == "fifo":
+        p.unlink()
+        os.mkfifo(p)
+    elif how == "grew":
+        with open(p, "ab") as f:
+            f.write(b"more")
+    elif how == "rewritten":
+        p.write_bytes(b"B" * 10000)  # same size, new contents and mtime
+        os.utime(p, ns=(0, 5 * S))
+    elif how == "replaced":
+        tmp = p.with_name("new")
+        tmp.write_bytes(p.read_bytes())
+        os.utime(tmp, ns=(os.stat(p).st_atime_ns, os.stat(p).st_mtime_ns))
+        os.rename(tmp, p)
+
+
+@pytest.mark.parametrize("how", [
+    "symlink", pytest.param("chardev", marks=pytest.mark.root), "fifo", "grew", "rewritten",
+    "replaced"])
+def test_source_swapped_after_scan_is_refused(scratch: pathlib.Path, how: str) -> None:
+    from layerfs.sources.directory import load_directory
+
+    if how == "chardev" and os.geteuid() != 0:
+        pytest.skip("mknod of a character device needs root")
+    secret = scratch / "secret"
+    secret.write_bytes(b"SECRET" * 2000)
+    src = scratch / "src"
+    (src / "sub").mkdir(parents=True)
+    f = src / "sub" / "f"
+    f.write_bytes(b"A" * 10000)
+    os.utime(f, ns=(0, 1 * S))
+    tree = load_directory(src)
+    _swap(f, how, secret)
+    out = scratch / "img.erofs"
+    with pytest.raises((ImageFormatError, NativeError)) as ei:
+        write_image(tree, out)
+    msg = str(ei.value)
+    assert str(f) in msg and "entry /sub/f" in msg, msg
+    assert not out.exists() and not any(".tmp" in n for n in os.listdir(scratch))
+
+
+@pytest.mark.parametrize("how", ["symlink", "fifo"])
+def test_source_without_identity_is_never_followed_or_blocked_on(scratch: pathlib.Path,
+                                                                 how: str) -> None:
+    secret = scratch / "secret"
+    secret.write_bytes(b"SECRET" * 2000)
+    p = scratch / "f"
+    p.write_bytes(b"A" * 10000)
+    t = Tree()
+    t.put("f", Inode(mode=stat.S_IFREG | 0o644, size=10000, data=Data(str(p))))
+    _swap(p, how, secret)
+    with pytest.raises(ImageFormatError, match=r"entry /f .*(symlink|not a regular file)"):
+        write_image(t, scratch / "img.erofs")
+
+
+def test_tar_in_place_changed_after_scan_is_refused(scratch: pathlib.Path) -> None:
+    import io
+    import tarfile
+
+    from layerfs.sources.tar import load_tar
+
+    tar = scratch / "a.tar"
+    with tarfile.open(tar, "w") as tf:
+        ti = tarfile.TarInfo("dir/f")
+        ti.size = 5000
+        tf.addfile(ti, io.BytesIO(b"x" * 5000))
+    work = scratch / "work"
+    work.mkdir()
+    tree = load_tar(tar, workdir=work)
+    node = tree.get("dir/f")
+    assert node is not None and node.data is not None and node.data.path == str(tar)
+    with open(tar, "ab") as f:
+        f.write(bytes(10240))
+    with pytest.raises(ImageFormatError, match=r"entry /dir/f .*a.tar.* changed"):
+        write_image(tree, scratch / "img.erofs")
