@@ -28,6 +28,10 @@ from layerfs.store import DEFAULT_CHUNK_SIZE, Store, sha256_file
 from layerfs.tree import Tree
 from layerfs.writer import WriterOptions, write_image
 
+MAX_SOURCE_DATE_EPOCH = (1 << 63) - 1
+"""Largest ``SOURCE_DATE_EPOCH`` (seconds): EROFS extended inodes and the writer keep
+seconds in a signed 64-bit field (``csrc/include/erofs_fs.h``)."""
+
 BuildProgress = Callable[[str, int, int], None]
 """Progress callback: ``(stage, bytes_done, bytes_total)``; stage is ``"store"``."""
 
@@ -82,18 +86,21 @@ def writer_options(options: WriterOptions | None, chunk_size: int,
     alignment set to the store's chunk size and, if ``SOURCE_DATE_EPOCH`` is set (seconds,
     reproducible-builds.org convention) and no clamp was given, mtimes clamped to it.
 
-    Raises :class:`InvalidArgumentError` for a ``SOURCE_DATE_EPOCH`` that is not an integer.
+    Raises :class:`InvalidArgumentError` naming the variable for a ``SOURCE_DATE_EPOCH``
+    that is not a non-negative decimal integer of at most :data:`MAX_SOURCE_DATE_EPOCH`.
     """
     env = os.environ if environ is None else environ
     opts = options if options is not None else WriterOptions()
     opts = dataclasses.replace(opts, chunk_align=chunk_size)
     sde = env.get("SOURCE_DATE_EPOCH")
     if sde is not None and opts.clamp_mtime_ns is None:
-        try:
-            secs = int(sde.strip())
-        except ValueError:
+        text = sde.strip()
+        # Digits only: int() would also take "-5", "+5" and "1_000".
+        if not text.isascii() or not text.isdigit() or int(text) > MAX_SOURCE_DATE_EPOCH:
             raise InvalidArgumentError(
-                f"SOURCE_DATE_EPOCH={sde!r} is not an integer number of seconds") from None
+                f"SOURCE_DATE_EPOCH={sde!r} is not a number of seconds from 0 to "
+                f"{MAX_SOURCE_DATE_EPOCH}")
+        secs = int(text)
         opts = dataclasses.replace(opts, clamp_mtime_ns=secs * 1_000_000_000)
     return opts
 

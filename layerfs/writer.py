@@ -30,6 +30,7 @@ _XATTR = struct.Struct("<QQII")
 _EXTENT = struct.Struct("<QQQ")
 _NO_DIRENT = 0xFFFFFFFF
 _NS = 1_000_000_000
+_MAX_SEC = (1 << 63) - 1  # int64_t seconds in struct lfs_wr_options
 
 for _s, _c in ((_INODE, "struct lfs_wr_inode"), (_DIRENT, "struct lfs_wr_dirent"),
                (_XATTR, "struct lfs_wr_xattr"), (_EXTENT, "struct lfs_wr_extent")):
@@ -201,9 +202,14 @@ def _write_fd(flat: _Flat, fd: int, options: WriterOptions) -> ImageStats:
     opt.block_size = options.block_size
     opt.chunk_align = options.chunk_align
     if options.epoch is not None:
+        if not 0 <= options.epoch <= _MAX_SEC:
+            raise ImageFormatError(f"epoch {options.epoch} is out of range (0..{_MAX_SEC} s)")
         opt.flags |= lib.LFS_WR_OPT_EPOCH
         opt.epoch_sec = options.epoch
     if options.clamp_mtime_ns is not None:
+        if not -_MAX_SEC <= options.clamp_mtime_ns // _NS <= _MAX_SEC:
+            raise ImageFormatError(
+                f"clamp_mtime_ns {options.clamp_mtime_ns} is out of range (64-bit seconds)")
         opt.flags |= lib.LFS_WR_OPT_CLAMP
         opt.clamp_sec, opt.clamp_nsec = divmod(options.clamp_mtime_ns, _NS)
     if options.uuid is not None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from layerfs.errors import InvalidSourceError
 from layerfs.sources.tar import load_tar
-from layerfs.sources.whiteout import convert_layer
+from layerfs.sources.whiteout import LowerDirs, convert_layer
 from layerfs.sources.whiteout import flatten as flatten_trees
 from layerfs.tree import Tree
 
@@ -239,6 +239,7 @@ def load_oci(layout: str | os.PathLike[str], ref: str | None = None, *,
         raise lay.fail(f"manifest {mdigest}: 'layers' is not a list")
 
     layers: list[OciLayer] = []
+    lower_dirs = LowerDirs()
     try:
         for i, desc in enumerate(descs):
             what = f"layer {i}"
@@ -256,6 +257,7 @@ def load_oci(layout: str | os.PathLike[str], ref: str | None = None, *,
                                    blobs=(digest,)))
             if not flatten:
                 convert_layer(tree, label=label)
+                lower_dirs.apply(tree)
         if not flatten:
             return layers
         merged = _flatten_layers(layers)

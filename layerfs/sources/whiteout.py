@@ -24,6 +24,16 @@ its metadata and merges children, anything else replaces). No whiteout inode and
 overlay xattr remains. A merged directory takes the metadata of the top layer that has
 it, which is what overlayfs shows too.
 
+Implicit directories (:attr:`Inode.implicit <layerfs.tree.Inode>`: a parent that a layer's
+tar has no entry for, e.g. ``tmp/`` of a layer holding only ``tmp/foo``) never override
+the metadata of the same directory below, as in docker: flattening keeps the lower
+directory's mode, owner, mtime and xattrs, and per-layer conversion (:class:`LowerDirs`)
+copies them into the implicit directory so the overlay view shows them. With nothing below
+it stays ``0755 0:0`` with the default mtime. A path through a lower symlink (lower
+``lib -> usr/lib``, upper ``lib/new.so``) is not followed: the upper ``lib`` is a real
+directory that hides the symlink, which is what overlayfs and docker's overlay2 show, and
+flattening does the same.
+
 Odd shapes, and the rule for each (tests hold every one):
 
 - a marker must be an empty regular file (hardlinks among markers are fine); a marker
@@ -51,7 +61,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from layerfs.errors import InvalidSourceError
-from layerfs.tree import Inode, Tree, display
+from layerfs.tree import Inode, Tree, display, new_dir
 
 WHITEOUT_PREFIX = b".wh."
 OPAQUE_MARKER = b".wh..wh..opq"
@@ -153,15 +163,71 @@ def convert_layer(tree: Tree, *, label: str = "layer") -> Tree:
 
 
 def _merge_dir(lower: Inode, upper: Inode) -> None:
-    lower.mode, lower.uid, lower.gid = upper.mode, upper.uid, upper.gid
-    lower.mtime_ns, lower.xattrs = upper.mtime_ns, dict(upper.xattrs)
-    assert lower.children is not None and upper.children is not None
-    for name, child in upper.children.items():
-        old = lower.children.get(name)
-        if old is not None and old.is_dir and child.is_dir:
-            _merge_dir(old, child)
-        else:
-            lower.children[name] = child
+    # Iterative: a layer may nest directories thousands deep.
+    stack = [(lower, upper)]
+    while stack:
+        lo, up = stack.pop()
+        if not up.implicit:
+            lo.mode, lo.uid, lo.gid = up.mode, up.uid, up.gid
+            lo.mtime_ns, lo.xattrs = up.mtime_ns, dict(up.xattrs)
+            lo.implicit = False
+        assert lo.children is not None and up.children is not None
+        for name, child in up.children.items():
+            old = lo.children.get(name)
+            if old is not None and old.is_dir and child.is_dir:
+                stack.append((old, child))
+            else:
+                lo.children[name] = child
+
+
+def _is_overlay_xattr(name: bytes) -> bool:
+    return name.startswith((b"trusted.overlay.", b"user.overlay."))
+
+
+def _copy_meta(dst: Inode, src: Inode) -> None:
+    """``src``'s mode, owner, mtime and xattrs onto ``dst``; overlay xattrs stay as they
+    are on ``dst`` (they are about ``dst``'s own layer: opaque, origin)."""
+    dst.mode, dst.uid, dst.gid, dst.mtime_ns = src.mode, src.uid, src.gid, src.mtime_ns
+    keep = {k: v for k, v in dst.xattrs.items() if _is_overlay_xattr(k)}
+    dst.xattrs = {k: v for k, v in src.xattrs.items() if not _is_overlay_xattr(k)}
+    dst.xattrs.update(keep)
+
+
+class LowerDirs:
+    """Directory metadata of the layers converted so far, merged as overlayfs shows it,
+    for per-layer conversion: :meth:`apply` gives each implicit directory of the next
+    layer (:attr:`Inode.implicit <layerfs.tree.Inode>`) the metadata of the same
+    directory below, so the overlay view keeps the lower mode, owner, mtime and xattrs,
+    as docker-style layer application does. Only directories are kept (no file data)."""
+
+    def __init__(self) -> None:
+        self.root = new_dir()
+        self._empty = True
+
+    def apply(self, tree: Tree) -> None:
+        """Fill ``tree``'s implicit directories from the layers below, then record
+        ``tree`` (already in overlay form, :func:`convert_layer`) as the top layer."""
+        stack: list[tuple[Inode, Inode, bool]] = [(tree.root, self.root, self._empty)]
+        self._empty = False
+        while stack:
+            up, sh, fresh = stack.pop()
+            if up.implicit and not fresh:
+                _copy_meta(up, sh)
+            else:
+                _copy_meta(sh, up)
+            assert up.children is not None and sh.children is not None
+            if up.xattrs.get(OPAQUE_XATTRS[0]) == b"y":
+                sh.children.clear()
+            for name, child in up.children.items():
+                low = sh.children.get(name)
+                if child.is_dir:
+                    new = low is None or not low.is_dir
+                    if new:
+                        low = sh.children[name] = new_dir()
+                    assert low is not None
+                    stack.append((child, low, new))
+                else:  # a file, link, device or whiteout hides whatever was below
+                    sh.children.pop(name, None)
 
 
 def apply_layer(lower: Tree, layer: Tree, *, label: str = "layer") -> None:

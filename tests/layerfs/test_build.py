@@ -219,3 +219,30 @@ def test_stored_layer_exports_to_a_mountable_image(tmp_path: Path) -> None:
         assert os.readlink(Path(mnt, "usr/lib/link.so")) == "big.so"
         assert Path(mnt, "etc/hosts").read_bytes() == b"127.0.0.1\n"
         assert os.stat(Path(mnt, "etc/hosts")).st_mtime_ns == 1_600_000_000_123_456_789
+
+
+@pytest.mark.parametrize("value", ["99999999999999999999", "-1", "+5", "1_000", "", "1.5",
+                                   "9223372036854775808", "\u0661\u0662"])
+def test_bad_source_date_epoch_is_a_clear_error(tmp_path: Path, value: str) -> None:
+    # Review finding: 99999999999999999999 gave an OverflowError traceback, -1 was taken.
+    with pytest.raises(InvalidArgumentError, match="SOURCE_DATE_EPOCH"):
+        writer_options(None, MiB, {"SOURCE_DATE_EPOCH": value})
+
+
+def test_largest_source_date_epoch_builds(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_tree(tmp_path / "src", {"f": b"x"})
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", str(2**63 - 1))
+    res = build_layer(str(src), kind="base", store=None, output=str(tmp_path / "o.erofs"))
+    assert res.size > 0
+    with pytest.raises(ValueError, match="clamp_mtime_ns"):
+        from layerfs.tree import Tree
+        from layerfs.writer import write_image
+
+        write_image(Tree(), tmp_path / "x.erofs", WriterOptions(clamp_mtime_ns=10**40))
+    with pytest.raises(ValueError, match="epoch"):
+        from layerfs.tree import Tree
+        from layerfs.writer import write_image
+
+        write_image(Tree(), tmp_path / "x.erofs", WriterOptions(epoch=-1))
+    assert not (tmp_path / "x.erofs").exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,78 @@ def test_three_layer_overlay_equals_docker_application(tmp_path: Path,
     assert expected[b"etc/passwd"].uid == 100000
     assert expected[b"etc/hosts"].mtime_ns == 1_800_000_000_500_000_000
     assert expected[b"usr/bin/t4"].links == (b"usr/bin/t3", b"usr/bin/t4")
+
+
+def _tar_with_modes(entries: list[tuple[str, str | None, int, int, int]]) -> bytes:
+    """(path, content, mode, uid, mtime) entries; content None is a directory, "->x" a
+    symlink. No parent entries are added: what is not listed is implicit."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for path, content, mode, uid, mtime in entries:
+            info = tarfile.TarInfo(path)
+            info.mode, info.uid, info.gid, info.mtime = mode, uid, uid, mtime
+            data = b""
+            if content is None:
+                info.type = tarfile.DIRTYPE
+            elif content.startswith("->"):
+                info.type, info.linkname = tarfile.SYMTYPE, content[2:]
+            else:
+                data = content.encode()
+                info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+LOWER_MODES = [
+    (".", None, 0o750, 7, 1_500_000_000), ("tmp", None, 0o1777, 100000, 1_500_000_001),
+    ("usr", None, 0o755, 0, 1_500_000_002), ("usr/lib", None, 0o700, 42, 1_500_000_003),
+    ("lib", "->usr/lib", 0o777, 0, 1_500_000_004),
+]
+# Only files: tmp/, usr/, usr/lib/, lib/, fresh/, fresh/dir/ and / are all implicit.
+UPPER_NO_PARENTS = [
+    ("tmp/foo", "foo", 0o644, 0, 1_600_000_000), ("usr/lib/new.so", "so", 0o644, 0, 1_600_000_000),
+    ("lib/new.so", "shadow", 0o644, 0, 1_600_000_000),
+    ("fresh/dir/x", "x", 0o644, 0, 1_600_000_000),
+]
+
+
+@pytest.mark.mount
+def test_layer_without_parent_entries_keeps_lower_directory_metadata(
+        tmp_path: Path, scratch: Path) -> None:
+    # Review finding: an upper tar with only tmp/foo over a lower /tmp 1777 gave 0755 root
+    # 1970 in both the overlay stack and the flattened image.
+    layout = tmp_path / "img"
+    make_layout(layout, [(_tar_with_modes(LOWER_MODES), TAR),
+                         (_tar_with_modes(UPPER_NO_PARENTS), TGZ)])
+    work = scratch / "work"
+    work.mkdir()
+    layers = load_oci(layout, "v1", workdir=work)
+    images = []
+    for layer in layers:
+        image = scratch / f"layer{layer.index}.erofs"
+        write_image(layer.tree, image)
+        images.append(image)
+    (flat,) = load_oci(layout, "v1", workdir=work, flatten=True)
+    with contextlib.ExitStack() as stack:
+        mounts = [stack.enter_context(mounted_erofs(img)) for img in images]
+        merged = stack.enter_context(mounted_overlay(list(reversed(mounts))))
+        actual = _comparable(snapshot_dir(merged))
+    expected = _comparable(snapshot_tree(flat.tree))
+    assert_same(actual, expected)
+    s = 1_000_000_000
+    for snap in (actual, expected):
+        assert (snap[b""].mode & 0o7777, snap[b""].uid) == (0o750, 7)
+        tmp = snap[b"tmp"]
+        assert (tmp.mode & 0o7777, tmp.uid, tmp.gid, tmp.mtime_ns) == (
+            0o1777, 100000, 100000, 1_500_000_001 * s)
+        lib = snap[b"usr/lib"]
+        assert (lib.mode & 0o7777, lib.uid, lib.mtime_ns) == (0o700, 42, 1_500_000_003 * s)
+        # Through a lower symlink: a real directory hides it (overlayfs/overlay2 agree).
+        assert stat.S_ISDIR(snap[b"lib"].mode) and snap[b"lib"].target is None
+        assert b"lib/new.so" in snap
+        # Nothing below: 0755 0:0, the default mtime.
+        for d in (b"fresh", b"fresh/dir"):
+            assert (snap[d].mode & 0o7777, snap[d].uid, snap[d].mtime_ns) == (0o755, 0, 0)

@@ -206,3 +206,50 @@ def test_flatten_file_replaces_dir_and_keeps_hardlinks() -> None:
 def test_flatten_of_one_layer_equals_the_layer_without_markers() -> None:
     layer = build({"a/b": f("x"), "a/.wh.c": marker(), "a/.wh..wh..opq": marker()})
     assert names(flatten([layer])) == {"/", "/a", "/a/b"}
+
+
+# -- implicit parent directories; deep paths ----------------------------------------------
+
+def test_flatten_implicit_dir_keeps_lower_metadata() -> None:
+    lower = Tree()
+    lower.put("", new_dir(0o750, uid=7, mtime_ns=3))
+    lower.put("tmp", new_dir(0o1777, uid=5, gid=6, mtime_ns=9))
+    lower.get("tmp").xattrs[b"user.k"] = b"v"  # type: ignore[union-attr]
+    lower.put("lib", Inode(mode=stat.S_IFLNK | 0o777, target=b"usr/lib", size=7))
+    upper = Tree()  # a tar with only files: / and tmp/ and lib/ are implicit
+    upper.put("tmp/foo", f("x"))
+    upper.put("lib/new.so", f("y"))
+    upper.put("fresh/x", f("z"))
+    merged = flatten([lower, upper])
+    tmp = merged.get("tmp")
+    assert tmp is not None
+    assert (tmp.mode, tmp.uid, tmp.gid, tmp.mtime_ns, tmp.xattrs) == (
+        stat.S_IFDIR | 0o1777, 5, 6, 9, {b"user.k": b"v"})
+    assert set(tmp.children or {}) == {b"foo"}
+    assert (merged.root.mode, merged.root.uid) == (stat.S_IFDIR | 0o750, 7)
+    lib = merged.get("lib")  # a lower symlink is not followed: a real directory hides it
+    assert lib is not None and lib.is_dir and set(lib.children or {}) == {b"new.so"}
+    fresh = merged.get("fresh")
+    assert fresh is not None and (fresh.mode, fresh.uid, fresh.mtime_ns) == (
+        stat.S_IFDIR | 0o755, 0, 0)
+
+
+def test_explicit_dir_still_overrides_in_flatten() -> None:
+    lower = Tree()
+    lower.put("tmp", new_dir(0o1777, uid=5))
+    upper = Tree()
+    upper.put("tmp/foo", f("x"))
+    upper.put("tmp", new_dir(0o700, uid=1))  # described after its child: explicit now
+    tmp = flatten([lower, upper]).get("tmp")
+    assert tmp is not None and (tmp.mode, tmp.uid) == (stat.S_IFDIR | 0o700, 1)
+
+
+def test_flatten_of_a_3000_deep_path() -> None:
+    # Review finding: RecursionError in _merge_dir.
+    deep = "/".join(["d"] * 3000)
+    lower, upper = Tree(), Tree()
+    lower.put(deep + "/a", f("a"))
+    upper.put(deep + "/b", f("b"))
+    merged = flatten([lower, upper])
+    node = merged.get(deep)
+    assert node is not None and set(node.children or {}) == {b"a", b"b"}
