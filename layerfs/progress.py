@@ -10,6 +10,9 @@ import sys
 import time
 from typing import TextIO
 
+_MIN_RATE_SECONDS = 0.5
+"""No rate is shown before this much time (seconds) has passed since the first report."""
+
 
 def human_bytes(n: float) -> str:
     """``n`` bytes in binary units with one decimal: ``'1.5 MiB'``."""
@@ -34,6 +37,7 @@ class Bar:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = self.stream.isatty() if enabled is None else enabled
         self._t0: float | None = None  # first report: earlier stages are not in the rate
+        self._done0 = 0
         self._last = 0.0
         self._drawn = False
 
@@ -42,19 +46,24 @@ class Bar:
             return
         now = time.monotonic()
         if self._t0 is None:
-            self._t0 = now
+            # The rate counts from the first report, bytes and time alike: bytes done
+            # before it (another stage, a resumed transfer) took unknown time.
+            self._t0, self._done0 = now, done
         if now - self._last < 0.1 and done != total:
             return
         self._last = now
-        rate = done / max(now - self._t0, 1e-6)
+        elapsed = now - self._t0
+        # A rate over a few milliseconds is noise (a first sample showed 3.8 TiB/s).
+        speed = (f"{human_bytes((done - self._done0) / elapsed)}/s"
+                 if elapsed >= _MIN_RATE_SECONDS else "-- B/s")
         if total > 0:
             frac = min(done / total, 1.0)
             width = 24
             fill = int(frac * width)
             text = (f"{self.label} [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% "
-                    f"{human_bytes(done)}/{human_bytes(total)} {human_bytes(rate)}/s")
+                    f"{human_bytes(done)}/{human_bytes(total)} {speed}")
         else:
-            text = f"{self.label} {human_bytes(done)} {human_bytes(rate)}/s"
+            text = f"{self.label} {human_bytes(done)} {speed}"
         self.stream.write("\r" + text + "\x1b[K")
         self.stream.flush()
         self._drawn = True

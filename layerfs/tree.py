@@ -118,7 +118,7 @@ def split_path(path: str | bytes) -> tuple[bytes, ...]:
     """
     raw = path.encode("utf-8", "surrogateescape") if isinstance(path, str) else bytes(path)
     if b"\0" in raw:
-        raise InvalidSourceError(f"path {raw!r}: contains a NUL byte")
+        raise InvalidSourceError(f"path {_text(raw)!r}: contains a NUL byte")
     parts: list[bytes] = []
     for comp in raw.split(b"/"):
         if comp in (b"", b"."):
@@ -128,9 +128,14 @@ def split_path(path: str | bytes) -> tuple[bytes, ...]:
                 parts.pop()
             continue
         if len(comp) > NAME_MAX:
-            raise InvalidSourceError(f"path {raw!r}: component longer than {NAME_MAX} bytes")
+            raise InvalidSourceError(
+                f"path {_text(raw)!r}: component longer than {NAME_MAX} bytes")
         parts.append(comp)
     return tuple(parts)
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def display(parts: tuple[bytes, ...]) -> str:

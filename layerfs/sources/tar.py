@@ -33,7 +33,11 @@ Entry rules: the last entry for a path wins (a directory over a directory only u
 metadata); a hardlink binds to its target as it is when the link is read (chains and links
 to symlinks work; a later redefinition of the target does not move the link); names follow
 the :mod:`layerfs.tree` path rule (``../`` and ``/`` stay inside the layer; an entry under
-a symlink is refused). An archive may stop at a header boundary without the two
+a symlink is refused). A regular-file entry (type ``0``, NUL or ``7``) whose name ends in
+``/`` is a directory (old V7/GNU archives mark directories so) only if its size is 0; with
+data it is refused as ambiguous, since GNU tar then parses its data as further headers
+while Python's tarfile and ``tar -t`` show a file, so scanners would disagree on the
+contents. An archive may stop at a header boundary without the two
 end-of-archive zero blocks; a zero block ends the archive and what follows is ignored.
 
 Hostile input raises :class:`~layerfs.errors.InvalidSourceError` naming the archive and
@@ -42,8 +46,11 @@ the entry (its path, or the byte offset of its header), and leaves nothing behin
 range (sizes up to 2**63-1, ids up to 2**32-1, device majors up to 4095 and minors up to
 2**20-1 as in Linux's ``dev_t``), malformed PAX records, unknown entry types, empty
 symlink targets, xattr names outside the ``user.``/``trusted.``/``security.``/``system.``
-namespaces or longer than 255 bytes, ``trusted.overlay.*``/``user.overlay.*`` xattrs (they
-would steer overlayfs: whiteouts, opaque dirs and redirects come only from OCI markers, see
+namespaces or longer than 255 bytes, POSIX ACL xattrs (``system.posix_acl_access``,
+``_default``) the kernel would not read back (not version 2, not 8-byte entries, unknown
+tags, out of ``posix_acl_valid()`` order, missing base or mask entries),
+``trusted.overlay.*``/``user.overlay.*`` xattrs (they would steer overlayfs: whiteouts,
+opaque dirs and redirects come only from OCI markers, see
 :mod:`layerfs.sources.whiteout`), values over 64 KiB, and metadata headers over 8 MiB.
 """
 
@@ -135,7 +142,7 @@ def parse_number(raw: bytes, what: str) -> int:
     if not text:
         return 0
     if any(c not in b"01234567" for c in text):
-        raise _Fail(f"bad {what} field {raw!r}")
+        raise _Fail(f"bad {what} field {_h(raw)!r}")
     return int(text, 8)
 
 
@@ -171,36 +178,86 @@ def parse_pax_time(value: bytes) -> int:
     (floored beyond nanosecond precision). Raises :class:`_Fail` if malformed."""
     m = _PAX_TIME.fullmatch(value)
     if m is None:
-        raise _Fail(f"bad pax mtime {value!r}")
+        raise _Fail(f"bad pax mtime {_h(value)!r}")
     frac = (m.group(3) or b"")[:9].ljust(9, b"0")
     rest = (m.group(3) or b"")[9:]
     ns = int(m.group(2)) * 1_000_000_000 + int(frac)
     if m.group(1):
         ns = -ns - (1 if rest.strip(b"0") else 0)
     if abs(ns) // 1_000_000_000 > MAX_MTIME_S:
-        raise _Fail(f"pax mtime {value!r} out of range")
+        raise _Fail(f"pax mtime {_h(value)!r} out of range")
     return ns
 
 
 def _pax_decimal(value: bytes, what: str, limit: int) -> int:
     if _DECIMAL.fullmatch(value) is None:
-        raise _Fail(f"bad pax {what} {value!r}")
+        raise _Fail(f"bad pax {what} {_h(value)!r}")
     n = int(value)
     if n > limit:
         raise _Fail(f"pax {what} {n} out of range")
     return n
 
 
+def _h(raw: bytes) -> str:
+    """Bytes from an archive as text for a message (undecodable bytes as ``\\xNN``)."""
+    return raw.decode("utf-8", "backslashreplace")
+
+
+# include/uapi/linux/posix_acl.h, posix_acl_xattr.h: a version-2 header then 8-byte
+# entries (le16 tag, le16 perm, le32 id); the tags in the order posix_acl_valid() wants.
+_ACL_XATTRS = (b"system.posix_acl_access", b"system.posix_acl_default")
+_ACL_VERSION = 2
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20)
+_ACL_ORDER = {_ACL_USER_OBJ: 0, _ACL_USER: 1, _ACL_GROUP_OBJ: 2, _ACL_GROUP: 3,
+              _ACL_MASK: 4, _ACL_OTHER: 5}
+
+
+def _check_acl(name: bytes, value: bytes) -> None:
+    """Refuse a POSIX ACL xattr the kernel would not read back (it is stored as given
+    and fails only once mounted, on getfacl or access checks)."""
+    where = f"xattr {_h(name)}"
+    if len(value) < 4 or (len(value) - 4) % 8:
+        raise _Fail(f"{where}: {len(value)} bytes is not a 4-byte header plus 8-byte entries")
+    if int.from_bytes(value[:4], "little") != _ACL_VERSION:
+        raise _Fail(f"{where}: version {int.from_bytes(value[:4], 'little')}, not 2")
+    last_rank, last_id = -1, -1
+    seen: dict[int, int] = {}
+    for off in range(4, len(value), 8):
+        tag = int.from_bytes(value[off:off + 2], "little")
+        perm = int.from_bytes(value[off + 2:off + 4], "little")
+        ident = int.from_bytes(value[off + 4:off + 8], "little")
+        rank = _ACL_ORDER.get(tag)
+        if rank is None:
+            raise _Fail(f"{where}: unknown entry tag {tag:#x}")
+        if perm & ~0o7:
+            raise _Fail(f"{where}: bad permissions {perm:#o}")
+        if rank < last_rank or (rank == last_rank and tag not in (_ACL_USER, _ACL_GROUP)):
+            raise _Fail(f"{where}: entries out of order or repeated")
+        if tag in (_ACL_USER, _ACL_GROUP):
+            if rank == last_rank and ident <= last_id:
+                raise _Fail(f"{where}: duplicate or unsorted id {ident}")
+            last_id = ident
+        last_rank = rank
+        seen[tag] = seen.get(tag, 0) + 1
+    if not all(seen.get(t) == 1 for t in (_ACL_USER_OBJ, _ACL_GROUP_OBJ, _ACL_OTHER)):
+        raise _Fail(f"{where}: needs one user::, group:: and other:: entry")
+    if (seen.get(_ACL_USER) or seen.get(_ACL_GROUP)) and not seen.get(_ACL_MASK):
+        raise _Fail(f"{where}: named user or group entries need a mask:: entry")
+
+
 def _check_xattr(name: bytes, value: bytes) -> None:
     if not name or b"\0" in name or len(name) > XATTR_NAME_MAX:
-        raise _Fail(f"bad xattr name {name!r}")
+        raise _Fail(f"bad xattr name {_h(name)!r}")
     if not name.startswith(XATTR_NAMESPACES) or name in XATTR_NAMESPACES:
-        raise _Fail(f"xattr {name!r} is outside the user/trusted/security/system namespaces")
+        raise _Fail(f"xattr {_h(name)} is outside the user/trusted/security/system namespaces")
     if name.startswith(OVERLAY_XATTR_PREFIXES):
-        raise _Fail(f"xattr {name!r} would steer overlayfs; layers express whiteouts and "
+        raise _Fail(f"xattr {_h(name)} would steer overlayfs; layers express whiteouts and "
                     "opaque directories with OCI .wh. markers")
     if len(value) > XATTR_SIZE_MAX:
-        raise _Fail(f"xattr {name!r}: value of {len(value)} bytes exceeds {XATTR_SIZE_MAX}")
+        raise _Fail(f"xattr {_h(name)}: value of {len(value)} bytes exceeds {XATTR_SIZE_MAX}")
+    if name in _ACL_XATTRS:
+        _check_acl(name, value)
 
 
 def _b64decode(value: bytes) -> bytes:
@@ -208,7 +265,7 @@ def _b64decode(value: bytes) -> bytes:
     try:
         return base64.b64decode(value + b"=" * (-len(value) % 4), validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise _Fail(f"bad base64 xattr value {value!r}") from exc
+        raise _Fail(f"bad base64 xattr value {_h(value)!r}") from exc
 
 
 # --------------------------------------------------------------------------- reading
@@ -487,7 +544,7 @@ def _read_entries(inp: _Input) -> Iterator[_Entry]:
             )
         except _Fail as exc:
             raise _Fail(f"header at byte {offset}: {exc}") from None
-        what = f"entry {entry.path!r} (header at byte {offset})"
+        what = f"entry {_h(entry.path)!r} (header at byte {offset})"
         try:
             if entry.size < 0 or entry.size > MAX_SIZE:
                 raise _Fail(f"size {entry.size} out of range")
@@ -640,6 +697,13 @@ def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
                          xattrs=entry.xattrs, **extra)
 
         if t in _REG and entry.path.endswith(b"/") and entry.sparse is None:
+            if entry.size:
+                # GNU tar would take it for a directory and parse its data as more
+                # headers; Python tarfile and `tar -t` see a file with data, so a
+                # scanner built on them would miss the hidden entries.
+                raise _Fail(f"a regular file entry named with a trailing '/' and "
+                            f"{entry.size} bytes of data is ambiguous (a directory to GNU "
+                            f"tar, a file to others); refused")
             t = _DIR  # V7/old GNU archives mark directories only by the trailing slash
         if t in _REG or t == _GNU_SPARSE:
             if entry.sparse is not None:
@@ -678,9 +742,9 @@ def _apply(tree: Tree, entry: _Entry, inp: _Input, spool: _Spool) -> None:
         elif t == _GNU_VOLHDR:
             inp.skip_padded(entry.size, what)
         else:
-            raise _Fail(f"unsupported entry type {t!r}")
+            raise _Fail(f"unsupported entry type {_h(t)!r}")
     except (_Fail, InvalidSourceError) as exc:
-        raise _Fail(f"entry {entry.path!r} (header at byte {entry.offset}): {exc}") from None
+        raise _Fail(f"entry {_h(entry.path)!r} (header at byte {entry.offset}): {exc}") from None
 
 
 # --------------------------------------------------------------------------- opening

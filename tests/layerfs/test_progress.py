@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from layerfs.progress import Bar, human_bytes
 
 
@@ -34,3 +36,21 @@ def test_human_bytes() -> None:
     assert human_bytes(0) == "0 B"
     assert human_bytes(1536) == "1.5 KiB"
     assert human_bytes(3 << 30) == "3.0 GiB"
+
+
+def test_rate_is_not_shown_from_a_too_short_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Review finding: the first sample showed 3.8 TiB/s (bytes over microseconds).
+    import layerfs.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    out = _Tty()
+    bar = Bar("storing", stream=out)
+    bar(4 << 20, 8 << 30)          # first report: 4 MiB already done by an earlier stage
+    now[0] += 0.2
+    bar(8 << 20, 8 << 30)
+    assert "TiB/s" not in out.getvalue() and "-- B/s" in out.getvalue()
+    now[0] += 0.8                  # 1 s after the first report, 12 MiB more
+    bar(16 << 20, 8 << 30)
+    last = out.getvalue().rsplit("\r", 1)[-1]
+    assert "12.0 MiB/s" in last, last

@@ -697,3 +697,63 @@ def test_matches_tarfile_listing_of_gnu_tar_output(tmp_path: Path, workdir: Path
         assert tree.get("d/h") is tree.get("d/f")
         want = 1_600_000_000_987_654_321 if fmt == "pax" else 1_600_000_000 * 10**9
         assert tree.get("d/f").mtime_ns == want  # type: ignore[union-attr]
+
+
+# -- review findings 9 and 10 -------------------------------------------------------------
+
+def test_file_entry_with_trailing_slash_and_data_is_refused(workdir: Path) -> None:
+    # GNU tar takes it for a directory and its data for headers (here a hidden file);
+    # Python tarfile and `tar -t` list a file: a tarfile-based scanner would miss it.
+    hidden = regular(b"hidden", b"payload")
+    arc = member(header(b"innocent/", size=len(hidden)), hidden) + END
+    with pytest.raises(InvalidSourceError, match=r"entry 'innocent/' .*ambiguous"):
+        load_bytes(arc, workdir)
+    assert os.listdir(workdir) == []
+    node = load_bytes(member(header(b"olddir/", mode=0o700)) + END, workdir).get("olddir")
+    assert node is not None and node.is_dir and node.mode & 0o7777 == 0o700
+
+
+def test_messages_show_paths_as_text_not_bytes_reprs(workdir: Path) -> None:
+    arc = member(header("src/lockéd".encode(), typeflag=b"1", linkname=b"nowhere")) + END
+    with pytest.raises(InvalidSourceError) as ei:
+        load_bytes(arc, workdir)
+    assert "entry 'src/lockéd'" in str(ei.value) and "b'" not in str(ei.value)
+    with pytest.raises(InvalidSourceError) as ei:
+        load_bytes(member(header(b"f", raw={108: b"9999999\0"})) + END, workdir)
+    assert "bad uid field '9999999" in str(ei.value) and "b'" not in str(ei.value)
+
+
+def _acl(*entries: tuple[int, int, int], version: int = 2) -> bytes:
+    return version.to_bytes(4, "little") + b"".join(
+        t.to_bytes(2, "little") + p.to_bytes(2, "little") + i.to_bytes(4, "little")
+        for t, p, i in entries)
+
+
+_U, _G, _O, _M, _NU, _NG = 0x01, 0x04, 0x20, 0x10, 0x02, 0x08
+_NOID = 0xFFFFFFFF
+GOOD_ACL = _acl((_U, 7, _NOID), (_NU, 5, 1000), (_G, 5, _NOID), (_M, 5, _NOID), (_O, 0, _NOID))
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    (b"garbage", "header plus 8-byte entries"),
+    (_acl((_U, 7, _NOID), (_G, 5, _NOID), (_O, 0, _NOID), version=1), "version 1"),
+    (_acl((_U, 7, _NOID), (0x40, 5, 0), (_G, 5, _NOID), (_O, 0, _NOID)), "unknown entry tag"),
+    (_acl((_U, 7, _NOID), (_O, 0, _NOID), (_G, 5, _NOID)), "out of order"),
+    (_acl((_U, 7, _NOID), (_NU, 5, 9), (_G, 5, _NOID), (_O, 0, _NOID)), "mask"),
+    (_acl((_U, 7, _NOID), (_NU, 5, 9), (_NU, 5, 9), (_G, 5, _NOID), (_M, 5, _NOID),
+          (_O, 0, _NOID)), "duplicate"),
+    (_acl((_U, 7, _NOID), (_O, 0, _NOID)), "group::"),
+    (_acl((_U, 0o17, _NOID), (_G, 5, _NOID), (_O, 0, _NOID)), "permissions"),
+])
+def test_malformed_posix_acl_is_refused(workdir: Path, value: bytes, needle: str) -> None:
+    arc = pax([(b"SCHILY.xattr.system.posix_acl_access", value)]) + regular(b"f", b"x") + END
+    with pytest.raises(InvalidSourceError, match=r"entry 'f'.*posix_acl_access") as ei:
+        load_bytes(arc, workdir)
+    assert needle in str(ei.value)
+
+
+def test_valid_posix_acl_is_kept(workdir: Path) -> None:
+    arc = (pax([(b"SCHILY.xattr.system.posix_acl_default", GOOD_ACL)])
+           + member(header(b"d/", typeflag=b"5")) + END)
+    node = load_bytes(arc, workdir).get("d")
+    assert node is not None and node.xattrs[b"system.posix_acl_default"] == GOOD_ACL
