@@ -214,7 +214,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _open_store(args)
-    ms = store.layers()
+    ms, bad = store.scan_layers()
     rows = [("DIGEST", "KIND", "SIZE", "CHUNKS", "CREATED", "SOURCE")]
     for m in ms:
         rows.append((_short(m.digest), m.kind, human_bytes(m.size), str(len(m.chunks)),
@@ -226,8 +226,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     human += (f"\n{len(ms)} layers, {human_bytes(sum(m.size for m in ms))} of images in "
               f"{use.chunks} chunks, {human_bytes(use.chunk_bytes)} on disk")
     _emit(args, {"store": store.root, "layers": [_manifest_dict(m, chunks=False) for m in ms],
-                 "chunks": use.chunks, "chunk_bytes": use.chunk_bytes}, human)
-    return 0
+                 "chunks": use.chunks, "chunk_bytes": use.chunk_bytes, "bad_layers": bad},
+          human)
+    for digest, why in sorted(bad.items()):
+        sys.stderr.write(f"layerfs: layer {digest}: damaged manifest, not listed: {why}\n")
+    return 1 if bad else 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -237,13 +240,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
         rep = store.verify(digest, progress=bar)
     lines = [f"{d}: {why}" for d, why in sorted(rep.bad_layers.items())]
     lines += [f"chunk {d}: {why}" for d, why in sorted(rep.bad_chunks.items())]
+    lines += [f"chunk {d}: moved to {p}; adding the layer again rewrites it"
+              for d, p in sorted(rep.quarantined.items())]
     verdict = "ok" if rep.ok else "FAILED"
     lines.append(f"{verdict}: {rep.layers_checked} layers, {rep.chunks_checked} chunks, "
                  f"{human_bytes(rep.bytes_checked)} checked; {len(rep.bad_layers)} bad "
                  f"layers, {len(rep.bad_chunks)} bad chunks")
     _emit(args, {"ok": rep.ok, "layers_checked": rep.layers_checked,
                  "chunks_checked": rep.chunks_checked, "bytes_checked": rep.bytes_checked,
-                 "bad_layers": rep.bad_layers, "bad_chunks": rep.bad_chunks},
+                 "bad_layers": rep.bad_layers, "bad_chunks": rep.bad_chunks,
+                 "quarantined": rep.quarantined},
           "\n".join(lines))
     if not rep.ok:
         sys.stderr.write(f"layerfs: verify found {len(rep.bad_layers)} bad layers and "
@@ -257,9 +263,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     verb = "would remove" if rep.dry_run else "removed"
     _emit(args, {"dry_run": rep.dry_run, "chunks_kept": rep.chunks_kept,
                  "chunks_removed": rep.chunks_removed, "bytes_freed": rep.bytes_freed,
-                 "temp_removed": rep.temp_removed},
+                 "temp_removed": rep.temp_removed, "skipped": rep.skipped},
           f"{verb} {rep.chunks_removed} chunks ({human_bytes(rep.bytes_freed)}) and "
-          f"{rep.temp_removed} temp files; kept {rep.chunks_kept} chunks")
+          f"{rep.temp_removed} temp files; kept {rep.chunks_kept} chunks"
+          + "".join(f"\nskipped {p}: not a chunk file" for p in rep.skipped))
     return 0
 
 

@@ -12,6 +12,7 @@ Layout on disk (version 1)::
     ROOT/chunks/XX/<hex>        zstd frame of one chunk, XX = first two hex digits
     ROOT/manifests/<hex>.json   canonical JSON manifest of layer sha256:<hex>
     ROOT/tmp/                   files being written; anything here at gc time is stale
+    ROOT/quarantine/            chunk files :meth:`Store.verify` found corrupt, moved aside
 
 Atomicity. Every file is written to ``tmp/`` (same filesystem), fsynced, renamed into place,
 and its directory fsynced before anything that depends on it is written. A layer's chunks
@@ -30,6 +31,14 @@ everything in ``tmp/`` when gc holds the lock belongs to a dead writer. A proces
 call gc while it holds a session on the same store (it would wait on itself). Readers take
 no lock: a chunk may disappear under a reader only if its last manifest was removed, which
 the reader then reports as a missing chunk.
+
+Repair. A chunk file that exists is trusted by adds (they deduplicate against it without
+re-reading it), so a corrupt chunk would stay corrupt however often the layer is rebuilt.
+:meth:`Store.verify` therefore moves every chunk file it finds corrupt (undecodable, or not
+hashing to its name) to ``ROOT/quarantine/<hex>.<ns>``, re-checked under the writer lock
+just before, and reports it; the next add or push of the same data then writes the chunk
+anew. Quarantined files are kept for inspection and never read; ``gc`` leaves them (remove
+them by hand). A missing chunk needs no move: the next add restores it.
 
 A push arrives chunk by chunk, then its manifest: :meth:`put_chunk` each hold the lock only
 for one chunk, so a gc may run between a pushed chunk and its manifest and remove the chunk
@@ -68,6 +77,7 @@ from layerfs.manifest import (
     check_kind,
     utc_now_rfc3339,
 )
+from layerfs.output import atomic_output
 
 LAYOUT_VERSION = "1"
 DEFAULT_ROOT = "/var/lib/edged/layers"
@@ -115,7 +125,9 @@ class VerifyReport:
 
     ``bad_chunks`` maps a chunk digest to why it failed (missing, unreadable, digest
     mismatch); ``bad_layers`` maps a layer digest to why it failed (a bad chunk, a whole-image
-    digest mismatch, a corrupt manifest). ``ok`` is True when both are empty.
+    digest mismatch, a corrupt manifest). ``quarantined`` maps each corrupt chunk moved
+    aside to its path under ``ROOT/quarantine`` (see Repair in the module docstring).
+    ``ok`` is True when ``bad_chunks`` and ``bad_layers`` are empty.
     """
 
     layers_checked: int = 0
@@ -123,6 +135,7 @@ class VerifyReport:
     bytes_checked: int = 0
     bad_chunks: dict[str, str] = field(default_factory=dict)
     bad_layers: dict[str, str] = field(default_factory=dict)
+    quarantined: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -132,14 +145,16 @@ class VerifyReport:
 @dataclass(slots=True)
 class GcReport:
     """Result of :meth:`Store.gc`: chunks kept (referenced) and removed (unreferenced),
-    bytes freed, stale temp files removed. With ``dry_run`` nothing was removed and the
-    figures say what would have been."""
+    bytes freed, stale temp files removed, and ``skipped``: paths under ``chunks/`` that
+    are not chunk files (a stray directory, a foreign name), left alone. With ``dry_run``
+    nothing was removed and the figures say what would have been."""
 
     dry_run: bool = False
     chunks_kept: int = 0
     chunks_removed: int = 0
     bytes_freed: int = 0
     temp_removed: int = 0
+    skipped: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,15 +593,27 @@ class Store:
     def layers(self) -> list[Manifest]:
         """Manifests of every stored layer, oldest first (then by digest).
 
-        Raises :class:`CorruptError` if a manifest is damaged.
+        Raises :class:`CorruptError` if a manifest is damaged (:meth:`scan_layers` lists
+        the others instead).
         """
-        ms = []
+        ms, bad = self.scan_layers()
+        if bad:
+            raise CorruptError(next(iter(bad.values())))
+        return ms
+
+    def scan_layers(self) -> tuple[list[Manifest], dict[str, str]]:
+        """``(manifests, bad)``: the readable manifests, oldest first (then by digest),
+        and for each damaged one its digest mapped to why (never raises for damage)."""
+        ms: list[Manifest] = []
+        bad: dict[str, str] = {}
         for d in self.digests():
             try:
                 ms.append(self.manifest(d))
             except NotFoundError:  # removed while we listed
                 continue
-        return sorted(ms, key=lambda m: (m.created, m.digest))
+            except (CorruptError, InvalidArgumentError) as exc:
+                bad[d] = str(exc)
+        return sorted(ms, key=lambda m: (m.created, m.digest)), bad
 
     def resolve(self, ref: str) -> str:
         """Full digest of the one stored layer whose digest starts with ``ref`` (with or
@@ -624,24 +651,16 @@ class Store:
         """Reassemble layer ``digest`` into ``out`` (a path, replaced atomically, or a
         binary file object), checking every chunk's digest and the whole image's digest.
 
+        A path must be new or a regular file (mode 0644 minus umask); anything else there
+        (a device such as ``/dev/null``, a FIFO, a symlink, a directory) is refused with
+        :class:`~layerfs.output.OutputError` and left as it was (:mod:`layerfs.output`).
         Raises :class:`NotFoundError` if the layer is not stored and :class:`CorruptError`
         if a chunk or the whole is wrong; a path ``out`` is then left untouched.
         """
         m = self.manifest(digest)
         if isinstance(out, (str, os.PathLike)):
-            dest = os.path.abspath(os.fspath(out))
-            fd, tmp = tempfile.mkstemp(prefix=".export.", dir=os.path.dirname(dest))
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    self._export_to(m, f, progress)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.rename(tmp, dest)
-            except BaseException:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-                raise
-            _fsync_dir(os.path.dirname(dest))
+            with atomic_output(out) as fd, os.fdopen(os.dup(fd), "wb") as f:
+                self._export_to(m, f, progress)
         else:
             self._export_to(m, out, progress)
         return m
@@ -663,11 +682,13 @@ class Store:
         if "sha256:" + whole.hexdigest() != m.digest:
             raise CorruptError(f"{where}: reassembled image does not match the layer digest")
 
-    def verify(self, digest: str | None = None, *,
-               progress: Progress | None = None) -> VerifyReport:
+    def verify(self, digest: str | None = None, *, progress: Progress | None = None,
+               quarantine: bool = True) -> VerifyReport:
         """Re-hash every chunk of layer ``digest`` (or of every layer) and each whole image.
 
-        Never raises for damage: the report names each bad chunk and bad layer. Raises
+        Never raises for damage: the report names each bad chunk and bad layer. With
+        ``quarantine`` each corrupt chunk file is moved aside so that adding the same data
+        again repairs it (Repair in the module docstring; ``report.quarantined``). Raises
         :class:`NotFoundError` if a named layer is not stored.
         """
         rep = VerifyReport()
@@ -702,7 +723,32 @@ class Store:
                     rep.bad_layers[d] = broken
                 elif "sha256:" + whole.hexdigest() != d:
                     rep.bad_layers[d] = "reassembled image does not match the layer digest"
+        if quarantine:
+            self._quarantine(rep)
         return rep
+
+    def _quarantine(self, rep: VerifyReport) -> None:
+        corrupt = [c for c, why in rep.bad_chunks.items() if not why.startswith(
+            ("is missing", "has "))]  # missing: nothing to move; a length is the manifest's
+        if not corrupt:
+            return
+        qdir = self._path("quarantine")
+        with self._lock(fcntl.LOCK_SH):
+            os.makedirs(qdir, exist_ok=True)
+            for c in corrupt:
+                path = self._chunk_path(c[7:])
+                try:
+                    self._load_chunk(c, "quarantine")
+                    continue  # rewritten meanwhile (only ever whole and valid)
+                except CorruptError:
+                    pass
+                except StoreError:
+                    continue
+                dest = os.path.join(qdir, f"{c[7:]}.{time.time_ns()}")
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, dest)
+                    rep.quarantined[c] = dest
+            _fsync_dir(qdir)
 
     def _check_chunk(self, m: Manifest, item: tuple[int, ChunkRef]) -> tuple[ChunkRef, bytes | str]:
         i, ref = item
@@ -723,14 +769,24 @@ class Store:
                 n += 1
         return Usage(n, total, len(self.digests()))
 
-    def _chunk_files(self) -> Iterator[str]:
+    def _chunk_files(self, skipped: list[str] | None = None) -> Iterator[str]:
+        """Paths of the chunk files: regular files named by 64 hex digits in the fanout
+        directory of their first two. Anything else is left alone and, if ``skipped`` is
+        given, appended to it."""
         base = self._path("chunks")
         for sub in sorted(os.listdir(base)):
             d = os.path.join(base, sub)
-            if not os.path.isdir(d):
+            if not os.path.isdir(d) or os.path.islink(d) or not _is_hex(sub, 2):
+                if skipped is not None:
+                    skipped.append(d)
                 continue
-            for name in os.listdir(d):
-                yield os.path.join(d, name)
+            with os.scandir(d) as it:
+                for e in sorted(it, key=lambda e: e.name):
+                    if (e.is_file(follow_symlinks=False) and _is_hex(e.name, 64)
+                            and e.name.startswith(sub)):
+                        yield e.path
+                    elif skipped is not None:
+                        skipped.append(e.path)
 
     def gc(self, *, dry_run: bool = False) -> GcReport:
         """Remove chunks that no manifest references and stale temp files.
@@ -746,7 +802,7 @@ class Store:
                 for ref in self.manifest(d).chunks:
                     live.add(ref.digest[7:])
             touched: set[str] = set()
-            for path in self._chunk_files():
+            for path in self._chunk_files(rep.skipped):
                 name = os.path.basename(path)
                 if name in live:
                     rep.chunks_kept += 1
@@ -769,6 +825,10 @@ class Store:
                 for d in sorted(touched):
                     _fsync_dir(d)
         return rep
+
+
+def _is_hex(name: str, n: int) -> bool:
+    return len(name) == n and all(c in "0123456789abcdef" for c in name)
 
 
 def _rmtree(path: str) -> None:

@@ -186,11 +186,14 @@ def test_corrupt_chunk_is_named_by_verify_and_refused_by_export(tmp_path: Path) 
     raw[len(raw) // 2] ^= 0x40
     f.write_bytes(bytes(raw))
 
+    with pytest.raises(CorruptError, match=r"does not match its digest|does not decompress"):
+        store.read_chunk(bad)
     rep = store.verify()
     assert not rep.ok
     assert list(rep.bad_chunks) == [bad]
     assert list(rep.bad_layers) == [m.digest]
     assert bad in rep.bad_layers[m.digest]
+    assert list(rep.quarantined) == [bad]  # moved aside: see test_store_repair.py
     assert store.verify(other.digest).ok
 
     out = tmp_path / "out.img"
@@ -199,8 +202,6 @@ def test_corrupt_chunk_is_named_by_verify_and_refused_by_export(tmp_path: Path) 
         store.export(m.digest, out)
     assert out.read_bytes() == b"previous"  # untouched, no temp file left beside it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.img", "b.img", "out.img", "store"]
-    with pytest.raises(CorruptError, match=r"does not match its digest|does not decompress"):
-        store.read_chunk(bad)
 
 
 def test_truncated_and_missing_chunks(tmp_path: Path) -> None:
