@@ -18,13 +18,25 @@
  * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
  * "error ERRNO MESSAGE", and exits 0 or 1.
  *
+ * Pool mode, to take process start-up and namespace creation off a create's
+ * critical path:
+ *   edged-spawner --pool 1 --status-fd N --uid-base N --id-count N
+ * does steps 2 and 3 below at once, writes "ready" to the status fd, then
+ * reads the options above (NUL-separated, same --uid-base and --id-count)
+ * from stdin up to EOF and carries on from step 1.  EOF without options
+ * (the daemon closing its pool) kills the half-made child and exits 0.
+ *
  * Order of work, and why:
- *  1. Enter the sandbox's cgroups, so that everything after is accounted and
- *     the cgroup namespace made next is rooted there.
- *  2. clone3 the child into new user, mount, pid, net, ipc, uts and cgroup
- *     namespaces.  It waits until step 4 is done.
+ *  2. clone3 the child into new user, mount, pid, net, ipc and uts
+ *     namespaces.  It waits (and exits if this process dies first) for one
+ *     setup message: these options and the fds it needs, as it may
+ *     be made before the sandbox it will become is known.
  *  3. Write its uid/gid maps: sandbox 0..count-1 = host base..base+count-1, so
  *     sandbox root is an unprivileged host uid.
+ *  1. Enter the sandbox's cgroups, this process and the child, so that
+ *     everything after is accounted.  The child makes its cgroup namespace
+ *     only once it is in them (unshare after the setup message), so that the
+ *     namespace is rooted at the sandbox's cgroups, not at the daemon's.
  *  4. Here, as host root, build the rootfs as detached mounts (nothing ever
  *     appears in the host's mount table, and a crash leaves nothing behind):
  *     each lower cloned with open_tree and id-mapped through the child's user
@@ -33,7 +45,7 @@
  *     child), a per-sandbox tmpfs of --disk-bytes holding upper and work, and
  *     an overlay over them configured by fd (lowerdir+, Linux >= 6.13).  The
  *     overlay's mount fd goes to the child over a socketpair.
- *  5. The child attaches it, mounts /proc, /dev, /sys, sets the hostname,
+ *  5. The child attaches it (sent with the setup message), mounts /proc, /dev, /sys, sets the hostname,
  *     brings loopback up, pivots into it and execs sbx-init from an fd opened
  *     on the host.  Confinement (seccomp, Landlock, capability drop,
  *     no_new_privs) belongs between pivot_root and the exec: see the
@@ -74,12 +86,14 @@
 #define MAX_LOWERS 64
 #define MAX_JOIN 16
 #define MAX_PROTECT 256
+#define MAX_ARGS (2 * (MAX_LOWERS + MAX_JOIN + MAX_PROTECT + 32))
+#define MAX_SETUP (128 << 10) /* bytes of options in the setup message */
 #define SANDBOX_NOFILE 4096 /* sbx-init needs ~6 per exec, at most 256 execs */
 
 #include "lfs_confine.h"
 
 struct opts {
-	int status_fd;
+	int status_fd, pool;
 	const char *root, *ctl, *log, *init, *hostname;
 	unsigned long uid_base, id_count;
 	unsigned long long disk_bytes;
@@ -149,49 +163,102 @@ static int fs_fail(struct err *e, int fsfd, int code, const char *what)
 	return fail(e, code, "%s: %s", what, strerror(code));
 }
 
-static int send_fd(int sock, int fd)
+/* The setup message: a u32 mask of which of the SETUP_* fds follow (in that
+ * order, as SCM_RIGHTS), then the options, NUL-separated. */
+enum { SETUP_ROOT, SETUP_SCRATCH, SETUP_LISTEN, SETUP_INIT, SETUP_LOG, SETUP_CG_A, SETUP_CG_B,
+       SETUP_LL, SETUP_SC, SETUP_NFDS };
+
+static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS])
 {
-	char byte = 'M';
-	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	uint32_t mask = 0;
+	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
+			       {.iov_base = (void *)args, .iov_len = len}};
 	union {
 		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
+		char buf[CMSG_SPACE(sizeof(int) * SETUP_NFDS)];
 	} c;
-	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
-			   .msg_controllen = sizeof(c.buf)};
-	struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf};
+	struct cmsghdr *cm;
+	int i, n = 0, sent[SETUP_NFDS];
 
+	for (i = 0; i < SETUP_NFDS; i++)
+		if (fds[i] >= 0) {
+			mask |= 1u << i;
+			sent[n++] = fds[i];
+		}
 	memset(c.buf, 0, sizeof(c.buf));
+	m.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)n);
+	cm = CMSG_FIRSTHDR(&m);
 	cm->cmsg_level = SOL_SOCKET;
 	cm->cmsg_type = SCM_RIGHTS;
-	cm->cmsg_len = CMSG_LEN(sizeof(int));
-	memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-	return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -1;
+	cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)n);
+	memcpy(CMSG_DATA(cm), sent, sizeof(int) * (size_t)n);
+	return sendmsg(sock, &m, MSG_NOSIGNAL) == (ssize_t)(sizeof(mask) + len) ? 0 : -1;
 }
 
-static int recv_fd(int sock)
+/* Receive the setup message into args (NUL-terminated) and fds (-1: absent).
+ * Returns the length of the options, -1 on error (errno set). */
+static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS])
 {
-	char byte;
-	struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+	uint32_t mask;
+	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
+			       {.iov_base = args, .iov_len = cap - 1}};
 	union {
 		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int))];
+		char buf[CMSG_SPACE(sizeof(int) * SETUP_NFDS)];
 	} c;
-	struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = c.buf,
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf,
 			   .msg_controllen = sizeof(c.buf)};
 	struct cmsghdr *cm;
-	int fd;
+	int i, n = 0, got[SETUP_NFDS];
+	ssize_t r;
 
-	if (recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1)
+	for (i = 0; i < SETUP_NFDS; i++)
+		fds[i] = -1;
+	r = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
+	if (r < 0)
 		return -1;
 	cm = CMSG_FIRSTHDR(&m);
-	if (!cm || cm->cmsg_type != SCM_RIGHTS || cm->cmsg_len != CMSG_LEN(sizeof(int))) {
+	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+		n = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+	if (n > SETUP_NFDS)
+		n = SETUP_NFDS;
+	if (n)
+		memcpy(got, CMSG_DATA(cm), sizeof(int) * (size_t)n);
+	if (r < (ssize_t)sizeof(mask) || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
+	    __builtin_popcount(mask) != n || mask >> SETUP_NFDS) {
+		for (i = 0; i < n; i++)
+			close(got[i]);
 		errno = EPROTO;
 		return -1;
 	}
-	memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-	return fd;
+	for (i = 0, n = 0; i < SETUP_NFDS; i++)
+		if (mask & (1u << i))
+			fds[i] = got[n++];
+	r -= (ssize_t)sizeof(mask);
+	args[r] = 0;
+	return r;
 }
+
+/* Split NUL-separated options into argv[1..]; returns argc, or -1 if more
+ * than MAX_ARGS. */
+static int split_args(char *args, size_t len, char **argv)
+{
+	int argc = 1;
+	size_t i = 0;
+
+	argv[0] = "edged-spawner";
+	while (i < len) {
+		if (argc == MAX_ARGS)
+			return -1;
+		argv[argc++] = args + i;
+		i += strlen(args + i) + 1;
+	}
+	argv[argc] = NULL;
+	return argc;
+}
+
+static int parse_args(int argc, char **argv, struct opts *o, struct err *e);
 
 /* ---- the child: runs inside the new namespaces ------------------------- */
 
@@ -202,7 +269,8 @@ struct child_fds {
 	int log;         /* sbx-init's stderr */
 	int cg_a, cg_b;  /* cgroup dirs for sbx-init, or -1 */
 	int ll, sc;      /* policy files for sbx-init, or -1 */
-	int scratch;     /* the scratch dir (upper/, work/), received */
+	int scratch;     /* the scratch dir (upper/, work/) */
+	int rootmnt;     /* the detached overlay */
 };
 
 static int bind_dev(const char *name, struct err *e)
@@ -318,13 +386,15 @@ static int protect_paths(const struct opts *o, struct err *e)
 
 static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
 {
-	cleanup_close int rootmnt = recv_fd(f->sync);
+	cleanup_close int rootmnt = f->rootmnt;
 
-	if (rootmnt < 0)
-		return fail(e, errno ? errno : EPROTO, "receive the rootfs mount");
-	f->scratch = recv_fd(f->sync);
-	if (f->scratch < 0)
-		return fail(e, errno ? errno : EPROTO, "receive the scratch dir");
+	f->rootmnt = -1;
+	if (rootmnt < 0 || f->scratch < 0 || f->listen < 0 || f->init_exe < 0 || f->log < 0)
+		return fail(e, EPROTO, "setup message without the rootfs, scratch, socket or log");
+	/* Moved into the sandbox's cgroups by the parent before the setup
+	 * message: the cgroup namespace is rooted there. */
+	if (unshare(CLONE_NEWCGROUP) < 0)
+		return fail(e, errno, "unshare the cgroup namespace");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return fail(e, errno, "make `/` private");
 	/* Attached on top of this namespace's "/", not on --root: this child runs
@@ -371,14 +441,38 @@ static int place_fd(int fd, int to)
 	return dup3(fd, to, 0) < 0 ? -1 : 0;
 }
 
-static void child_main(const struct opts *o, struct child_fds *f)
+static void child_main(int sync)
 {
+	static char args[MAX_SETUP];
+	static char *oargv[MAX_ARGS + 1];
+	static struct opts opts;
+	const struct opts *o = &opts;
+	struct child_fds fds, *f = &fds;
 	struct err e = {0};
 	char *argv[24];
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
-	int argc = 0, hi = 100, nul;
+	int argc = 0, hi = 100, nul, got[SETUP_NFDS], oargc;
+	ssize_t len;
 
-	if (child_setup(o, f, &e) < 0)
+	f->sync = sync;
+	len = recv_setup(sync, args, sizeof(args), got);
+	if (len < 0)
+		_exit(1); /* the spawner went away before the sandbox was known */
+	f->rootmnt = got[SETUP_ROOT];
+	f->scratch = got[SETUP_SCRATCH];
+	f->listen = got[SETUP_LISTEN];
+	f->init_exe = got[SETUP_INIT];
+	f->log = got[SETUP_LOG];
+	f->cg_a = got[SETUP_CG_A];
+	f->cg_b = got[SETUP_CG_B];
+	f->ll = got[SETUP_LL];
+	f->sc = got[SETUP_SC];
+	oargc = split_args(args, (size_t)len, oargv);
+	if (oargc < 0) {
+		fail(&e, E2BIG, "too many options");
+		goto out;
+	}
+	if (parse_args(oargc, oargv, &opts, &e) < 0 || child_setup(o, f, &e) < 0)
 		goto out;
 	/* Capabilities and no_new_privs here, for sbx-init and all it starts.
 	 * Landlock and seccomp are sbx-init's to apply, to each exec: sbx-init
@@ -618,7 +712,10 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, str
 	tmpmnt = -1;
 	rc = mnt;
 out:
-	for (i = 0; i < o->n_lowers; i++)
+	/* On success the lower clones stay open until this process exits, after
+	 * "ok" is reported: the overlay holds clones of its own, and closing
+	 * ours dissolves them, which waits for an RCU grace period. */
+	for (i = 0; i < o->n_lowers && rc < 0; i++)
 		if (lowers[i] >= 0)
 			close(lowers[i]);
 	return rc;
@@ -651,34 +748,108 @@ static int open_listen(const char *path, struct err *e)
 	return fd;
 }
 
-static int join_cgroups(const struct opts *o, struct err *e)
+/* Enter the sandbox's cgroups: this process (its rootfs work is accounted
+ * there too) and the waiting child. */
+static int join_cgroups(const struct opts *o, pid_t child, struct err *e)
 {
-	char path[4096];
+	char path[4096], pid[32];
 	int i;
 
+	snprintf(pid, sizeof(pid), "%d", child);
 	for (i = 0; i < o->n_join; i++) {
 		snprintf(path, sizeof(path), "%s/cgroup.procs", o->join[i]);
-		if (write_file(path, "0", e) < 0)
+		if (write_file(path, "0", e) < 0 || write_file(path, pid, e) < 0)
 			return -1;
 	}
 	return 0;
 }
 
-static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
+/* A child in new namespaces with its id maps written, waiting for its setup
+ * message on `sync`. */
+struct pre {
+	pid_t pid;
+	int sync;
+};
+
+static void pre_kill(struct pre *p)
 {
+	if (p->pid > 0) {
+		kill(p->pid, SIGKILL);
+		waitpid(p->pid, NULL, 0);
+		p->pid = 0;
+	}
+	if (p->sync >= 0) {
+		close(p->sync);
+		p->sync = -1;
+	}
+}
+
+static int prefork(const struct opts *o, struct pre *p, struct err *e)
+{
+	/* CLONE_NEWCGROUP comes later, from the child itself: see child_setup */
 	struct clone_args ca = {
 		.flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC |
-			 CLONE_NEWUTS | CLONE_NEWCGROUP,
+			 CLONE_NEWUTS,
 		.exit_signal = SIGCHLD,
 	};
-	struct child_fds f = {.sync = -1, .listen = -1, .init_exe = -1, .log = -1, .cg_a = -1,
-			      .cg_b = -1, .ll = -1, .sc = -1, .scratch = -1};
-	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
-	cleanup_close int sync_p = -1, rootmnt = -1, scratch = -1, ll = -1, sc = -1;
+	pid_t pid;
 	int sv[2];
+
+	p->pid = 0;
+	p->sync = -1;
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+		return fail(e, errno, "socketpair");
+	/* The user namespace belongs to the euid that creates it, and per-user
+	 * kernel counters (inotify instances and watches, user namespaces, ...)
+	 * of everything inside are also charged to that owner in the initial
+	 * namespace.  Owned by host root, one sandbox could use up root's share
+	 * for the host and every other sandbox; owned by the sandbox's own host
+	 * uid, it can only exhaust its own. */
+	if (setresuid((uid_t)-1, (uid_t)o->uid_base, (uid_t)-1) < 0) {
+		close(sv[0]);
+		close(sv[1]);
+		return fail(e, errno, "seteuid(%lu) to create the user namespace", o->uid_base);
+	}
+	pid = (pid_t)syscall(SYS_clone3, &ca, sizeof(ca));
+	if (pid == 0) {
+		/* A pooled child may wait long; it never outlives its spawner
+		 * unset up: the spawner holds the only other end of `sync`, so its
+		 * death ends the child's wait with EOF. */
+		close(sv[0]);
+		if (o->status_fd > 2)
+			close(o->status_fd);
+		child_main(sv[1]);
+	}
+	close(sv[1]);
+	if (pid > 0)
+		p->pid = pid;
+	p->sync = sv[0];
+	if (setresuid((uid_t)-1, 0, (uid_t)-1) < 0) {
+		int saved = errno;
+
+		pre_kill(p);
+		return fail(e, saved, "seteuid(0) after clone3");
+	}
+	if (pid < 0) {
+		pre_kill(p);
+		return fail(e, errno, "clone3 with new namespaces");
+	}
+	if (write_maps(pid, o, e) < 0) {
+		pre_kill(p);
+		return -1;
+	}
+	return 0;
+}
+
+/* Make the sandbox `o` describes out of the waiting child `p`; `args` are the
+ * options as NUL-separated strings (the child parses them too). */
+static int finish(const struct opts *o, struct pre *p, const char *args, size_t len,
+		  pid_t *out_pid, struct err *e)
+{
+	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
+	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1;
 	char reply[600];
 	ssize_t n;
-	pid_t pid;
 	int status;
 
 	init_exe = open(o->init, O_RDONLY | O_CLOEXEC);
@@ -707,78 +878,38 @@ static int spawn(const struct opts *o, pid_t *out_pid, struct err *e)
 		if (sc < 0)
 			return fail(e, errno, "open seccomp program `%s`", o->seccomp);
 	}
-	if (join_cgroups(o, e) < 0)
+	if (join_cgroups(o, p->pid, e) < 0)
 		return -1;
 	listen_fd = open_listen(o->ctl, e);
 	if (listen_fd < 0)
 		return -1;
-	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
-		return fail(e, errno, "socketpair");
-	sync_p = sv[0];
-	/* The user namespace belongs to the euid that creates it, and per-user
-	 * kernel counters (inotify instances and watches, user namespaces, ...)
-	 * of everything inside are also charged to that owner in the initial
-	 * namespace.  Owned by host root, one sandbox could use up root's share
-	 * for the host and every other sandbox; owned by the sandbox's own host
-	 * uid, it can only exhaust its own. */
-	if (setresuid((uid_t)-1, (uid_t)o->uid_base, (uid_t)-1) < 0) {
-		close(sv[1]);
-		return fail(e, errno, "seteuid(%lu) to create the user namespace", o->uid_base);
-	}
-	pid = (pid_t)syscall(SYS_clone3, &ca, sizeof(ca));
-	if (pid != 0 && setresuid((uid_t)-1, 0, (uid_t)-1) < 0) {
-		int saved = errno;
-
-		if (pid > 0) {
-			kill(pid, SIGKILL);
-			waitpid(pid, NULL, 0);
-		}
-		close(sv[1]);
-		return fail(e, saved, "seteuid(0) after clone3");
-	}
-	if (pid < 0) {
-		close(sv[1]);
-		return fail(e, errno, "clone3 with new namespaces");
-	}
-	if (pid == 0) {
-		f.sync = sv[1];
-		f.listen = listen_fd;
-		f.init_exe = init_exe;
-		f.log = log_fd;
-		f.cg_a = cg_a;
-		f.cg_b = cg_b;
-		f.ll = ll;
-		f.sc = sc;
-		close(sv[0]);
-		child_main(o, &f);
-	}
-	close(sv[1]);
-	if (write_maps(pid, o, e) < 0)
-		goto kill_child;
-	rootmnt = build_rootfs(o, pid, &scratch, e);
+	rootmnt = build_rootfs(o, p->pid, &scratch, e);
 	if (rootmnt < 0)
-		goto kill_child;
-	if (send_fd(sync_p, rootmnt) < 0 || send_fd(sync_p, scratch) < 0) {
-		fail(e, errno, "send the rootfs to the child");
-		goto kill_child;
+		return -1;
+	{
+		int fds[SETUP_NFDS] = {[SETUP_ROOT] = rootmnt, [SETUP_SCRATCH] = scratch,
+				       [SETUP_LISTEN] = listen_fd, [SETUP_INIT] = init_exe,
+				       [SETUP_LOG] = log_fd, [SETUP_CG_A] = cg_a, [SETUP_CG_B] = cg_b,
+				       [SETUP_LL] = ll, [SETUP_SC] = sc};
+
+		if (send_setup(p->sync, args, len, fds) < 0)
+			return fail(e, errno, "send the rootfs to the child");
 	}
-	n = read(sync_p, reply, sizeof(reply) - 1);
+	n = read(p->sync, reply, sizeof(reply) - 1);
 	if (n > 0) {
 		int code = 0, off = 0;
 
 		reply[n] = 0;
 		sscanf(reply, "%d %n", &code, &off);
-		fail(e, code, "%s", reply + off);
-		goto kill_child;
+		return fail(e, code, "%s", reply + off);
 	}
-	if (waitpid(pid, &status, WNOHANG) == pid)
+	if (waitpid(p->pid, &status, WNOHANG) == p->pid) {
+		p->pid = 0;
 		return fail(e, ECHILD, "sandbox child died before exec (status %#x)", status);
-	*out_pid = pid;
+	}
+	*out_pid = p->pid;
+	p->pid = 0; /* sbx-init now: not ours to kill */
 	return 0;
-kill_child:
-	kill(pid, SIGKILL);
-	waitpid(pid, &status, 0);
-	return -1;
 }
 
 static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
@@ -797,6 +928,8 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 		i++;
 		if (!strcmp(k, "--status-fd"))
 			o->status_fd = atoi(v);
+		else if (!strcmp(k, "--pool"))
+			o->pool = atoi(v);
 		else if (!strcmp(k, "--root"))
 			o->root = v;
 		else if (!strcmp(k, "--ctl"))
@@ -852,10 +985,12 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 		else
 			return fail(e, EINVAL, "unknown option `%s`", k);
 	}
-	if (!o->root || !o->ctl || !o->log || !o->init || !o->n_lowers)
-		return fail(e, EINVAL, "--root, --ctl, --log, --init and --lower are required");
 	if (!o->uid_base || !o->id_count)
 		return fail(e, EINVAL, "--uid-base must be a nonzero host uid (sandbox root is not host root)");
+	if (o->pool)
+		return 0;
+	if (!o->root || !o->ctl || !o->log || !o->init || !o->n_lowers)
+		return fail(e, EINVAL, "--root, --ctl, --log, --init and --lower are required");
 	if (!o->disk_bytes)
 		return fail(e, EINVAL, "--disk-bytes must be positive");
 	if (strlen(o->hostname) > 64)
@@ -863,20 +998,89 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 	return 0;
 }
 
+/* Read `fd` to EOF into buf (at most cap - 1 bytes); returns the length or -1. */
+static ssize_t read_all(int fd, char *buf, size_t cap, struct err *e)
+{
+	size_t len = 0;
+
+	for (;;) {
+		ssize_t n = read(fd, buf + len, cap - 1 - len);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0)
+			return fail(e, errno, "read the options from stdin");
+		if (n == 0)
+			return (ssize_t)len;
+		len += (size_t)n;
+		if (len == cap - 1)
+			return fail(e, E2BIG, "options longer than %zu bytes", cap - 2);
+	}
+}
+
+/* Options after argv[0] as NUL-separated strings, for the child. */
+static ssize_t join_args(int argc, char **argv, char *buf, size_t cap, struct err *e)
+{
+	size_t len = 0;
+	int i;
+
+	for (i = 1; i < argc; i++) {
+		size_t n = strlen(argv[i]) + 1;
+
+		if (len + n >= cap)
+			return fail(e, E2BIG, "options longer than %zu bytes", cap - 1);
+		memcpy(buf + len, argv[i], n);
+		len += n;
+	}
+	return (ssize_t)len;
+}
+
 int main(int argc, char **argv)
 {
+	static char args[MAX_SETUP];
+	static char *pargv[MAX_ARGS + 1];
 	struct err e = {0};
 	struct opts o;
+	struct pre p = {.pid = 0, .sync = -1};
 	char line[700];
 	pid_t pid = 0;
+	ssize_t len = -1;
 	int n, rc;
 
 	rc = parse_args(argc, argv, &o, &e);
 	if (o.status_fd < 0)
 		o.status_fd = 2;
 	fcntl(o.status_fd, F_SETFD, FD_CLOEXEC);
+	if (rc == 0 && o.pool) {
+		rc = prefork(&o, &p, &e);
+		if (rc == 0) {
+			unsigned long base = o.uid_base, count = o.id_count;
+			int status_fd = o.status_fd, pargc;
+
+			(void)!write(o.status_fd, "ready\n", 6);
+			len = read_all(0, args, sizeof(args), &e);
+			if (len == 0) { /* the pool was closed */
+				pre_kill(&p);
+				return 0;
+			}
+			rc = len < 0 ? -1 : 0;
+			if (rc == 0) {
+				pargc = split_args(args, (size_t)len, pargv);
+				rc = pargc < 0 ? fail(&e, E2BIG, "too many options")
+					       : parse_args(pargc, pargv, &o, &e);
+			}
+			o.status_fd = status_fd;
+			if (rc == 0 && (o.pool || o.uid_base != base || o.id_count != count))
+				rc = fail(&e, EINVAL, "options for uid base %lu, count %lu given to the "
+					  "spawner made for %lu, %lu", o.uid_base, o.id_count, base, count);
+		}
+	} else if (rc == 0) {
+		len = join_args(argc, argv, args, sizeof(args), &e);
+		rc = len < 0 ? -1 : prefork(&o, &p, &e);
+	}
 	if (rc == 0)
-		rc = spawn(&o, &pid, &e);
+		rc = finish(&o, &p, args, (size_t)len, &pid, &e);
+	pre_kill(&p);
 	if (rc == 0)
 		n = snprintf(line, sizeof(line), "ok %d\n", pid);
 	else

@@ -10,7 +10,12 @@ Per sandbox, on the host:
   the sandbox's mount namespace and vanish with its last process.
 
 Creating a sandbox never forks the daemon: ``os.posix_spawn`` (glibc: clone with CLONE_VM |
-CLONE_VFORK) runs the spawner, which reports ``ok PID`` on a pipe once sbx-init runs. A
+CLONE_VFORK) runs the spawner, which reports ``ok PID`` on a pipe once sbx-init runs. To keep
+process start-up and namespace creation off a create's critical path, the backend holds a
+small pool of spawners started ahead of demand (``--pool``: each has already cloned its child
+into new namespaces with the uid range of a reserved slot, and waits for the sandbox's
+options on its stdin); a create takes a ready one, or spawns directly when none is, and the
+pool is refilled in the background. A
 sandbox outlives the daemon (sbx-init is re-parented to the host's init); a restarted daemon
 finds it in the state dir (:meth:`ContainerBackend.list_existing`) and reconnects
 (:meth:`ContainerBackend.adopt`).
@@ -250,6 +255,18 @@ class _Conn:
 
 
 @dataclass
+class _Pooled:
+    """A spawner started ahead of demand (``edged-spawner --pool``), holding uid slot
+    ``slot``: it has made its child's namespaces and waits for options on ``stdin``."""
+
+    pid: int
+    slot: int
+    stdin: int
+    status: int
+    ready: asyncio.Future[None]
+
+
+@dataclass
 class _Sandbox:
     id: str
     dir: Path
@@ -279,7 +296,9 @@ class ContainerBackend:
     that filesystem (per sandbox ``resources.disk_bytes`` where it is XFS with project quotas,
     see :mod:`.scratch`); default: a tmpfs of ``resources.disk_bytes`` per sandbox.
     ``on_event``: where security events go (see :mod:`.confinement`), e.g. a ledger's
-    ``record``. Raises :class:`edged.errors` exceptions only.
+    ``record``. ``spawner_pool``: how many spawners to keep started ahead of demand (0: spawn
+    one per create; each pooled one is two waiting processes and holds a uid range; call
+    :meth:`close` to end them). Raises :class:`edged.errors` exceptions only.
     """
 
     name = "container"
@@ -288,7 +307,8 @@ class ContainerBackend:
                  uid_base: int = 1 << 30, id_count: int = 65536,
                  bin_dir: str | os.PathLike[str] | None = None,
                  scratch_dir: str | os.PathLike[str] | None = None,
-                 on_event: confinement.EventSink | None = None) -> None:
+                 on_event: confinement.EventSink | None = None,
+                 spawner_pool: int = 0) -> None:
         self.state_dir = Path(state_dir)
         self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.on_event = on_event
@@ -308,6 +328,11 @@ class ContainerBackend:
         self._slots: set[int] = set()
         self._slots_loaded = False
         self._next_slot = 0
+        self.spawner_pool = max(0, spawner_pool)
+        self._pool: list[_Pooled] = []
+        self._reaping: dict[int, int] = {}  # pid -> pidfd of spawners being reaped
+        self._loop: asyncio.AbstractEventLoop | None = None  # of the pool's readers
+        self._closed = False
 
     # ---- helpers ------------------------------------------------------
 
@@ -358,27 +383,142 @@ class ContainerBackend:
         pid = int(meta.get("pid") or 0)
         return pid > 0 and _starttime(pid) == meta.get("starttime")
 
-    async def _spawn(self, argv: list[str]) -> int:
-        spawner = str(self.bin_dir / "edged-spawner")
-        r, w = os.pipe()
+    async def _spawn(self, argv: list[str], pooled: _Pooled | None = None) -> int:
+        """Run the spawner with ``argv`` (or hand ``argv`` to a pooled one); returns sbx-init's
+        host pid. The spawner is reaped in the background: after reporting it still closes
+        mount fds, which can wait for an RCU grace period."""
+        if pooled is None:
+            spawner = str(self.bin_dir / "edged-spawner")
+            r, w = os.pipe()
+            try:
+                pid = os.posix_spawn(spawner, argv, {},
+                                     file_actions=[(os.POSIX_SPAWN_DUP2, w, 3)])
+            except OSError as exc:
+                os.close(r)
+                raise BackendError(f"posix_spawn {spawner}: {exc.strerror}") from exc
+            finally:
+                os.close(w)
+        else:
+            pid, r = pooled.pid, pooled.status
+            try:
+                _write_all(pooled.stdin, b"".join(a.encode() + b"\0" for a in argv[1:]))
+            except OSError as exc:
+                os.close(r)
+                self._reap(pid)
+                raise BackendError(f"pooled spawner {pid}: {exc.strerror}") from exc
+            finally:
+                os.close(pooled.stdin)
         try:
-            pid = os.posix_spawn(spawner, argv, {}, file_actions=[(os.POSIX_SPAWN_DUP2, w, 3)])
-        except OSError as exc:
-            os.close(r)
-            raise BackendError(f"posix_spawn {spawner}: {exc.strerror}") from exc
-        finally:
-            os.close(w)
-        try:
-            out = await _read_to_eof(r)
+            out = await _read_line(r)
         finally:
             os.close(r)
-            os.waitpid(pid, 0)  # it has closed the pipe by exiting: no wait in practice
+            self._reap(pid)
         line = out.decode("utf-8", "replace").strip()
         if line.startswith("ok "):
             return int(line.split()[1])
         _, _, rest = line.partition(" ")
         code, _, msg = rest.partition(" ")
         raise BackendError(f"spawner: {msg or line or 'no status'} (errno {code or '?'})")
+
+    def _reap(self, pid: int) -> None:
+        """Collect the exit of spawner ``pid`` without blocking (see :meth:`close`)."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        self._reaping[pid] = pidfd
+        loop = asyncio.get_running_loop()
+
+        def on_exit() -> None:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            self._reaping.pop(pid, None)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+        loop.add_reader(pidfd, on_exit)
+
+    def _adopt_loop(self) -> None:
+        """Bind the pool's readers to the running loop. Used from another loop (e.g. one
+        ``asyncio.run`` after another), pooled spawners are dropped and pending reaps
+        re-registered."""
+        loop = asyncio.get_running_loop()
+        if self._loop is loop:
+            return
+        self._loop = loop
+        stale, self._pool = self._pool, []
+        for pid, pidfd in list(self._reaping.items()):
+            self._reaping.pop(pid)
+            os.close(pidfd)
+            self._reap(pid)
+        for p in stale:
+            self._drop_pooled(p)
+
+    def _take_pooled(self) -> _Pooled | None:
+        """A ready pooled spawner (removed from the pool), or None."""
+        self._adopt_loop()
+        for i, p in enumerate(self._pool):
+            if p.ready.done() and p.ready.exception() is None:
+                return self._pool.pop(i)
+        return None
+
+    def _fill_pool(self) -> None:
+        """Start pooled spawners up to ``spawner_pool`` (they get ready in the background).
+        A failure is logged and leaves the pool short until the next create."""
+        loop = asyncio.get_running_loop()
+        while not self._closed and len(self._pool) < self.spawner_pool:
+            try:
+                slot = self._alloc_slot()
+            except BackendError as exc:
+                log.warning("spawner pool: %s", exc)
+                return
+            uid_base = self.uid_base + slot * self.id_count
+            spawner = str(self.bin_dir / "edged-spawner")
+            r_in, w_in = os.pipe2(os.O_CLOEXEC)
+            r_st, w_st = os.pipe2(os.O_CLOEXEC)
+            try:
+                pid = os.posix_spawn(
+                    spawner, ["edged-spawner", "--pool", "1", "--status-fd", "3", "--uid-base",
+                              str(uid_base), "--id-count", str(self.id_count)], {},
+                    file_actions=[(os.POSIX_SPAWN_DUP2, r_in, 0), (os.POSIX_SPAWN_DUP2, w_st, 3)])
+            except OSError as exc:
+                for fd in (r_in, w_in, r_st):
+                    os.close(fd)
+                self._slots.discard(slot)
+                log.warning("spawner pool: posix_spawn %s: %s", spawner, exc.strerror)
+                return
+            finally:
+                os.close(w_st)
+            os.close(r_in)
+            p = _Pooled(pid, slot, w_in, r_st, loop.create_future())
+            self._pool.append(p)
+            loop.add_reader(r_st, self._pool_status, p)
+
+    def _pool_status(self, p: _Pooled) -> None:
+        """The pooled spawner ``p`` wrote its "ready" line, an error, or died."""
+        asyncio.get_running_loop().remove_reader(p.status)
+        try:
+            line = os.read(p.status, 4096)  # "ok" comes only after options are sent
+        except OSError as exc:
+            line = str(exc).encode()
+        if line == b"ready\n":
+            p.ready.set_result(None)
+            return
+        if p in self._pool:
+            self._pool.remove(p)
+        self._drop_pooled(p)
+        log.warning("spawner pool: spawner failed: %s",
+                    line.decode("utf-8", "replace").strip() or "no status")
+
+    def _drop_pooled(self, p: _Pooled) -> None:
+        """Close a pooled spawner (EOF on its stdin: it kills its child and exits)."""
+        for fd in (p.stdin, p.status):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if not p.ready.done():
+            p.ready.cancel()
+        self._slots.discard(p.slot)
+        self._reap(p.pid)
 
     async def _connect(self, sbx: _Sandbox) -> None:
         path = str(sbx.dir / "ctl.sock")
@@ -508,8 +648,9 @@ class ContainerBackend:
         self._busy.add(sid)
         meta: dict[str, Any] = {"id": sid}
         pid = 0
+        pooled = self._take_pooled()
         try:
-            slot = self._alloc_slot()
+            slot = pooled.slot if pooled is not None else self._alloc_slot()
             uid_base = self.uid_base + slot * self.id_count
             meta.update(slot=slot, uid_base=uid_base, task_profile=spec.task_profile,
                         seccomp_profile=spec.seccomp_profile, lowers=list(spec.lowers))
@@ -529,7 +670,7 @@ class ContainerBackend:
             for lower in spec.lowers:
                 argv += ["--lower", lower]
             if policy is not None:
-                argv += confinement.spawner_args(policy, d)
+                argv += confinement.spawner_args(policy, self.state_dir / "policies")
             if self.scratch_dir is not None:
                 scratch_path = self.scratch_dir / sid
                 scratch_path.mkdir(parents=True, mode=0o700)
@@ -547,11 +688,12 @@ class ContainerBackend:
                          "--cg-memory", str(cg.dirs["memory"])]
             elif cg.version == "v2":
                 argv += ["--cg-v2", str(cg.dirs["v2"])]
-            pid = await self._spawn(argv)
+            p, pooled = pooled, None
+            pid = await self._spawn(argv, p)
             meta.update(pid=pid, starttime=_starttime(pid))
             self._write_meta(d, meta)
             sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg, policy=policy,
-                           limits=confinement.LimitWatch(cg))
+                           limits=confinement.LimitWatch(cg, fresh=True))
             try:
                 await self._connect(sbx)
             except BaseException:
@@ -559,6 +701,9 @@ class ContainerBackend:
                 raise
             self._sandboxes[sid] = sbx
         except BaseException as exc:
+            if pooled is not None:  # failed before the spawner was used: it holds the slot
+                self._drop_pooled(pooled)
+                meta.pop("slot", None)
             with contextlib.suppress(Exception):
                 await self._teardown(sid, meta)
             if isinstance(exc, OSError):
@@ -566,6 +711,8 @@ class ContainerBackend:
             raise
         finally:
             self._busy.discard(sid)
+            if not self._closed and len(self._pool) < self.spawner_pool:
+                asyncio.get_running_loop().call_soon(self._fill_pool)
 
     async def exec(self, sandbox_id: str, spec: ExecSpec) -> ContainerExec:
         """Start ``spec.argv`` in the sandbox; returns once the program runs (execve done).
@@ -742,9 +889,30 @@ class ContainerBackend:
             removed.append(sid)
         return removed
 
+    async def warm(self) -> None:
+        """Start the spawner pool now rather than at the first create (the spawners get
+        ready in the background)."""
+        self._adopt_loop()
+        self._fill_pool()
+
     async def close(self) -> None:
-        """Drop the control connections (sandboxes keep running, for a later adopt). With no
-        sandbox left in the state dir, also remove our (empty) parent cgroups."""
+        """End the pooled spawners and drop the control connections (sandboxes keep running,
+        for a later adopt). With no sandbox left in the state dir, also remove our (empty)
+        parent cgroups. The backend stays usable (the pool refills on the next create)."""
+        self._adopt_loop()
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        for p in self._pool:
+            loop.remove_reader(p.status)
+            self._drop_pooled(p)
+        self._pool.clear()
+        while self._reaping:
+            pid, pidfd = self._reaping.popitem()
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+            with contextlib.suppress(ChildProcessError):
+                await asyncio.to_thread(os.waitpid, pid, 0)
+        self._reaping.clear()
         for sbx in list(self._sandboxes.values()):
             if sbx.conn is not None:
                 await sbx.conn.close()
@@ -752,6 +920,7 @@ class ContainerBackend:
         self._sandboxes.clear()
         if not self._metas() and not self._busy:
             self.cgroups.prune()
+        self._closed = False
 
 
 def _policy_from_dir(d: Path) -> confinement.Policy | None:
@@ -799,7 +968,14 @@ def _check_spec(spec: SandboxSpec) -> None:
         raise BadRequest(f"resources {r}: every limit must be positive")
 
 
-async def _read_to_eof(fd: int) -> bytes:
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def _read_line(fd: int) -> bytes:
+    """Bytes from ``fd`` up to the first newline or EOF."""
     loop = asyncio.get_running_loop()
     os.set_blocking(fd, False)
     chunks: list[bytes] = []
@@ -816,7 +992,7 @@ async def _read_to_eof(fd: int) -> bytes:
             return
         if data:
             chunks.append(data)
-        elif not done.done():
+        if (not data or b"\n" in data) and not done.done():
             done.set_result(None)
 
     loop.add_reader(fd, on_readable)

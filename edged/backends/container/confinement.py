@@ -21,6 +21,7 @@ its trace only in the workload's own EACCES/EPERM.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -34,6 +35,7 @@ from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import SandboxCgroup
 from edged.security import apparmor, landlock, seccomp, tasks
 from edged.security.confine import AUDIT_ARCH_X86_64, WORKLOAD_CAPS
+from edged.security.profile import profile_path
 
 log = logging.getLogger("edged.container")
 
@@ -61,16 +63,48 @@ class Policy:
         return self.task.all_protected()
 
 
-def prepare(spec: SandboxSpec) -> Policy | None:
-    """Load and compile the policy ``spec`` names (None when it asks for none); where the
-    kernel has AppArmor, render and load the sandbox's profile (``edged-sbx-<id>``, applied
-    by sbx-init at each exec; unload with :func:`release`). Raises
-    :class:`edged.security.profile.ProfileError` (a ``BadRequest``) for a bad profile: a
-    sandbox is never created with less confinement than it asked for."""
-    if spec.task_profile is None:
+_Stamp = tuple[object, ...]
+#: (task profile, seccomp profile, lowers) -> (stamp of what the policy was built from, policy)
+_cache: dict[tuple[str, str | None, tuple[str, ...]], tuple[_Stamp, Policy]] = {}
+_CACHE_MAX = 256
+
+
+def _stat(path: str | os.PathLike[str]) -> tuple[int, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
         return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _stamp(task: tasks.TaskProfile, sc_name: str, lowers: tuple[str, ...]) -> _Stamp:
+    """What a policy is built from, cheaply: the two profile files, and every directory of
+    the layers whose listing the Landlock ruleset reads (``/`` and each ancestor of a
+    protected path: see :func:`edged.security.landlock.protected_ruleset`). A directory's
+    mtime changes with any entry added, removed or renamed in it."""
+    dirs = {"/"}
+    for p in task.all_protected():
+        parent = os.path.dirname(os.path.normpath("/" + p.strip("/")))
+        while parent not in dirs:
+            dirs.add(parent)
+            parent = os.path.dirname(parent)
+    return (_stat(profile_path("tasks", task.name, ".toml")),
+            _stat(profile_path("seccomp", sc_name, ".json")), landlock.abi(),
+            tuple(_stat(os.path.join(low, d.lstrip("/"))) for low in lowers
+                  for d in sorted(dirs)))
+
+
+def _build(spec: SandboxSpec) -> Policy:
+    """The policy without its AppArmor part, from a cache checked against :func:`_stamp`:
+    building the Landlock ruleset lists the layers' directories, milliseconds per create."""
+    assert spec.task_profile is not None
+    key = (spec.task_profile, spec.seccomp_profile, tuple(spec.lowers))
+    hit = _cache.get(key)
+    if hit is not None and hit[0] == _stamp(hit[1].task, hit[1].seccomp_name, key[2]):
+        return hit[1]
     task = tasks.load(spec.task_profile)
     sc_name = spec.seccomp_profile or task.seccomp
+    stamp = _stamp(task, sc_name, key[2])  # before reading: a change in between misses next
     prog = seccomp.load(sc_name).compile("notify")
     blob = None
     if landlock.abi() > 0:
@@ -78,6 +112,25 @@ def prepare(spec: SandboxSpec) -> Policy | None:
     else:
         log.info("sandbox %s: no Landlock in this kernel; protected paths rest on read-only "
                  "mounts and seccomp", spec.id)
+    policy = Policy(task, sc_name, prog, blob, WORKLOAD_CAPS)
+    if len(_cache) >= _CACHE_MAX:
+        _cache.pop(next(iter(_cache)))
+    _cache[key] = (stamp, policy)
+    return policy
+
+
+def prepare(spec: SandboxSpec) -> Policy | None:
+    """Load and compile the policy ``spec`` names (None when it asks for none); where the
+    kernel has AppArmor, render and load the sandbox's profile (``edged-sbx-<id>``, applied
+    by sbx-init at each exec; unload with :func:`release`). Raises
+    :class:`edged.security.profile.ProfileError` (a ``BadRequest``) for a bad profile: a
+    sandbox is never created with less confinement than it asked for. Built policies are
+    cached, and rebuilt when a profile file or a layer directory they were read from
+    changes."""
+    if spec.task_profile is None:
+        return None
+    base = _build(spec)
+    task = base.task
     aa = None
     if apparmor.probe()["kernel"]:
         text = apparmor.render(spec.id, task.all_protected())
@@ -86,7 +139,9 @@ def prepare(spec: SandboxSpec) -> Policy | None:
     else:
         _notice_once("no AppArmor in this kernel: sandboxes run without an AppArmor profile "
                      "(Landlock, seccomp and read-only mounts still apply)")
-    return Policy(task, sc_name, prog, blob, WORKLOAD_CAPS, aa)
+    if aa is None:
+        return base
+    return Policy(task, base.seccomp_name, base.seccomp_prog, base.landlock_blob, base.caps, aa)
 
 
 def release(sandbox_id: str) -> None:
@@ -104,19 +159,27 @@ def _notice_once(msg: str) -> None:
         log.info(msg)
 
 
-def spawner_args(policy: Policy, sandbox_dir: Path) -> list[str]:
-    """Write the policy files into the (host-only, 0700) sandbox dir; return the spawner's
-    options for them."""
+def _policy_file(policy_dir: Path, data: bytes, suffix: str) -> Path:
+    """``<policy_dir>/<sha256 of data><suffix>``, written once (atomically) and shared by
+    every sandbox with the same policy: the spawner opens it for sbx-init."""
+    path = policy_dir / (hashlib.sha256(data).hexdigest() + suffix)
+    if not path.exists():
+        policy_dir.mkdir(mode=0o700, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return path
+
+
+def spawner_args(policy: Policy, policy_dir: Path) -> list[str]:
+    """Write the policy files (once) into ``policy_dir``, which must be host-only (in the
+    0700 state dir); return the spawner's options for them."""
     args = ["--caps", str(policy.caps)]
     for p in policy.protected:
         args += ["--protect", p]
-    sc = sandbox_dir / "seccomp.bpf"
-    sc.write_bytes(policy.seccomp_prog)
-    args += ["--seccomp", str(sc)]
+    args += ["--seccomp", str(_policy_file(policy_dir, policy.seccomp_prog, ".bpf"))]
     if policy.landlock_blob is not None:
-        ll = sandbox_dir / "landlock.bin"
-        ll.write_bytes(policy.landlock_blob)
-        args += ["--landlock", str(ll)]
+        args += ["--landlock", str(_policy_file(policy_dir, policy.landlock_blob, ".landlock"))]
     if policy.apparmor_profile is not None:
         args += ["--apparmor", policy.apparmor_profile]
     return args
@@ -167,9 +230,11 @@ class LimitWatch:
     records what grew since the last call. Sources: Documentation/admin-guide/cgroup-v1/
     pids.rst, cgroup-v2.rst (pids.events, cpu.stat), sched-bwc.rst (nr_throttled)."""
 
-    def __init__(self, cg: SandboxCgroup) -> None:
+    def __init__(self, cg: SandboxCgroup, fresh: bool = False) -> None:
+        """``fresh``: the cgroups were just made, every counter is 0 (saves the reads)."""
         self.cg = cg
-        self.last = self._read()
+        self.last = ({"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0} if fresh
+                     else self._read())
         self.disk_full = False
 
     def _read(self) -> dict[str, int]:

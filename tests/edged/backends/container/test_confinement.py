@@ -53,9 +53,14 @@ def test_spawner_args_write_policy_files(tmp_path: Path, busybox_tree: Path) -> 
     pol = confinement.prepare(spec)
     assert pol is not None
     args = confinement.spawner_args(dataclasses.replace(pol, apparmor_profile="edged-sbx-p1"),
-                                    tmp_path)
-    assert (tmp_path / "seccomp.bpf").read_bytes() == pol.seccomp_prog
-    assert args[args.index("--seccomp") + 1] == str(tmp_path / "seccomp.bpf")
+                                    tmp_path / "policies")
+    sc = Path(args[args.index("--seccomp") + 1])
+    assert sc.parent == tmp_path / "policies" and sc.read_bytes() == pol.seccomp_prog
+    assert (tmp_path / "policies").stat().st_mode & 0o777 == 0o700
+    # written once, shared by every sandbox with the same policy
+    again = confinement.spawner_args(pol, tmp_path / "policies")
+    assert again[again.index("--seccomp") + 1] == str(sc)
+    assert len(list((tmp_path / "policies").iterdir())) == (2 if pol.landlock_blob else 1)
     assert args[args.index("--apparmor") + 1] == "edged-sbx-p1"
     assert args.count("--protect") == len(pol.protected) and "/bin" in pol.protected
     assert confinement.prepare(dataclasses.replace(spec, task_profile=None)) is None
@@ -121,3 +126,28 @@ def test_a_misbehaving_sbx_init_is_a_recorded_violation(garbage: bytes) -> None:
     asyncio.run(asyncio.wait_for(body(), 10))
     ev = led.events("bad")
     assert [e.kind for e in ev] == ["protocol_violation"] and ev[0].detail["from"] == "sbx-init"
+
+
+def test_prepare_cache_follows_profile_and_layers(tmp_path: Path) -> None:
+    """A cached policy is reused while nothing it was built from changed, and rebuilt when a
+    layer directory the Landlock ruleset lists gains an entry."""
+    root = tmp_path / "root"
+    for d in ("bin", "etc", "usr/bin"):
+        (root / d).mkdir(parents=True)
+    spec = SandboxSpec(id="c1", lowers=(str(root),), resources=Resources(), env={},
+                       hostname="h", task_profile="default")
+    a = confinement.prepare(spec)
+    b = confinement.prepare(dataclasses.replace(spec, id="c2"))
+    assert a is not None and b is not None
+    assert b.seccomp_prog is a.seccomp_prog and b.landlock_blob is a.landlock_blob
+    (root / "data").mkdir()  # a new top-level directory: the ruleset must grant it
+    c = confinement.prepare(spec)
+    assert c is not None and c.seccomp_prog == a.seccomp_prog
+    if a.landlock_blob is not None:
+        assert c.landlock_blob != a.landlock_blob
+    (root / "etc" / "new").mkdir()  # /etc holds protected files: its listing is read too
+    d = confinement.prepare(spec)
+    assert d is not None and d.landlock_blob is not c.landlock_blob
+    other = confinement.prepare(dataclasses.replace(spec, seccomp_profile="default",
+                                                    lowers=(str(root), str(tmp_path))))
+    assert other is not None and other.landlock_blob is not d.landlock_blob

@@ -552,3 +552,87 @@ def test_erofs_lower(backend: ContainerBackend, busybox_tree: Path, tmp_path: Pa
 
     with mount.mounted_erofs(image) as mp:
         run(lambda: body(mp))
+
+
+def _child_pids(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_spawner_pool(state_dir: Path, busybox_tree: Path) -> None:
+    """Creates take a pooled spawner (namespaces made ahead) and give the same sandbox: its
+    own uid range, hostname, cgroup namespace rooted at its cgroups; close() ends the pool."""
+    b = ContainerBackend(state_dir, spawner_pool=2)
+
+    async def body() -> None:
+        await b.create(spec((str(busybox_tree),), sid="p0"))  # nothing pooled yet: direct
+        deadline = time.monotonic() + 10
+        while not (len(b._pool) == 2 and all(p.ready.done() for p in b._pool)):
+            assert time.monotonic() < deadline, "pool not ready"
+            await asyncio.sleep(0.01)
+        pooled = {p.slot: p.pid for p in b._pool}
+        await b.create(spec((str(busybox_tree),), sid="p1"))
+        sbx = b._sandboxes["p1"]
+        assert sbx.slot in pooled  # made by a pooled spawner, in that spawner's uid range
+        assert os.stat(f"/proc/{sbx.pid}").st_uid == b.uid_base + sbx.slot * b.id_count
+        out, _, end = await sh(b, "p1", "id -u; hostname; cat /proc/1/cgroup")
+        assert end.exit_code == 0
+        lines = out.decode().split()
+        assert lines[:2] == ["0", "host-p1"]
+        # sbx-init's cgroup namespace is rooted at the sandbox's own cgroups
+        assert all(line.endswith(":/") for line in lines[2:]), lines
+        await b.destroy("p0")
+        await b.destroy("p1")
+        spawners = [p.pid for p in b._pool]
+        assert len(spawners) == 2
+        kids = [c for s in spawners for c in _child_pids(s)]
+        assert len(kids) == 2  # each pooled spawner's half-made child
+        await b.close()
+        assert not b._pool and not b._reaping
+        assert all(_gone(p) for p in spawners + kids)
+        assert not sandbox_processes(b)
+
+    run(body)
+
+
+def test_pool_spawner_protocol(tmp_path: Path, backend: ContainerBackend) -> None:
+    """``edged-spawner --pool``: "ready" once its child waits; EOF on stdin ends both; options
+    for another uid range are refused."""
+    exe = str(backend.bin_dir / "edged-spawner")
+
+    def start() -> tuple[int, int, int]:
+        r_in, w_in = os.pipe()
+        r_st, w_st = os.pipe()
+        pid = os.posix_spawn(exe, [exe, "--pool", "1", "--status-fd", "3", "--uid-base",
+                                   str(backend.uid_base), "--id-count", "65536"], {},
+                             file_actions=[(os.POSIX_SPAWN_DUP2, r_in, 0),
+                                           (os.POSIX_SPAWN_DUP2, w_st, 3)])
+        os.close(r_in)
+        os.close(w_st)
+        assert os.read(r_st, 100) == b"ready\n"
+        return pid, w_in, r_st
+
+    pid, w_in, r_st = start()
+    kids = _child_pids(pid)
+    assert len(kids) == 1
+    os.close(w_in)
+    assert os.read(r_st, 100) == b""
+    os.close(r_st)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert _gone(kids[0])
+
+    pid, w_in, r_st = start()
+    kids = _child_pids(pid)
+    args = ["--root", str(tmp_path), "--ctl", str(tmp_path / "c.sock"), "--log",
+            str(tmp_path / "log"), "--init", "/bin/true", "--lower", str(tmp_path),
+            "--uid-base", str(backend.uid_base + 65536), "--id-count", "65536",
+            "--disk-bytes", "1048576"]
+    os.write(w_in, b"".join(a.encode() + b"\0" for a in args))
+    os.close(w_in)
+    status = os.read(r_st, 1000).decode()
+    os.close(r_st)
+    assert status.startswith("error 22 ") and "uid base" in status, status
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
+    assert _gone(kids[0])
