@@ -67,6 +67,9 @@ class Config:
     on_start: str = "adopt"  # "adopt" live sandboxes found on start, or "destroy" them
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # Container spawners started ahead of demand (namespaces made, waiting for a sandbox):
+    # takes process start-up and namespace creation off a create's latency; 0 = none.
+    spawner_pool: int = 2
     # How long a sandbox's security events are kept after it is gone (seconds).
     events_retention_s: float = 24 * 3600.0
 
@@ -89,7 +92,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
-                     "events_retention_s", "layers_cache_bytes"):
+                     "events_retention_s", "layers_cache_bytes", "spawner_pool"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
 

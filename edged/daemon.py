@@ -78,7 +78,8 @@ def make_backend(config: Config, on_event: Callable[..., object] | None = None) 
             from edged.backends.container import ContainerBackend
         except ImportError as e:
             raise BackendError(f"backend container: not available: {e}") from e
-        return ContainerBackend(config.runtime_dir, on_event=on_event)
+        return ContainerBackend(config.runtime_dir, on_event=on_event,
+                                spawner_pool=config.spawner_pool)
     raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
 
 

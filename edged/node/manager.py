@@ -624,6 +624,9 @@ class SandboxManager:
                     await self.backend.destroy(sid)
                 out["destroyed"].append(sid)
         out["cleaned"] = await self.backend.cleanup_leftovers(set(out["adopted"]))
+        warm = getattr(self.backend, "warm", None)
+        if warm is not None:  # e.g. the container backend's spawner pool, ahead of creates
+            await warm()
         out["layers_unmounted"] = await self.layers.sweep()
         self._update_gauges()
         return out
