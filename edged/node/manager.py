@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import signal as signal_mod
 import time
@@ -26,7 +27,7 @@ from edged.backends.base import Backend, ExecHandle, ExecSpec, Resources, Sandbo
 from edged.config import Config
 from edged.errors import BackendError, BadRequest, Conflict, EdgedError, NotFound
 from edged.images.mounts import LayerMounts
-from edged.images.registry import ImageRegistry, check_digest, write_json_atomic
+from edged.images.registry import ImageRegistry, check_digest
 from edged.metrics import Metrics
 from edged.node.admission import Capacity
 from edged.node.sandbox import LABEL_KEY_RE, SandboxRecord, State, check_id
@@ -153,6 +154,11 @@ class SandboxManager:
         #: (see Metrics.start_fetched_fraction)
         self._starts: dict[str, dict[str, tuple[int, int]]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        #: layer -> timer: a reference kept for ``layer_linger_s`` after the last sandbox
+        #: using the layer is gone, so that the next create finds it mounted (and its page
+        #: cache warm) instead of paying a mount, an unmount and cold reads
+        self._linger: dict[str, asyncio.TimerHandle] = {}
+        self._bg: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         self.features: dict[str, object] = {}
         #: the security-event ledger (set by the daemon; None: events are not kept)
@@ -178,7 +184,62 @@ class SandboxManager:
         return sorted(out, key=lambda r: (r.created_at, r.id))
 
     def _save(self, rec: SandboxRecord) -> None:
-        write_json_atomic(self.records_dir / f"{rec.id}.json", rec.persisted())
+        # Atomic (temp file, rename) but not fsynced: a record describes live processes, which
+        # only a daemon restart can outlive, and the page cache survives that; after an OS
+        # crash there is nothing left to adopt, and recover() drops a torn record.
+        path = self.records_dir / f"{rec.id}.json"
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(rec.persisted(), indent=1, sort_keys=True))
+        except FileNotFoundError:
+            self.records_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(rec.persisted(), indent=1, sort_keys=True))
+        os.replace(tmp, path)
+
+    def _background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _release_layers(self, digests: list[str]) -> None:
+        """Drop a sandbox's layer references, top first. The last reference to a layer is
+        kept for ``layer_linger_s`` (see ``_linger``); a release error is logged."""
+        loop = asyncio.get_running_loop()
+        linger = self.config.layer_linger_s
+        for d in reversed(digests):
+            held = self._linger.pop(d, None)
+            if held is not None:
+                held.cancel()
+            if linger > 0:
+                self._linger[d] = loop.call_later(linger, self._unlinger, d)
+                if held is None:
+                    continue  # this sandbox's reference becomes the lingering one
+            try:
+                await self.layers.release(d)
+            except EdgedError as e:
+                log.warning("layer release failed: %s", e)
+
+    def _unlinger(self, digest: str) -> None:
+        if self._linger.pop(digest, None) is not None:
+            self._background(self._release_layer(digest))
+
+    async def _release_layer(self, digest: str) -> None:
+        try:
+            await self.layers.release(digest)
+        except EdgedError as e:
+            log.warning("layer release failed: %s", e)
+
+    def lingering(self) -> list[str]:
+        """Layers held only because they were used recently (``layer_linger_s``)."""
+        return sorted(self._linger)
+
+    async def _flush_background(self) -> None:
+        """Release the lingering layer references and wait for background work."""
+        for d in list(self._linger):
+            self._linger.pop(d).cancel()
+            await self._release_layer(d)
+        while self._bg:
+            await asyncio.gather(*list(self._bg), return_exceptions=True)
 
     def _forget(self, rec: SandboxRecord) -> None:
         self._starts.pop(rec.id, None)
@@ -278,9 +339,15 @@ class SandboxManager:
         if self.ledger is not None:
             self.ledger.sandbox_created(rec.id)
         lock = self._lock(rec.id)
+        fetching: asyncio.Future[dict[str, tuple[int, int]] | None] | None = None
         try:
             async with lock:
-                fetched0 = await self.layers.fetched(rec.layers)
+                # The start's baseline, read in a thread alongside the create; before it
+                # when a layer is to be mounted now (what the mount reads counts as the start's)
+                held = self.layers.refs()
+                fetching = asyncio.ensure_future(self.layers.fetched(rec.layers))
+                if not all(d in held for d in rec.layers):
+                    await asyncio.wait({fetching})
                 rec.lowers = await self.layers.acquire_all(rec.layers)
                 try:
                     self._save(rec)
@@ -301,14 +368,15 @@ class SandboxManager:
                             await self.backend.destroy(rec.id)
                         raise
                 except BaseException:
-                    for d in reversed(rec.layers):
-                        with contextlib.suppress(EdgedError):
-                            await self.layers.release(d)
+                    await self._release_layers(rec.layers)
                     raise
                 rec.transition(State.RUNNING)
                 rec.touch()
                 self._save(rec)
+                fetched0 = await fetching
         except BaseException as e:
+            if fetching is not None:
+                fetching.cancel()
             self._forget(rec)
             self.metrics.creates.labels(result=getattr(e, "code", "error")).inc()
             if isinstance(e, EdgedError):
@@ -345,11 +413,7 @@ class SandboxManager:
                 if isinstance(e, EdgedError):
                     raise
                 raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
-            for d in reversed(rec.layers):
-                try:
-                    await self.layers.release(d)
-                except EdgedError as e:
-                    log.warning("layer release failed: %s", e)
+            await self._release_layers(rec.layers)
             rec.transition(State.STOPPED)
             self._forget(rec)
         self.metrics.destroys.labels(cause=cause).inc()
@@ -474,8 +538,8 @@ class SandboxManager:
             rec.active_execs -= 1
             rec.touch()
             start = self._starts.pop(sandbox_id, None)
-            if start is not None:
-                await self._observe_start(rec, start)
+            if start is not None:  # off the exec's path: the stream ends without waiting
+                self._background(self._observe_start(rec, start))
 
     async def _observe_start(self, rec: SandboxRecord,
                              start: dict[str, tuple[int, int]]) -> None:
@@ -636,6 +700,7 @@ class SandboxManager:
         ``timeout_s`` seconds) and unmount every layer; with ``"keep"`` leave them running for
         the next daemon to re-adopt."""
         await self.stop_reaper()
+        await self._flush_background()
         if self.config.on_shutdown != "stop":
             return
         ids = [r.id for r in self._sandboxes.values()
@@ -651,6 +716,7 @@ class SandboxManager:
             await asyncio.wait_for(asyncio.gather(*(stop(s) for s in ids)), timeout_s)
         except TimeoutError:
             log.error("shutdown: sandboxes still stopping after %.1f s", timeout_s)
+        await self._flush_background()
         if not self._sandboxes:
             await self.layers.close()
 
