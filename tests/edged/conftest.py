@@ -70,6 +70,7 @@ def make_node(tmp_path: Path, sockdir: Path) -> Iterator[NodeFactory]:
             memory_bytes=4 << 30,
             reaper_interval_s=0.05,
             default_ttl_s=0.0,
+            layer_linger_s=0.0,  # unmount at the last release (tests of linger set it)
         )
         for k, v in overrides.items():
             setattr(cfg, k, v)

@@ -84,7 +84,8 @@ def real_node(layer_store, tmp_path) -> Iterator[callable]:
     def start(**overrides) -> RealNode:
         cfg = Config(socket=str(sockdir / "s.sock"), state_dir=str(tmp_path / "state"),
                      runtime_dir=str(runtime), store_dir=store_dir, log_level="warning",
-                     cpus=2.0, memory_bytes=8 << 30, reaper_interval_s=0.1)
+                     cpus=2.0, memory_bytes=8 << 30, reaper_interval_s=0.1,
+                     layer_linger_s=0.0)
         for k, v in overrides.items():
             setattr(cfg, k, v)
         server = Server(cfg)
