@@ -11,6 +11,8 @@ mountpoint). Figures, after one warm-up sandbox each:
 - exec round trip: `true` in one live sandbox, request to end event;
 - creates/s: sequential create+first exec+delete cycles per second.
 The ratio API/direct is the daemon's cost (HTTP, JSON, state machine, admission, persistence).
+Both sides make the same sandbox: the daemon's default task profile (confined) and spawner
+pool (``Config().spawner_pool``).
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def via_api(sock: str, digest: str, n: int, execs: int) -> dict[str, list[float]
 
 
 async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list[float]]:
-    b = ContainerBackend(runtime)
+    b = ContainerBackend(runtime, spawner_pool=Config().spawner_pool)
+    await b.warm()
     spec = ExecSpec(argv=("true",), env=ENV)
 
     async def run(sid: str) -> None:
@@ -95,7 +98,7 @@ async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list
 
     def sbx(i: int) -> SandboxSpec:
         return SandboxSpec(id=f"direct-{i}", lowers=(lower,), resources=Resources(), env=ENV,
-                           hostname=f"direct-{i}")
+                           hostname=f"direct-{i}", task_profile="default")
 
     await b.create(sbx(-1))
     await b.destroy("direct--1")
@@ -177,13 +180,14 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     ratios = {k: api[k] / base[k] for k in api}
     out: dict[str, Any] = {"n": a.n, "execs": a.execs, "api": api, "direct": base,
-                           "ratio_api_over_direct": ratios}
+                           "ratio_api_over_direct": ratios, "loadavg_1min": os.getloadavg()[0]}
     if a.json:
         print(json.dumps(out, indent=2))
         return 0
     print(f"{'figure':<28}{'API (SDK)':>12}{'direct':>12}{'ratio':>8}")
     for k in api:
         print(f"{k:<28}{api[k]:>12.2f}{base[k]:>12.2f}{ratios[k]:>8.2f}")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
     return 0
 
 

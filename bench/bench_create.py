@@ -1,13 +1,18 @@
 """Sandbox create→first-exec latency and creates per second: edged's container backend against
 `bwrap` and bare `unshare` + overlay mount, on the same rootfs layer, in the same run.
 
-    .venv/bin/python bench/bench_create.py [--n 200] [--concurrency 4] [--erofs] [--json]
+    .venv/bin/python bench/bench_create.py [--n 200] [--concurrency 4] [--erofs]
+                                           [--spawner-pool N] [--json]
 
 Needs root. The rootfs is a busybox-static tree (a plain directory; with --erofs, an EROFS
 image of it built by layerfs and mounted file-backed). What each contender does per sandbox:
 - edged: ContainerBackend.create (spawner: user/mount/pid/net/ipc/uts/cgroup namespaces,
   id-mapped lower, overlay on a size-limited tmpfs, /proc /dev /sys, pivot_root, sbx-init;
   cgroups with limits) then exec `true` until its end is reported; destroy is not timed.
+  Configured as the daemon configures it: the daemon's default task profile (read-only
+  protected paths, capability drop, Landlock and seccomp on each exec) and spawner pool
+  (``--spawner-pool``, default the daemon's); "edged unconfined" is the same without a task
+  profile.
 - bwrap: `bwrap --unshare-all --ro-bind L / --tmpfs /tmp --proc /proc --dev /dev true`
   (Debian 12's bwrap 0.8 has no overlay option, so it does less than the others).
 - unshare: `unshare -muinpfC sh -c 'mount tmpfs; mount overlay; chroot … true'`.
@@ -34,6 +39,7 @@ from typing import Any
 
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
+from edged.config import Config
 
 ENV = {"PATH": "/bin"}
 
@@ -70,8 +76,10 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-async def run_edged(lower: str, state: Path, n: int, conc: int) -> dict[str, Any]:
-    b = ContainerBackend(state)
+async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | None,
+                    pool: int) -> dict[str, Any]:
+    b = ContainerBackend(state, spawner_pool=pool)
+    await b.warm()
     counter = 0
 
     async def one() -> tuple[str, float]:
@@ -80,7 +88,7 @@ async def run_edged(lower: str, state: Path, n: int, conc: int) -> dict[str, Any
         sid = f"b{counter}"
         t0 = time.perf_counter()
         await b.create(SandboxSpec(id=sid, lowers=(lower,), resources=Resources(), env=ENV,
-                                   hostname=sid))
+                                   hostname=sid, task_profile=profile))
         h = await b.exec(sid, ExecSpec(argv=("true",), env=ENV))
         async for ev in h.events():
             if isinstance(ev, ExecEnd):
@@ -175,7 +183,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.chmod(tmp, 0o755)
         with lower_dir(tmp, args.erofs) as lower:
             results: dict[str, Any] = {}
-            results["edged"] = await run_edged(lower, tmp / "state", args.n, args.concurrency)
+            results["edged"] = await run_edged(lower, tmp / "state", args.n, args.concurrency,
+                                               "default", args.spawner_pool)
+            results["edged unconfined"] = await run_edged(lower, tmp / "state", args.n,
+                                                          args.concurrency, None,
+                                                          args.spawner_pool)
             if shutil.which("bwrap"):
                 results["bwrap"] = await run_command(command_runner(bwrap_argv(lower)), args.n,
                                                      args.concurrency)
@@ -191,6 +203,8 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=200, help="sandboxes for creates/s")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--erofs", action="store_true", help="use an EROFS image as the lower")
+    ap.add_argument("--spawner-pool", type=int, default=Config().spawner_pool,
+                    help="edged's pooled spawners (default: the daemon's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -214,7 +228,7 @@ def main() -> int:
     }
     if args.json:
         print(json.dumps({"results": table, "ratios": ratios, "goals": goals,
-                          "params": vars(args)}, indent=2))
+                          "params": vars(args), "loadavg_1min": os.getloadavg()[0]}, indent=2))
         return 0
     print(f"create → first exec done, {'EROFS' if args.erofs else 'directory'} lower, "
           f"concurrency {args.concurrency} for creates/s")
@@ -222,8 +236,10 @@ def main() -> int:
     for name, t in table.items():
         print(f"{name:18}{t['p50_ms']:9.2f}{t['p99_ms']:9.2f}{t['creates_per_s']:11.1f}"
               f"{ratios[name]['p50_vs_unshare']:14.2f}")
-    if "exec_roundtrip_p50_ms" in table["edged"]:
-        print(f"edged exec `true` round trip p50: {table['edged']['exec_roundtrip_p50_ms']:.2f} ms")
+    for name, t in table.items():
+        if "exec_roundtrip_p50_ms" in t:
+            print(f"{name} exec `true` round trip p50: {t['exec_roundtrip_p50_ms']:.2f} ms")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
     for k, v in goals.items():
         print(f"goal {k}: {'met' if v else 'NOT met'}")
     return 0
