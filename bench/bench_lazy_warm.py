@@ -30,7 +30,7 @@ from typing import Any
 
 from layerfs.lazy import client
 from layerfs.remote.server import ChunkServer
-from layerfs.store import Store
+from layerfs.store import DEFAULT_CHUNK_SIZE, Store
 
 BLOCK = 4096
 
@@ -80,6 +80,8 @@ def main() -> int:
     ap.add_argument("--size-mib", type=int, default=512)
     ap.add_argument("--random-reads", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=3, help="best of N")
+    ap.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                    help=f"bytes (default {DEFAULT_CHUNK_SIZE}, the store's)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
@@ -93,7 +95,7 @@ def main() -> int:
                 for _ in range(args.size_mib):
                     f.write(os.urandom(1 << 20))
         size = os.path.getsize(image)
-        store = Store(os.path.join(tmp, "store"))
+        store = Store(os.path.join(tmp, "store"), chunk_size=args.chunk_size)
         digest = store.add_image(image, kind="base", source="bench").digest
 
         loop = asyncio.new_event_loop()
@@ -136,7 +138,7 @@ def main() -> int:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
 
-    out = {"image_bytes": size, "cold_fill_seconds": cold,
+    out = {"image_bytes": size, "chunk_size": args.chunk_size, "cold_fill_seconds": cold,
            "cold_fill_mb_s": size / cold / 1e6, "results": results,
            "lazy_stats": {k: st[k] for k in ("reads", "hits", "misses", "bytes_fetched")},
            "goal": "ratio_local_over_lazy <= 2"}

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--flatten", action="store_true",
                    help="OCI: one layer from all OCI layers instead of one per OCI layer")
     b.add_argument("--chunk-size", type=_size_arg, metavar="N",
-                   help="store chunk size and big-file alignment (default 1M)")
+                   help="store chunk size and big-file alignment (default 256K)")
     b.add_argument("--level", type=int, default=DEFAULT_LEVEL,
                    help=f"zstd level for new chunks (default {DEFAULT_LEVEL})")
 

@@ -31,6 +31,8 @@
 #define LAZY_TIMEOUT 86400.0
 #define LAZY_ROOT_MODE (S_IFDIR | 0555)
 #define LAZY_FILE_MODE (S_IFREG | 0444)
+#define LAZY_READAHEAD (1 << 20)
+#define LAZY_SEQ_TICKS 32 /* reads (node-wide) since the previous chunk was read */
 
 /* A READ waiting for a chunk.  It re-runs from the start when the chunk arrives (it may
  * then park on its next missing chunk). */
@@ -159,8 +161,8 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	uint64_t end, off = w->off;
 	uint32_t first, last, i;
 	struct fuse_bufvec bv;
-	uint64_t now;
-	int rc;
+	uint64_t now, enter;
+	int rc, seq;
 
 	if (off >= l->size || w->size == 0) {
 		fuse_reply_buf(w->req, NULL, 0);
@@ -206,6 +208,15 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		pthread_mutex_unlock(&l->lock);
 		return;
 	}
+	/* A sequential reader enters a chunk by a read that crosses into it, or that
+	 * starts it just after the chunk before was read: have the cache file read ahead
+	 * from the chunk's start at once (LAZY_READAHEAD bytes), so the next requests,
+	 * which several FUSE threads issue out of order, find the page cache filled instead
+	 * of each waiting for the disk.  A random reader rarely does either and gets no
+	 * readahead it did not ask for. */
+	enter = (uint64_t)last * l->chunk_size;
+	seq = enter > off || (enter == off && last > 0 &&
+			      now - l->chunks[last - 1].atime <= LAZY_SEQ_TICKS);
 	for (i = first; i <= last; i++) {
 		l->chunks[i].readers++;
 		l->chunks[i].atime = now;
@@ -213,6 +224,8 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	if (!w->waited)
 		l->st.hits++;
 	pthread_mutex_unlock(&l->lock);
+	if (seq)
+		posix_fadvise(l->fd, (off_t)enter, LAZY_READAHEAD, POSIX_FADV_WILLNEED);
 
 	/* Present chunks sit at their own offset in the layer's cache file, so the read
 	 * is one pread there (by libfuse), whatever chunks it spans. */
