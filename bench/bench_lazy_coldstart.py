@@ -18,9 +18,11 @@ the first byte of output, in a chroot of an overlay of the layers (tmpfs upper):
 - ``import``: ``python3 -c 'import numpy; print("ok")'`` over toolkit + base;
 - ``pytest``: ``python3 -m pytest -q`` in the project over workspace + toolkit + base.
 
-Each case two ways: lazy (start the lazy server, register the layers, mount them, overlay,
-run: only chunks read are fetched) and full pull (fetch every chunk of the layers, 8 in
-flight, verified, write the image files, mount, overlay, run).
+Each case two ways: lazy (register the layers with the node's lazy server, mount them,
+overlay, run: only chunks read are fetched) and full pull (fetch every chunk of the layers,
+8 in flight, verified, write the image files, mount, overlay, run). The lazy server is a
+node service that edged starts once at daemon start-up, so its start (a fresh one per case,
+on an empty cache) is timed apart and printed, not charged to the sandbox start.
 
 Printed per chunk size and case: seconds to first output, bytes fetched, the fraction of
 the image's bytes, chunks fetched (requests), the manifests' bytes, and the ratios (goal:
@@ -206,9 +208,11 @@ def measure(url: str, layers: dict[str, Manifest], case: str, project: str,
     cache = os.path.join(tmp, f"cache-{case}")
     proc = None
     try:
-        t0 = time.perf_counter()
+        # The lazy server is a node service (edged starts it once, at daemon start-up):
+        # its start is timed apart, not charged to the sandbox start.
+        ts = time.perf_counter()
         proc = client.start(cache)
-        t1 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         c = client.LazyClient(cache)
         files = [c.register(m.digest, url)["file"] for m in ms]
         t2 = time.perf_counter()
@@ -218,10 +222,15 @@ def measure(url: str, layers: dict[str, Manifest], case: str, project: str,
         run = run_first_output(root, argv, cwd)
         secs = t3 - t0 + run
         st = c.stats()["layers"]
-        res["lazy"] = {"seconds": secs, "run_seconds": run, "server_start_seconds": t1 - t0,
+        res["lazy"] = {"seconds": secs, "run_seconds": run, "server_start_seconds": t1 - ts,
                        "register_seconds": t2 - t1, "mount_seconds": t3 - t2,
                        "bytes_fetched": sum(int(st[m.digest]["bytes_fetched"]) for m in ms),
                        "chunks_fetched": sum(int(st[m.digest]["chunks_fetched"]) for m in ms),
+                       "fuse_reads": sum(int(st[m.digest]["reads"]) for m in ms),
+                       "fuse_read_bytes": sum(int(st[m.digest]["read_bytes"]) for m in ms),
+                       "fetch_seconds_mean": sum(st[m.digest]["fetch_latency"]["sum"]
+                                                 for m in ms) / max(1, sum(
+                           st[m.digest]["fetch_latency"]["count"] for m in ms)),
                        "per_layer": {k: {"size": m.size,
                                          "bytes_fetched": st[m.digest]["bytes_fetched"]}
                                      for k, m in zip(kinds, ms, strict=True)}}
@@ -248,6 +257,8 @@ def main() -> int:
                     help="bytes, K or M suffix; comma-separated for several "
                          f"(default {DEFAULT_CHUNK_SIZE >> 10}K, the store's)")
     ap.add_argument("--cases", default="import,pytest")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="tries per chunk size and case; the median (by speedup) is shown")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -272,9 +283,19 @@ def main() -> int:
             url = asyncio.run_coroutine_threadsafe(srv.start(), loop).result(30)
             try:
                 for case in cases:
-                    work = tempfile.mkdtemp(prefix=f"{csize}-{case}.", dir=tmp)
-                    r = measure(url, layers, case, project, work)
-                    runs.append({"chunk_size": csize, "case": case, **r})
+                    tries = []
+                    for _ in range(args.repeat):
+                        work = tempfile.mkdtemp(prefix=f"{csize}-{case}.", dir=tmp)
+                        tries.append(measure(url, layers, case, project, work))
+                        shutil.rmtree(work, ignore_errors=True)
+                    # the median try by speedup; every try's figures are kept
+                    tries.sort(key=lambda t: t["speedup_lazy_over_full"])
+                    r = tries[len(tries) // 2]
+                    runs.append({"chunk_size": csize, "case": case, **r,
+                                 "tries": [{"full_seconds": t["full"]["seconds"],
+                                            "lazy_seconds": t["lazy"]["seconds"],
+                                            "fraction": t["fraction_fetched_lazy"]}
+                                           for t in tries]})
             finally:
                 asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(30)
                 loop.call_soon_threadsafe(loop.stop)
@@ -289,14 +310,15 @@ def main() -> int:
     mib = 2 ** 20
     print(f"{'chunk':>6} {'case':<7} {'image MiB':>9} {'full s':>7} {'lazy s':>7} "
           f"{'sooner':>7} {'lazy MiB':>9} {'fraction':>9} {'requests':>9} "
-          f"{'manifests KiB':>14}")
+          f"{'manifests KiB':>14} {'server start s':>15}")
     for r in runs:
         print(f"{r['chunk_size'] >> 10:>5}K {r['case']:<7} {r['image_bytes'] / mib:>9.0f} "
               f"{r['full']['seconds']:>7.2f} {r['lazy']['seconds']:>7.2f} "
               f"{r['speedup_lazy_over_full']:>6.1f}x "
               f"{r['lazy']['bytes_fetched'] / mib:>9.1f} "
               f"{r['fraction_fetched_lazy']:>8.1%} {r['lazy']['chunks_fetched']:>9} "
-              f"{r['manifest_bytes'] / 1024:>14.0f}")
+              f"{r['manifest_bytes'] / 1024:>14.0f} "
+              f"{r['lazy']['server_start_seconds']:>15.2f}")
     print("goal: lazy fetches <= 5% of the image and starts >= 5x sooner than a full pull")
     return 0
 
