@@ -32,6 +32,15 @@
  * hands the listener to sbx-init over its error socket; sbx-init answers each
  * denied syscall with EPERM at once (the workload never waits on the daemon)
  * and reports it to the client as an SBX_EVENT.
+ *
+ * With per-exec cgroups, the next exec's child is forked ahead (the "spare")
+ * and moves itself into that exec's cgroups while sbx-init goes on: moving a
+ * process between cgroups takes the kernel's cgroup_threadgroup_rwsem for
+ * writing, which waits for an RCU grace period when no move happened lately
+ * (milliseconds; tens on a loaded host), and an exec would otherwise wait for
+ * it each time.  The spare keeps no fd but its own and waits for the exec's
+ * request and fds; like sbx-init it is not dumpable and outside every
+ * workload's Landlock domain (no signals or ptrace from the workload).
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -52,6 +61,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <time.h>
@@ -64,6 +74,10 @@
 #define OUTQ_HIGH     (1u << 20)        /* stop reading pipes above this much unsent */
 #define STDIN_MAX     (4u << 20)        /* stdin bytes buffered per exec */
 #define MAX_PENDING_RM 1024
+#define SPARE_MAX_MSG (128u << 10)      /* larger exec requests fork as they come */
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
 
 enum kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE, K_NOTIF };
 
@@ -108,6 +122,20 @@ static uint8_t *sc_prog;        /* seccomp program, NULL: none */
 static size_t sc_len;
 static uint32_t ev_dropped;     /* events not queued since the last one sent */
 static const char *aa_profile;  /* AppArmor profile for execs, NULL: none */
+
+/* The child forked ahead of the next exec (see the top comment); pid 0: none. */
+static struct {
+	pid_t pid;
+	int sock;     /* the request goes here */
+	char cg[24];  /* the cgroups it moved into */
+} spare = {0, -1, ""};
+
+/* What the spare receives: this, the EXEC payload, and the fds in fdmask
+ * order (stdin read end, stdout and stderr write ends, error socket). */
+struct spare_hdr {
+	uint32_t fdmask;
+	char pty_name[64]; /* "" if no pty */
+};
 
 static uint64_t now_ns(void)
 {
@@ -216,6 +244,7 @@ static void set_nonblock(int fd)
 /* ---- outgoing frames --------------------------------------------------- */
 
 static void flush_client(void);
+static void spare_make(void);
 
 static void send_frame(uint16_t type, uint32_t exec_id, const void *a, size_t alen,
 		       const void *b, size_t blen)
@@ -563,6 +592,11 @@ static void exec_finish(struct exec *e)
 	send_frame(SBX_END, e->id, &end, sizeof(end), NULL, 0);
 	exec_free(e);
 	interest_dirty = 1;
+	/* The next exec's spare, now that this exec's cgroups are gone: while the
+	 * spare moves into its own it holds the cgroup mutex for a grace period,
+	 * which would stall the rmdir above.  END goes out first. */
+	flush_client();
+	spare_make();
 }
 
 static void maybe_finish(struct exec *e, uint64_t now)
@@ -718,6 +752,198 @@ static void child(struct child_args *a)
 	child_fail(a->errpipe_w, errno, "exec", a->argv[0]);
 }
 
+static char **split_strings(char *p, size_t len, uint32_t n, char **out);
+
+/* argv and env of a checked EXEC payload as NULL-terminated arrays inside
+ * strs (strs[0] is the cwd). */
+static void exec_arrays(const struct sbx_exec *req, char **strs, char ***argv, char ***envp)
+{
+	*argv = &strs[1];
+	memmove(&strs[2 + req->argc], &strs[1 + req->argc], req->envc * sizeof(char *));
+	strs[1 + req->argc] = NULL;
+	*envp = &strs[2 + req->argc];
+	(*envp)[req->envc] = NULL;
+}
+
+static int cmp_int(const void *a, const void *b)
+{
+	return *(const int *)a - *(const int *)b;
+}
+
+static void spare_main(int sock, const int join[2])
+{
+	static uint8_t msg[SPARE_MAX_MSG];
+	static char *strs[SBX_MAX_STRINGS + 3];
+	struct spare_hdr h;
+	struct sbx_exec req;
+	struct child_args a;
+	struct iovec iov[2] = {{.iov_base = &h, .iov_len = sizeof(h)},
+			       {.iov_base = msg, .iov_len = sizeof(msg)}};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(4 * sizeof(int))];
+	} c;
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf,
+			   .msg_controllen = sizeof(c.buf)};
+	struct cmsghdr *cm;
+	int keep[7] = {0, 1, 2, sock}, nk = 4, fds[4] = {-1, -1, -1, -1}, got[4], i, n = 0;
+	ssize_t r;
+
+	/* Nothing of sbx-init's but what an exec needs: a copy of a running
+	 * exec's stdin write end, say, would keep that exec from seeing EOF. */
+	for (i = 0; i < 2; i++)
+		if (join[i] >= 0)
+			keep[nk++] = join[i];
+	if (ll_ruleset >= 0)
+		keep[nk++] = ll_ruleset;
+	qsort(keep, (size_t)nk, sizeof(int), cmp_int);
+	for (i = 0, n = 0; i < nk; i++) {
+		if (keep[i] > n)
+			syscall(SYS_close_range, (unsigned)n, (unsigned)keep[i] - 1, 0u);
+		n = keep[i] + 1;
+	}
+	syscall(SYS_close_range, (unsigned)n, ~0u, 0u);
+	for (i = 0; i < 2; i++)
+		if (join[i] >= 0 && write(join[i], "0", 1) < 0)
+			_exit(1); /* sbx-init drops this spare and forks for the exec */
+	for (i = 0; i < 2; i++)
+		if (join[i] >= 0)
+			close(join[i]);
+	do
+		r = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
+	while (r < 0 && errno == EINTR);
+	if (r < (ssize_t)(sizeof(h) + sizeof(req)) || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)))
+		_exit(0); /* sbx-init dropped the spare */
+	cm = CMSG_FIRSTHDR(&m);
+	n = 0;
+	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
+		n = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+	if (n > 4 || n != __builtin_popcount(h.fdmask) || (h.fdmask >> 4))
+		_exit(1);
+	if (n)
+		memcpy(got, CMSG_DATA(cm), (size_t)n * sizeof(int));
+	for (i = 0, n = 0; i < 4; i++)
+		if (h.fdmask & (1u << i))
+			fds[i] = got[n++];
+	close(sock);
+	r -= (ssize_t)sizeof(h);
+	memcpy(&req, msg, sizeof(req));
+	if (!split_strings((char *)msg + sizeof(req), (size_t)r - sizeof(req),
+			   1 + req.argc + req.envc, strs))
+		_exit(1); /* checked by sbx-init: cannot happen */
+	memset(&a, 0, sizeof(a));
+	a.req = &req;
+	a.cwd = strs[0];
+	exec_arrays(&req, strs, &a.argv, &a.envp);
+	a.in_r = fds[0];
+	a.out_w = fds[1];
+	a.err_w = fds[2];
+	a.errpipe_w = fds[3];
+	a.join[0] = a.join[1] = -1;
+	h.pty_name[sizeof(h.pty_name) - 1] = 0;
+	a.pty_name = h.pty_name[0] ? h.pty_name : NULL;
+	child(&a);
+}
+
+
+/* Fork the next exec's child ahead, if there is none and execs get cgroups. */
+static void spare_make(void)
+{
+	struct exec tmp;
+	int join[2], sv[2] = {-1, -1}, i;
+	pid_t pid = -1;
+
+	if (spare.pid > 0 || cg_mode == SBX_CGROUP_NONE)
+		return;
+	memset(&tmp, 0, sizeof(tmp));
+	cg_make(&tmp, join);
+	if (!tmp.cg[0])
+		return;
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0) {
+		pid = fork();
+		if (pid == 0) {
+			close(sv[0]);
+			spare_main(sv[1], join);
+		}
+		close(sv[1]);
+	}
+	for (i = 0; i < 2; i++)
+		if (join[i] >= 0)
+			close(join[i]);
+	if (pid < 0) {
+		if (sv[0] >= 0)
+			close(sv[0]);
+		cg_release(&tmp);
+		return;
+	}
+	spare.pid = pid;
+	spare.sock = sv[0];
+	memcpy(spare.cg, tmp.cg, sizeof(spare.cg));
+}
+
+/* The spare is gone or of no use: let it go; its cgroups are removed once it
+ * has left them. */
+static void spare_drop(int kill_it)
+{
+	struct exec tmp;
+
+	if (spare.pid <= 0)
+		return;
+	if (kill_it)
+		kill(spare.pid, SIGKILL);
+	close_fd(&spare.sock);
+	memset(&tmp, 0, sizeof(tmp));
+	memcpy(tmp.cg, spare.cg, sizeof(tmp.cg));
+	cg_release(&tmp);
+	spare.pid = 0;
+	spare.cg[0] = 0;
+}
+
+/* Hand the exec `a` (request `payload`) to the spare; returns its pid, or -1
+ * (no spare, or it could not take it: fork then). */
+static pid_t spare_take(struct exec *e, const struct child_args *a, const uint8_t *payload,
+			uint32_t len)
+{
+	struct spare_hdr h;
+	struct iovec iov[2] = {{.iov_base = &h, .iov_len = sizeof(h)},
+			       {.iov_base = (void *)payload, .iov_len = len}};
+	union {
+		struct cmsghdr h;
+		char buf[CMSG_SPACE(4 * sizeof(int))];
+	} c;
+	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf};
+	struct cmsghdr *cm;
+	int src[4] = {a->in_r, a->out_w, a->err_w, a->errpipe_w}, fds[4], i, n = 0;
+	pid_t pid = spare.pid;
+
+	if (pid <= 0 || sizeof(h) + len > SPARE_MAX_MSG)
+		return -1;
+	memset(&h, 0, sizeof(h));
+	for (i = 0; i < 4; i++)
+		if (src[i] >= 0) {
+			h.fdmask |= 1u << i;
+			fds[n++] = src[i];
+		}
+	if (a->pty_name)
+		snprintf(h.pty_name, sizeof(h.pty_name), "%s", a->pty_name);
+	memset(c.buf, 0, sizeof(c.buf));
+	m.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
+	cm = CMSG_FIRSTHDR(&m);
+	cm->cmsg_level = SOL_SOCKET;
+	cm->cmsg_type = SCM_RIGHTS;
+	cm->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+	memcpy(CMSG_DATA(cm), fds, (size_t)n * sizeof(int));
+	if (sendmsg(spare.sock, &m, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)(sizeof(h) + len)) {
+		spare_drop(1);
+		return -1;
+	}
+	memcpy(e->cg, spare.cg, sizeof(e->cg));
+	close_fd(&spare.sock);
+	spare.pid = 0;
+	spare.cg[0] = 0;
+	return pid;
+}
+
 /* Split `n` NUL-terminated strings from p[0..len); NULL if malformed. */
 static char **split_strings(char *p, size_t len, uint32_t n, char **out)
 {
@@ -772,12 +998,7 @@ static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
 		}
 	if (!e)
 		return send_error(id, EAGAIN, "exec: %u execs already running", SBX_MAX_EXECS);
-	/* argv and env become NULL-terminated arrays inside strs */
-	argv = &strs[1];
-	memmove(&strs[2 + req.argc], &strs[1 + req.argc], req.envc * sizeof(char *));
-	strs[1 + req.argc] = NULL;
-	envp = &strs[2 + req.argc];
-	envp[req.envc] = NULL;
+	exec_arrays(&req, strs, &argv, &envp);
 
 	memset(e, 0, sizeof(*e));
 	e->out_fd = e->err_fd = e->in_fd = e->errpipe = e->notif = -1;
@@ -814,13 +1035,17 @@ static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
 		a.in_r = in[0];
 	}
 	a.errpipe_w = ep_[1];
-	cg_make(e, a.join);
+	a.join[0] = a.join[1] = -1;
 	e->used = 1;
 	e->id = id;
 	e->t0 = now_ns();
-	pid = fork();
-	if (pid == 0)
-		child(&a);
+	pid = spare_take(e, &a, payload, len);
+	if (pid < 0) {
+		cg_make(e, a.join);
+		pid = fork();
+		if (pid == 0)
+			child(&a);
+	}
 	if (pid < 0) {
 		int saved = errno;
 
@@ -1299,6 +1524,10 @@ static void on_sigchld(void)
 	while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0) {
 		unsigned i;
 
+		if (pid == spare.pid) {
+			spare_drop(0);
+			continue;
+		}
 		for (i = 0; i < SBX_MAX_EXECS; i++) {
 			struct exec *e = &execs[i];
 
@@ -1492,6 +1721,7 @@ int main(int argc, char **argv)
 			execs[i].notif = -1;
 	ep_add(listen_fd, K_LISTEN, 0, EPOLLIN);
 	ep_add(sig_fd, K_SIG, 0, EPOLLIN);
+	spare_make();
 	for (;;) {
 		uint64_t now = now_ns();
 		int n, k;

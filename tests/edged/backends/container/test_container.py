@@ -636,3 +636,50 @@ def test_pool_spawner_protocol(tmp_path: Path, backend: ContainerBackend) -> Non
     assert status.startswith("error 22 ") and "uid base" in status, status
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
     assert _gone(kids[0])
+
+
+def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None:
+    """sbx-init keeps the next exec's child forked ahead, already in that exec's cgroups and
+    holding none of sbx-init's fds; each exec uses it up and a new one follows; a spare that
+    dies is replaced and execs still run."""
+
+    def spare_of(init: int, not_pid: int = 0) -> int:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            kids = [k for k in _child_pids(init) if k != not_pid]
+            if kids:
+                return kids[0]
+            time.sleep(0.01)
+        raise AssertionError("no spare exec child")
+
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            init = backend._sandboxes["sb1"].pid
+            spare = spare_of(init)
+            # stdio (sbx-init's /dev/null and log), its request socket and the Landlock
+            # ruleset: no control connection, cgroup dir or another exec's pipe
+            deadline = time.monotonic() + 5
+            while True:  # once it is in its cgroups (it closes their files then)
+                fds = {int(f): os.readlink(f"/proc/{spare}/fd/{f}")
+                       for f in os.listdir(f"/proc/{spare}/fd")}
+                rest = sorted(t.split(":")[0] for f, t in fds.items() if f > 2)
+                if rest in (["socket"], ["anon_inode", "socket"]) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.01)
+            assert rest in (["socket"], ["anon_inode", "socket"]), fds  # + Landlock ruleset
+            cg = Path(f"/proc/{spare}/cgroup").read_text()
+            assert any(line.endswith("/sb1/e1") for line in cg.splitlines() if ":freezer:" in line)
+            out, _, end = await sh(backend, "sb1", "cat /proc/self/cgroup | grep freezer")
+            assert end.exit_code == 0 and out.decode().strip().endswith(":/e1")  # the spare's
+            nxt = spare_of(init, not_pid=spare)
+            assert nxt != spare and _gone(spare)
+            os.kill(nxt, signal.SIGKILL)
+            assert _gone(nxt)
+            out, _, end = await sh(backend, "sb1", "echo ok")
+            assert (out, end.exit_code) == (b"ok\n", 0)
+            assert spare_of(init, not_pid=nxt) != nxt
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
