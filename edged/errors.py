@@ -47,6 +47,14 @@ class Conflict(InvalidState):
     code = "conflict"
 
 
+class PidsExhausted(InvalidState):
+    """The sandbox is at its pids limit (or sbx-init at its limit of running execs), so a
+    new process cannot start: fork failed with EAGAIN (HTTP 409, code ``pids_exhausted``).
+    Kill leftovers (``{"signal": 9, "all": true}``) and retry."""
+
+    code = "pids_exhausted"
+
+
 class CapacityExhausted(EdgedError, RuntimeError):
     """The node cannot admit the request within capacity × overcommit (HTTP 503, with
     ``Retry-After``)."""
@@ -73,5 +81,6 @@ class BackendError(EdgedError, OSError):
 #: API code → exception class, for the SDK-independent daemon side (e.g. tests, re-raising).
 ERRORS_BY_CODE: dict[str, type[EdgedError]] = {
     cls.code: cls
-    for cls in (NotFound, InvalidState, Conflict, CapacityExhausted, BadRequest, BackendError)
+    for cls in (NotFound, InvalidState, Conflict, PidsExhausted, CapacityExhausted, BadRequest,
+                BackendError)
 }

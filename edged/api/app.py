@@ -150,9 +150,8 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 
 async def signal_sandbox(request: web.Request) -> web.Response:
-    """POST /v1/sandboxes/{id}/signal {signal, exec_id?} → exec ids signalled."""
-    ids = await _m(request).signal(_sid(request), await json_body(request))
-    return web.json_response({"exec_ids": ids})
+    """POST /v1/sandboxes/{id}/signal {signal, exec_id?, all?} → {exec_ids, killed?}."""
+    return web.json_response(await _m(request).signal(_sid(request), await json_body(request)))
 
 
 async def sandbox_stats(request: web.Request) -> web.Response:

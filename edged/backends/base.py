@@ -66,6 +66,8 @@ class ExecSpec:
     ``trusted``: a grader exec: the backend first checks that no protected path was changed
     (and refuses to run it if one was); it still runs confined, in a Landlock domain of its
     own that the workload's processes cannot signal or trace.
+    ``kill_leftovers``: before it starts, every workload process of the sandbox is killed
+    (as :meth:`Backend.kill_processes`), so nothing the agent left running can race it.
     """
 
     argv: tuple[str, ...]
@@ -78,6 +80,7 @@ class ExecSpec:
     output_limit: int | None = None
     pty: bool = False
     trusted: bool = False
+    kill_leftovers: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,12 @@ class Backend(Protocol):
 
     async def exec(self, sandbox_id: str, spec: ExecSpec) -> ExecHandle:
         """Start a command in a running sandbox."""
+        ...
+
+    async def kill_processes(self, sandbox_id: str) -> int:
+        """SIGKILL every workload process of the sandbox (running execs, their daemonized
+        descendants, fork bombs), leaving the sandbox itself (its init) running; repeated
+        until none is left. Returns the number of processes killed."""
         ...
 
     async def pause(self, sandbox_id: str) -> None:

@@ -78,9 +78,12 @@ class ExecCollector:
 
 def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
               cwd: str | None, stdin: str | None, output_limit: int | None,
-              user: int | None = None, trusted: bool = False) -> dict[str, Any]:
+              user: int | None = None, trusted: bool = False,
+              kill_leftovers: bool = False) -> dict[str, Any]:
     """The ``POST .../exec`` body. A string runs through ``/bin/sh -c``; a list is argv.
-    ``trusted``: a grader exec (refused if the workload changed a protected path)."""
+    ``trusted``: a grader exec (system paths as the layers have them, refused if the
+    workload changed a protected path); ``kill_leftovers``: kill every workload process of
+    the sandbox first."""
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
     if timeout is not None:
         body["timeout_s"] = timeout
@@ -96,6 +99,8 @@ def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[s
         body["uid"] = body["gid"] = user
     if trusted:
         body["trusted"] = True
+    if kill_leftovers:
+        body["kill_leftovers"] = True
     return body
 
 

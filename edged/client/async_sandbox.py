@@ -160,10 +160,12 @@ class AsyncSandbox:
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    stdin: str | None = None, output_limit: int | None = None,
                    user: int | None = None, on_stdout: OutputCallback | None = None,
-                   on_stderr: OutputCallback | None = None, trusted: bool = False) -> ExecResult:
+                   on_stderr: OutputCallback | None = None, trusted: bool = False,
+                   kill_leftovers: bool = False) -> ExecResult:
         """See :meth:`edged.client.Sandbox.exec`."""
         body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user, trusted=trusted)
+                         output_limit=output_limit, user=user, trusted=trusted,
+                         kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
         resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"), json=body)
         async with resp:
@@ -179,6 +181,13 @@ class AsyncSandbox:
             body["exec_id"] = exec_id
         out = await self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
         return list(out["exec_ids"])
+
+    async def kill_processes(self) -> int:
+        """SIGKILL every process in the sandbox (running execs, whatever they left running,
+        fork bombs) but its init; the sandbox stays up. Returns how many were killed."""
+        body = {"signal": 9, "all": True}
+        out = await self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
+        return int(out["killed"])
 
     async def pause(self) -> None:
         """Freeze the sandbox."""

@@ -42,6 +42,13 @@ class ConflictError(InvalidStateError):
     code = "conflict"
 
 
+class PidsExhaustedError(InvalidStateError):
+    """The sandbox is at its pids limit: no new process can start until some exit
+    (``Sandbox.kill_processes()`` ends every leftover)."""
+
+    code = "pids_exhausted"
+
+
 class CapacityExhaustedError(SandboxError, RuntimeError):
     """``capacity_exhausted`` (503): the node is full; retry after ``retry_after`` s."""
 

@@ -144,12 +144,14 @@ class Sandbox:
              env: Mapping[str, str] | None = None, cwd: str | None = None,
              stdin: str | None = None, output_limit: int | None = None,
              user: int | None = None, on_stdout: OutputCallback | None = None,
-             on_stderr: OutputCallback | None = None, trusted: bool = False) -> ExecResult:
+             on_stderr: OutputCallback | None = None, trusted: bool = False,
+             kill_leftovers: bool = False) -> ExecResult:
         """Run ``cmd`` (a string via ``/bin/sh -c``, or an argv list) and wait for it.
         ``timeout`` (seconds) kills the whole process tree; the result keeps partial output
         and says ``reason == "timeout"``. Callbacks get text chunks as they arrive."""
         body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user, trusted=trusted)
+                         output_limit=output_limit, user=user, trusted=trusted,
+                         kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
         for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
             col.feed(ev)
@@ -162,6 +164,13 @@ class Sandbox:
             body["exec_id"] = exec_id
         out = self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
         return list(out["exec_ids"])
+
+    def kill_processes(self) -> int:
+        """SIGKILL every process in the sandbox (running execs, whatever they left running,
+        fork bombs) but its init; the sandbox stays up. Returns how many were killed."""
+        body = {"signal": 9, "all": True}
+        out = self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
+        return int(out["killed"])
 
     def pause(self) -> None:
         """Freeze the sandbox."""

@@ -148,6 +148,15 @@ class FakeBackend:
         self.procs.setdefault(sandbox_id, []).append(h)
         return h
 
+    async def kill_processes(self, sandbox_id: str) -> int:
+        self._get(sandbox_id)
+        n = 0
+        for h in self.procs.get(sandbox_id, []):
+            if h.proc.returncode is None:
+                h._kill("killed")
+                n += 1
+        return n
+
     async def pause(self, sandbox_id: str) -> None:
         self._get(sandbox_id)
         self.paused.add(sandbox_id)

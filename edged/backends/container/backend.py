@@ -45,7 +45,7 @@ from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import confinement, files, scratch
 from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import CgroupManager, SandboxCgroup
-from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
+from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
 from edged.security import apparmor, landlock
 
 log = logging.getLogger("edged.container")
@@ -214,7 +214,11 @@ class _Conn:
             fut = self.pending.pop(f.exec_id, None)
             if fut and not fut.done():
                 self.handles.pop(f.exec_id, None)
-                cls = BadRequest if code in _EXEC_USER_ERRNOS else BackendError
+                cls: type[Exception] = BackendError
+                if code in _EXEC_USER_ERRNOS:
+                    cls = BadRequest
+                elif code == errno.EAGAIN:  # fork at the pids limit, or too many execs
+                    cls = PidsExhausted
                 fut.set_exception(cls(f"sandbox {self.sandbox_id}: {msg}"))
             else:
                 log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
@@ -729,6 +733,8 @@ class ContainerBackend:
             raise BadRequest(f"timeout_s {spec.timeout_s} must be positive")
         if spec.output_limit is not None and spec.output_limit <= 0:
             raise BadRequest(f"output_limit {spec.output_limit} must be positive")
+        if spec.kill_leftovers:
+            await self.kill_processes(sandbox_id)
         if spec.trusted:
             await self._check_untampered(sbx)
         flags = (P.EXEC_STDIN if spec.stdin else 0) | (P.EXEC_PTY if spec.pty else 0)
@@ -772,6 +778,25 @@ class ContainerBackend:
         if hits:
             raise InvalidState(f"sandbox {sbx.id}: protected paths changed {hits}; the "
                                f"grader exec was not run")
+
+    async def kill_processes(self, sandbox_id: str) -> int:
+        """SIGKILL every task of the sandbox but sbx-init: sbx-init is outside every
+        workload Landlock domain and the workload cannot reach it, so it is the one task
+        left. The sandbox is frozen while its tasks are listed and killed (a fork bomb
+        cannot outrun it). Raises InvalidState (paused, or no cgroup to list tasks by),
+        BackendError (tasks still alive after 10 s)."""
+        sbx = self._get(sandbox_id)
+        if sbx.paused:
+            raise InvalidState(f"sandbox {sandbox_id} is paused")
+        if sbx.cg.version == "none":
+            raise InvalidState("killing every process needs the sandbox's cgroups, none on "
+                               "this host")
+        try:
+            n = await asyncio.to_thread(sbx.cg.kill_workload, sbx.pid)
+        except BackendError as exc:
+            raise BackendError(f"sandbox {sandbox_id}: {exc}") from exc
+        log.info("sandbox %s: killed %d workload processes", sandbox_id, n)
+        return n
 
     async def pause(self, sandbox_id: str) -> None:
         """Freeze every task of the sandbox, sbx-init included (cgroup freezer)."""

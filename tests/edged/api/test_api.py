@@ -223,6 +223,31 @@ def test_signal_running_exec(api: Api, node) -> None:
     assert end["reason"] == "signalled" and end["signal"] == 15
     assert api.post("/v1/sandboxes/sig/signal", {"signal": "NOPE"}).status == 400
     assert api.post("/v1/sandboxes/sig/signal", {"exec_id": 42}).status == 404
+    for bad in ({"exec_id": [1]}, {"exec_id": {"a": 1}}, {"signal": 15, "all": True},
+                {"signal": 9, "all": True, "exec_id": 1}, {"signal": 9, "all": "yes"}):
+        r = api.post("/v1/sandboxes/sig/signal", bad)
+        assert r.status == 400 and r.json()["error"]["code"] == "bad_request", (bad, r.status)
+
+
+def test_signal_all_kills_leftovers(api: Api, node) -> None:
+    import threading
+
+    create(api, id="all")
+    box: dict = {}
+
+    def run() -> None:
+        box["r"] = api.post("/v1/sandboxes/all/exec", {"cmd": "sleep 30"})
+
+    t = threading.Thread(target=run)
+    t.start()
+    for _ in range(200):
+        if node.server.manager.get("all").active_execs:
+            break
+        time.sleep(0.01)
+    out = api.post("/v1/sandboxes/all/signal", {"signal": 9, "all": True}).json()
+    assert out == {"exec_ids": [1], "killed": 1}
+    t.join(10)
+    assert box["r"].lines[-1]["end"]["reason"] in ("killed", "signalled")
 
 
 def test_files_roundtrip_and_escape(api: Api) -> None:
