@@ -2,7 +2,8 @@
 
 The store treats an image as opaque bytes, so these tests use files with chosen contents
 (random, zeros, shared regions at chunk-aligned offsets) where it matters exactly which
-bytes repeat; the end-to-end tests with real EROFS images are in test_build.py.
+bytes repeat; the end-to-end tests with real EROFS images are in test_build.py. The crafted
+files are laid out in 1 MiB units, so the stores here use 1 MiB chunks, not the default.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def sha(data: bytes) -> str:
 def test_round_trip_export_equals_image(tmp_path: Path) -> None:
     data = rand(3 * MiB + 12345, 1) + bytes(2 * MiB) + b"tail"
     img = write_image(tmp_path / "a.img", data)
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     m = store.add_image(img, kind="base", source="test:a")
     assert m.digest == sha(data)
     assert m.size == len(data)
@@ -70,7 +71,7 @@ def test_round_trip_export_equals_image(tmp_path: Path) -> None:
 
 def test_manifest_is_canonical_json_named_by_digest(tmp_path: Path) -> None:
     img = write_image(tmp_path / "a.img", rand(MiB + 1, 2))
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     m = store.add_image(img, kind="toolkit", source="x")
     raw = (tmp_path / "store" / "manifests" / (m.digest[7:] + ".json")).read_bytes()
     obj = json.loads(raw)
@@ -100,7 +101,7 @@ def test_dedup_two_layers_sharing_50_mib_store_it_once(tmp_path: Path) -> None:
     # after different metadata and followed by different tails.
     a = write_image(tmp_path / "a.img", rand(MiB, 5), shared, rand(100_000, 6))
     b = write_image(tmp_path / "b.img", rand(2 * MiB, 7), shared, rand(200_000, 8))
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     ra = store.ingest(a, kind="base", source="a")
     rb = store.ingest(b, kind="workspace", source="b")
     assert rb.reused_chunks == 50
@@ -114,7 +115,7 @@ def test_dedup_two_layers_sharing_50_mib_store_it_once(tmp_path: Path) -> None:
 
 
 def test_zero_chunks_dedupe(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     r = store.ingest(write_image(tmp_path / "z.img", bytes(8 * MiB)), kind="base", source="")
     assert r.new_chunks == 1 and r.reused_chunks == 7
     assert store.usage().chunks == 1
@@ -123,14 +124,14 @@ def test_zero_chunks_dedupe(tmp_path: Path) -> None:
 
 def test_already_stored_layer_keeps_its_manifest(tmp_path: Path) -> None:
     img = write_image(tmp_path / "a.img", rand(2 * MiB, 9))
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     first = store.add_image(img, kind="base", source="one")
     again = store.ingest(img, kind="base", source="two")
     assert again.manifest == first and again.new_chunks == 0
 
 
 def test_bad_arguments_are_refused_clearly(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     img = write_image(tmp_path / "a.img", b"x")
     with pytest.raises(InvalidArgumentError, match="kind 'rootfs' is not one of"):
         store.add_image(img, kind="rootfs", source="")
@@ -156,7 +157,7 @@ def test_bad_arguments_are_refused_clearly(tmp_path: Path) -> None:
 
 
 def test_resolve_prefix(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", b"abc"), kind="base", source="")
     assert store.resolve(m.digest[:14]) == m.digest
     assert store.resolve(m.digest[7:19]) == m.digest
@@ -176,7 +177,7 @@ def _chunk_file(store_root: Path, digest: str) -> Path:
 def test_corrupt_chunk_is_named_by_verify_and_refused_by_export(tmp_path: Path) -> None:
     data = rand(4 * MiB, 10)
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", data), kind="base", source="")
     other = store.add_image(write_image(tmp_path / "b.img", rand(MiB, 11)), kind="base",
                             source="")
@@ -206,7 +207,7 @@ def test_corrupt_chunk_is_named_by_verify_and_refused_by_export(tmp_path: Path) 
 
 def test_truncated_and_missing_chunks(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", rand(3 * MiB, 12)), kind="base",
                         source="")
     f0 = _chunk_file(root, m.chunks[0].digest)
@@ -222,7 +223,7 @@ def test_truncated_and_missing_chunks(tmp_path: Path) -> None:
 
 def test_chunk_swapped_for_another_valid_chunk_is_caught(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", rand(2 * MiB, 13)), kind="base",
                         source="")
     a, b = (_chunk_file(root, c.digest) for c in m.chunks)
@@ -232,7 +233,7 @@ def test_chunk_swapped_for_another_valid_chunk_is_caught(tmp_path: Path) -> None
 
 def test_corrupt_manifest(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", rand(MiB, 14)), kind="base",
                         source="")
     mf = root / "manifests" / (m.digest[7:] + ".json")
@@ -249,7 +250,7 @@ def test_corrupt_manifest(tmp_path: Path) -> None:
 
 def test_manifest_of_newer_format_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     m = store.add_image(write_image(tmp_path / "a.img", b"a"), kind="base", source="")
     mf = root / "manifests" / (m.digest[7:] + ".json")
     obj = json.loads(mf.read_bytes())
@@ -264,10 +265,10 @@ def test_manifest_of_newer_format_is_refused(tmp_path: Path) -> None:
 
 def test_layout_version_refusal(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    Store(root)
+    Store(root, chunk_size=MiB)
     (root / "layout-version").write_text("2\n")
     with pytest.raises(StoreError, match="layout version '2' is not one this layerfs knows"):
-        Store(root)
+        Store(root, chunk_size=MiB)
     other = tmp_path / "other"
     other.mkdir()
     (other / "precious.txt").write_text("x")
@@ -283,7 +284,7 @@ def test_half_made_layout_is_completed(tmp_path: Path) -> None:
     root = tmp_path / "store"
     (root / "chunks").mkdir(parents=True)
     (root / "lock").write_bytes(b"")
-    Store(root)
+    Store(root, chunk_size=MiB)
     assert (root / "layout-version").read_text() == "1\n"
     assert (root / "chunks" / "ff").is_dir()
 
@@ -293,7 +294,7 @@ def test_half_made_layout_is_completed(tmp_path: Path) -> None:
 
 def test_gc_keeps_referenced_and_removes_unreferenced(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     shared = rand(2 * MiB, 15)
     a = store.add_image(write_image(tmp_path / "a.img", shared, rand(MiB, 16)), kind="base",
                         source="")
@@ -337,7 +338,7 @@ _CRASHING_ADD = textwrap.dedent("""
             time.sleep(600)
         return real_rename(src, dst)
     st.os.rename = rename
-    s = st.Store(sys.argv[1], workers=1)
+    s = st.Store(sys.argv[1], workers=1, chunk_size=1 << 20)
     s.add_image(sys.argv[2], kind="base", source="crash")
     print("finished", flush=True)
 """)
@@ -345,7 +346,7 @@ _CRASHING_ADD = textwrap.dedent("""
 
 def test_crash_mid_add_leaves_no_manifest_and_gc_cleans_up(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    store = Store(root)
+    store = Store(root, chunk_size=MiB)
     data = rand(8 * MiB, 18)
     img = write_image(tmp_path / "a.img", data)
     proc = subprocess.Popen([sys.executable, "-c", _CRASHING_ADD, str(root), str(img)],
@@ -412,7 +413,7 @@ def test_concurrent_adds_and_gc(tmp_path: Path) -> None:
 
 
 def test_concurrent_adds_of_the_same_image_in_threads(tmp_path: Path) -> None:
-    store = Store(tmp_path / "store")
+    store = Store(tmp_path / "store", chunk_size=MiB)
     img = write_image(tmp_path / "a.img", rand(6 * MiB, 40))
     errors: list[BaseException] = []
 
@@ -434,7 +435,7 @@ def test_concurrent_adds_of_the_same_image_in_threads(tmp_path: Path) -> None:
 _MEM = textwrap.dedent("""
     import resource, sys
     from layerfs.store import Store
-    s = Store(sys.argv[1])
+    s = Store(sys.argv[1], chunk_size=1 << 20)
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     s.add_image(sys.argv[2], kind="base", source="")
     print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
@@ -461,7 +462,7 @@ def test_disk_full_gives_clear_error_and_consistent_store(tmp_path: Path) -> Non
                    check=True)
     try:
         root = mnt / "store"
-        store = Store(root)
+        store = Store(root, chunk_size=MiB)
         small = store.add_image(write_image(tmp_path / "s.img", rand(MiB, 42)), kind="base",
                                 source="")
         big = write_image(tmp_path / "big.img", rand(12 * MiB, 43))
