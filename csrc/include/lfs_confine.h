@@ -108,6 +108,14 @@ uint32_t lfs_landlock_flags(const void *blob, size_t len);
  * can raise them again. */
 int lfs_caps_restrict(uint64_t keep, struct lfs_error *err);
 
+/* As lfs_caps_restrict, but the capabilities in `held` also stay permitted,
+ * effective and inheritable (not in the bounding set): the next exec, as root,
+ * still gets them (pI & fI), and nothing exec'd after that can, once the new
+ * program drops them from its inheritable set.  For sbx-init, which needs
+ * CAP_SYS_ADMIN in the sandbox's user namespace to give grader execs their
+ * own mount namespace. */
+int lfs_caps_restrict_held(uint64_t keep, uint64_t held, struct lfs_error *err);
+
 /* ---- seccomp ---- */
 
 /* Install the classic-BPF program `prog` (`len` bytes of struct sock_filter)

@@ -240,9 +240,24 @@ int lfs_landlock_apply(const void *blob, size_t len, struct lfs_error *err)
 
 int lfs_caps_restrict(uint64_t keep, struct lfs_error *err)
 {
+	return lfs_caps_restrict_held(keep, 0, err);
+}
+
+int lfs_caps_restrict_held(uint64_t keep, uint64_t held, struct lfs_error *err)
+{
 	struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
 	struct __user_cap_data_struct data[2];
 
+	/* `held` into the inheritable set while the bounding set still has it:
+	 * capset refuses inheritable capabilities outside the bounding set. */
+	if (held) {
+		if (syscall(SYS_capget, &hdr, data) < 0)
+			return lfs_error_set(err, errno, "capget: %s", strerror(errno));
+		for (int i = 0; i < 2; i++)
+			data[i].inheritable |= (uint32_t)(held >> (32 * i)) & data[i].permitted;
+		if (syscall(SYS_capset, &hdr, data) < 0)
+			return lfs_error_set(err, errno, "capset (inheritable): %s", strerror(errno));
+	}
 	/* Bounding set first: it caps what any later exec can gain. */
 	for (int cap = 0; cap < 64; cap++) {
 		if (keep & (1ULL << cap))
@@ -259,7 +274,7 @@ int lfs_caps_restrict(uint64_t keep, struct lfs_error *err)
 	if (syscall(SYS_capget, &hdr, data) < 0)
 		return lfs_error_set(err, errno, "capget: %s", strerror(errno));
 	for (int i = 0; i < 2; i++) {
-		uint32_t k = (uint32_t)(keep >> (32 * i));
+		uint32_t k = (uint32_t)((keep | held) >> (32 * i));
 
 		data[i].effective &= k;
 		data[i].permitted &= k;

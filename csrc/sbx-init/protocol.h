@@ -68,6 +68,7 @@ enum sbx_type {
 /* SBX_EXEC flags */
 #define SBX_EXEC_STDIN 0x1u /* stdin is a pipe fed by SBX_STDIN; otherwise /dev/null */
 #define SBX_EXEC_PTY   0x2u /* run on a new pseudo-terminal (stdin/stdout/stderr) */
+#define SBX_EXEC_GRADER 0x4u /* a grader's view: the -G paths as the layers hold them */
 
 /* SBX_EXEC payload: this struct, then `1 + argc + envc` NUL-terminated strings:
  * cwd, argv[0..argc), env[0..envc) ("KEY=VALUE").  argv[0] is looked up in the

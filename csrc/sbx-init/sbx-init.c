@@ -6,6 +6,7 @@
  *
  * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
  *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
+ *                 [-P PRISTINE_FD -G PATH[:PATH...]]
  *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
  *                  SO_PEERCRED on a client's connection names sbx-init);
  *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
@@ -22,6 +23,15 @@
  *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
  *                  overlay): only kept open, so the daemon can inspect the
  *                  upper through /proc/<pid>/fd before a grader exec.
+ *   PRISTINE_FD    a detached read-only mount of the lowers alone (what the
+ *                  layers hold, nothing the workload wrote), and the PATHs
+ *                  a grader exec (SBX_EXEC_GRADER) sees from it: its child
+ *                  makes a mount namespace of its own and mounts clones of
+ *                  that tree over them, so a sitecustomize.py or .pth file in
+ *                  /etc or /usr, or a changed grader tool, never reaches the
+ *                  grader.  For this sbx-init holds CAP_SYS_ADMIN in the
+ *                  sandbox's user namespace (never in the bounding set; its
+ *                  inheritable set is emptied at start, so no exec gets it).
  * Every inherited fd is made close-on-exec at start-up: no workload process
  * inherits the control channel or a cgroup directory.
  *
@@ -48,6 +58,8 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <linux/capability.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -56,6 +68,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -122,6 +135,8 @@ static uint8_t *sc_prog;        /* seccomp program, NULL: none */
 static size_t sc_len;
 static uint32_t ev_dropped;     /* events not queued since the last one sent */
 static const char *aa_profile;  /* AppArmor profile for execs, NULL: none */
+static int pristine_fd = -1;    /* the lowers-only tree for grader views, -1: none */
+static const char *grader_paths; /* ':'-separated paths a grader view replaces */
 
 /* The child forked ahead of the next exec (see the top comment); pid 0: none. */
 static struct {
@@ -702,6 +717,85 @@ static void confine_child(int errpipe_w)
 	close(l);
 }
 
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x4
+#endif
+
+/* Does `path` name the same symlink in the pristine tree and in our view? */
+static int same_link(const char *path)
+{
+	char a[PATH_MAX], b[PATH_MAX];
+	ssize_t na = readlinkat(pristine_fd, path + 1, a, sizeof(a));
+	ssize_t nb = readlink(path, b, sizeof(b));
+
+	return na >= 0 && na == nb && !memcmp(a, b, (size_t)na);
+}
+
+/* A grader exec's own view: a private mount namespace in which each of the
+ * grader paths is what the layers hold.  A path the layers lack but the
+ * workload made is hidden under an empty read-only tmpfs; one the workload
+ * replaced or removed fails the exec (fail closed: nothing to mount on, or
+ * not the same kind of file).  HOME (/root) is a fresh empty tmpfs. */
+static void grader_view(int errpipe_w, uint32_t uid, uint32_t gid)
+{
+	static char paths[128 << 10];
+	char *p, *save = NULL, opts[96];
+	struct stat want, have;
+
+	if (pristine_fd < 0)
+		child_fail(errpipe_w, ENOTSUP, "grader view", "no pristine tree in this sandbox");
+	if (unshare(CLONE_NEWNS) < 0)
+		child_fail(errpipe_w, errno, "grader view", "unshare the mount namespace");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		child_fail(errpipe_w, errno, "grader view", "make / private");
+	snprintf(paths, sizeof(paths), "%s", grader_paths ? grader_paths : "");
+	for (p = strtok_r(paths, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
+		int t;
+
+		if (p[0] != '/' || !p[1])
+			continue;
+		if (fstatat(pristine_fd, p + 1, &want, AT_SYMLINK_NOFOLLOW) < 0) {
+			if (errno != ENOENT && errno != ENOTDIR)
+				child_fail(errpipe_w, errno, "grader view: stat in the layers", p);
+			if (lstat(p, &have) < 0)
+				continue; /* in neither */
+			if (!S_ISDIR(have.st_mode))
+				child_fail(errpipe_w, EEXIST, "grader view: not in the layers", p);
+			if (mount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV,
+				  "size=4k,mode=0755") < 0)
+				child_fail(errpipe_w, errno, "grader view: hide", p);
+			continue;
+		}
+		if (S_ISLNK(want.st_mode)) {
+			/* merged /usr: the target is a grader path of its own */
+			if (!same_link(p))
+				child_fail(errpipe_w, ELOOP, "grader view: link changed", p);
+			continue;
+		}
+		if (lstat(p, &have) < 0 || S_ISLNK(have.st_mode) ||
+		    S_ISDIR(have.st_mode) != S_ISDIR(want.st_mode))
+			child_fail(errpipe_w, ENOTDIR, "grader view: replaced or removed", p);
+		t = (int)syscall(SYS_open_tree, pristine_fd, p + 1,
+				 OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE | AT_SYMLINK_NOFOLLOW);
+		if (t < 0)
+			child_fail(errpipe_w, errno, "grader view: clone", p);
+		if (syscall(SYS_move_mount, t, "", AT_FDCWD, p, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+			child_fail(errpipe_w, errno, "grader view: mount over", p);
+		close(t);
+	}
+	if (lstat("/root", &have) == 0 && S_ISDIR(have.st_mode)) {
+		snprintf(opts, sizeof(opts), "size=64m,mode=0700,uid=%u,gid=%u", uid, gid);
+		if (mount("tmpfs", "/root", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0)
+			child_fail(errpipe_w, errno, "grader view: fresh HOME", "/root");
+	}
+}
+
 static void child(struct child_args *a)
 {
 	sigset_t none;
@@ -716,6 +810,8 @@ static void child(struct child_args *a)
 			child_fail(a->errpipe_w, errno, "join cgroup", "cgroup.procs");
 	if (setsid() < 0)
 		child_fail(a->errpipe_w, errno, "setsid", "");
+	if (a->req->flags & SBX_EXEC_GRADER)
+		grader_view(a->errpipe_w, a->req->uid, a->req->gid);
 	if (a->pty_name) {
 		int s = open(a->pty_name, O_RDWR);
 
@@ -786,7 +882,7 @@ static void spare_main(int sock, const int join[2])
 	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf,
 			   .msg_controllen = sizeof(c.buf)};
 	struct cmsghdr *cm;
-	int keep[7] = {0, 1, 2, sock}, nk = 4, fds[4] = {-1, -1, -1, -1}, got[4], i, n = 0;
+	int keep[8] = {0, 1, 2, sock}, nk = 4, fds[4] = {-1, -1, -1, -1}, got[4], i, n = 0;
 	ssize_t r;
 
 	/* Nothing of sbx-init's but what an exec needs: a copy of a running
@@ -796,6 +892,8 @@ static void spare_main(int sock, const int join[2])
 			keep[nk++] = join[i];
 	if (ll_ruleset >= 0)
 		keep[nk++] = ll_ruleset;
+	if (pristine_fd >= 0)
+		keep[nk++] = pristine_fd;
 	qsort(keep, (size_t)nk, sizeof(int), cmp_int);
 	for (i = 0, n = 0; i < nk; i++) {
 		if (keep[i] > n)
@@ -984,7 +1082,7 @@ static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
 	    req.argc + req.envc > SBX_MAX_STRINGS)
 		return send_error(id, EINVAL, "exec: argc %u / envc %u out of range", req.argc,
 				  req.envc);
-	if (req.flags & ~(SBX_EXEC_STDIN | SBX_EXEC_PTY))
+	if (req.flags & ~(SBX_EXEC_STDIN | SBX_EXEC_PTY | SBX_EXEC_GRADER))
 		return send_error(id, EINVAL, "exec: unknown flags %#x", req.flags);
 	if (!split_strings((char *)payload + sizeof(req), len - sizeof(req), 1 + req.argc + req.envc,
 			   strs))
@@ -1662,6 +1760,24 @@ static int parse_fd(const char *s)
 	return (int)v;
 }
 
+/* The spawner left CAP_SYS_ADMIN inheritable so that this program, exec'd as
+ * root, got it; nothing exec'd from here may. */
+static int drop_inheritable(void)
+{
+	struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+	struct __user_cap_data_struct data[2];
+
+	if (syscall(SYS_capget, &hdr, data) < 0)
+		goto fail;
+	data[0].inheritable = data[1].inheritable = 0;
+	if (syscall(SYS_capset, &hdr, data) < 0)
+		goto fail;
+	return 0;
+fail:
+	logmsg("sbx-init: drop inheritable capabilities: %s", strerror(errno));
+	return -1;
+}
+
 int main(int argc, char **argv)
 {
 	struct epoll_event evs[64];
@@ -1671,7 +1787,7 @@ int main(int argc, char **argv)
 
 	int ll_fd = -1, sc_fd = -1;
 
-	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:A:")) != -1) {
+	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:A:P:G:")) != -1) {
 		switch (opt) {
 		case 'l': listen_fd = parse_fd(optarg); break;
 		case 'f': cg_freezer = parse_fd(optarg); break;
@@ -1681,14 +1797,19 @@ int main(int argc, char **argv)
 		case 'S': sc_fd = parse_fd(optarg); break;
 		case 'U': parse_fd(optarg); break; /* kept open, close-on-exec */
 		case 'A': aa_profile = optarg; break;
+		case 'P': pristine_fd = parse_fd(optarg); break;
+		case 'G': grader_paths = optarg; break;
 		default:
 			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
-			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]");
+			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
+			       "[-P PRISTINE_FD -G PATHS]");
 			return 2;
 		}
 	}
 	if (load_policies(ll_fd, sc_fd) < 0)
 		return 1;
+	if (pristine_fd >= 0 && drop_inheritable() < 0)
+		return 1; /* fail closed: an exec could inherit CAP_SYS_ADMIN */
 	if (listen_fd < 0) {
 		logmsg("sbx-init: -l LISTEN_FD is required");
 		return 2;

@@ -12,6 +12,8 @@
  *                 [--cg-freezer DIR --cg-memory DIR | --cg-v2 DIR]  (for sbx-init)
  *                 [--upper-dir DIR]      (host dir for upper/ and work/ instead of a tmpfs)
  *                 [--protect PATH...]    (sandbox paths made read-only mounts)
+ *                 [--pristine PATH...]   (sandbox paths a grader exec sees as the
+ *                                         layers have them: see "grader view" below)
  *                 [--caps MASK]          (capabilities kept, bit n = capability n)
  *                 [--landlock FILE] [--seccomp FILE] [--apparmor PROFILE]
  *                                        (policies sbx-init applies per exec)
@@ -58,11 +60,23 @@
  * might create gets a copy of the mount table in which the kernel locks them
  * (read-only and not unmountable: MNT_LOCK_READONLY / MNT_LOCKED).  Landlock,
  * applied by sbx-init to each exec, denies the same writes independently.
+ *
+ * Grader view (--pristine): the workload may write much that a grader runs
+ * (/etc/python3.11/sitecustomize.py, a .pth file, a grader tool it can
+ * reach), and listing such paths one by one never ends.  So the parent also
+ * makes a read-only overlay of the lowers alone (no upper: what the layers
+ * hold, nothing the workload wrote) and sbx-init keeps it as a detached mount
+ * that no workload process can reach (an fd of its own).  For a grader exec
+ * sbx-init's child makes a mount namespace of its own and mounts clones of
+ * that tree over each --pristine path.  sbx-init keeps CAP_SYS_ADMIN in the
+ * sandbox's user namespace for this (permitted and effective, never in the
+ * bounding set, dropped from its inheritable set at start, so no exec gets it).
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <linux/capability.h>
 #include <linux/mount.h>
 #include <linux/sched.h>
 #include <net/if.h>
@@ -105,6 +119,8 @@ struct opts {
 	const char *upper_dir, *landlock, *seccomp, *apparmor;
 	const char *protect[MAX_PROTECT];
 	int n_protect;
+	const char *pristine[MAX_PROTECT];
+	int n_pristine;
 	int has_caps;
 	unsigned long long caps;
 };
@@ -166,7 +182,7 @@ static int fs_fail(struct err *e, int fsfd, int code, const char *what)
 /* The setup message: a u32 mask of which of the SETUP_* fds follow (in that
  * order, as SCM_RIGHTS), then the options, NUL-separated. */
 enum { SETUP_ROOT, SETUP_SCRATCH, SETUP_LISTEN, SETUP_INIT, SETUP_LOG, SETUP_CG_A, SETUP_CG_B,
-       SETUP_LL, SETUP_SC, SETUP_NFDS };
+       SETUP_LL, SETUP_SC, SETUP_PRISTINE, SETUP_NFDS };
 
 static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS])
 {
@@ -271,6 +287,7 @@ struct child_fds {
 	int ll, sc;      /* policy files for sbx-init, or -1 */
 	int scratch;     /* the scratch dir (upper/, work/) */
 	int rootmnt;     /* the detached overlay */
+	int pristine;    /* the detached lowers-only overlay, or -1 */
 };
 
 static int bind_dev(const char *name, struct err *e)
@@ -467,6 +484,7 @@ static void child_main(int sync)
 	f->cg_b = got[SETUP_CG_B];
 	f->ll = got[SETUP_LL];
 	f->sc = got[SETUP_SC];
+	f->pristine = got[SETUP_PRISTINE];
 	oargc = split_args(args, (size_t)len, oargv);
 	if (oargc < 0) {
 		fail(&e, E2BIG, "too many options");
@@ -493,7 +511,10 @@ static void child_main(int sync)
 	if (o->has_caps) {
 		struct lfs_error le = {0};
 
-		if (lfs_caps_restrict(o->caps, &le) < 0) {
+		/* CAP_SYS_ADMIN is sbx-init's own when it makes grader views */
+		uint64_t held = f->pristine >= 0 ? 1ULL << CAP_SYS_ADMIN : 0;
+
+		if (lfs_caps_restrict_held(o->caps, held & ~o->caps, &le) < 0) {
 			fail(&e, le.code, "%s", le.msg);
 			goto out;
 		}
@@ -504,7 +525,7 @@ static void child_main(int sync)
 	 * open, close-on-exec: the spawner sees the exec happen as EOF. */
 	{
 		int *src[] = {&f->listen, &f->cg_a, &f->cg_b, &f->ll, &f->sc, &f->scratch,
-			      &f->init_exe};
+			      &f->pristine, &f->init_exe};
 		const int nsrc = (int)(sizeof(src) / sizeof(src[0]));
 		int i, n = 0, sync_hi = fcntl(f->sync, F_DUPFD_CLOEXEC, 200);
 
@@ -539,7 +560,8 @@ static void child_main(int sync)
 		syscall(SYS_close_range, (unsigned)(sync_hi + 1), ~0u, 0u);
 	}
 	{
-		static char lfd[16], afd[16], bfd[16], llfd[16], scfd[16], upfd[16];
+		static char lfd[16], afd[16], bfd[16], llfd[16], scfd[16], upfd[16], prfd[16];
+		static char gpaths[MAX_SETUP];
 
 		argv[argc++] = "sbx-init";
 		snprintf(lfd, sizeof(lfd), "%d", f->listen);
@@ -572,6 +594,19 @@ static void child_main(int sync)
 		if (o->apparmor) {
 			argv[argc++] = "-A";
 			argv[argc++] = (char *)o->apparmor;
+		}
+		if (f->pristine >= 0) {
+			size_t off = 0;
+			int i;
+
+			snprintf(prfd, sizeof(prfd), "%d", f->pristine);
+			argv[argc++] = "-P";
+			argv[argc++] = prfd;
+			for (i = 0; i < o->n_pristine; i++)
+				off += (size_t)snprintf(gpaths + off, sizeof(gpaths) - off, "%s%s",
+							i ? ":" : "", o->pristine[i]);
+			argv[argc++] = "-G";
+			argv[argc++] = gpaths;
 		}
 		snprintf(upfd, sizeof(upfd), "%d", f->scratch);
 		argv[argc++] = "-U";
@@ -624,7 +659,43 @@ static int idmapped_lower(const char *path, int userns, struct err *e)
 	return fd;
 }
 
-static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, struct err *e)
+/* The grader's tree: a read-only overlay of the lowers alone.  Overlayfs
+ * wants two lowers at least without an upper, hence an empty tmpfs at the
+ * bottom.  Made with fsmount, so that sbx-init's children, in mount namespaces
+ * of their own, may clone parts of it (open_tree refuses detached trees that
+ * open_tree made in another namespace). */
+static int pristine_tree(const struct opts *o, const int *lowers, struct err *e)
+{
+	cleanup_close int tfs = -1, empty = -1, ovl = -1;
+	int i, mnt;
+
+	tfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
+	if (tfs < 0)
+		return fail(e, errno, "fsopen tmpfs (grader view)");
+	if (fsconfig(tfs, FSCONFIG_SET_STRING, "size", "4k", 0) < 0 ||
+	    fsconfig(tfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+		return fs_fail(e, tfs, errno, "empty tmpfs (grader view)");
+	empty = fsmount(tfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_RDONLY);
+	if (empty < 0)
+		return fail(e, errno, "fsmount empty tmpfs (grader view)");
+	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
+	if (ovl < 0)
+		return fail(e, errno, "fsopen overlay (grader view)");
+	for (i = o->n_lowers - 1; i >= 0; i--)
+		if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, lowers[i]) < 0)
+			return fs_fail(e, ovl, errno, "overlay lowerdir+ (grader view)");
+	if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, empty) < 0 ||
+	    fsconfig(ovl, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+		return fs_fail(e, ovl, errno, "overlay (grader view)");
+	mnt = fsmount(ovl, FSMOUNT_CLOEXEC,
+		      MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
+	if (mnt < 0)
+		return fail(e, errno, "fsmount overlay (grader view)");
+	return mnt;
+}
+
+static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int *pristine_out,
+			struct err *e)
 {
 	char path[64], num[32];
 	cleanup_close int userns = -1;
@@ -707,6 +778,14 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, str
 	if (mnt < 0) {
 		fail(e, errno, "fsmount overlay");
 		goto out;
+	}
+	if (o->n_pristine) {
+		*pristine_out = pristine_tree(o, lowers, e);
+		if (*pristine_out < 0) {
+			close(mnt);
+			mnt = -1;
+			goto out;
+		}
 	}
 	*scratch_out = tmpmnt;
 	tmpmnt = -1;
@@ -847,7 +926,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 		  pid_t *out_pid, struct err *e)
 {
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
-	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1;
+	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1, pristine = -1;
 	char reply[600];
 	ssize_t n;
 	int status;
@@ -883,14 +962,14 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 	listen_fd = open_listen(o->ctl, e);
 	if (listen_fd < 0)
 		return -1;
-	rootmnt = build_rootfs(o, p->pid, &scratch, e);
+	rootmnt = build_rootfs(o, p->pid, &scratch, &pristine, e);
 	if (rootmnt < 0)
 		return -1;
 	{
 		int fds[SETUP_NFDS] = {[SETUP_ROOT] = rootmnt, [SETUP_SCRATCH] = scratch,
 				       [SETUP_LISTEN] = listen_fd, [SETUP_INIT] = init_exe,
 				       [SETUP_LOG] = log_fd, [SETUP_CG_A] = cg_a, [SETUP_CG_B] = cg_b,
-				       [SETUP_LL] = ll, [SETUP_SC] = sc};
+				       [SETUP_LL] = ll, [SETUP_SC] = sc, [SETUP_PRISTINE] = pristine};
 
 		if (send_setup(p->sync, args, len, fds) < 0)
 			return fail(e, errno, "send the rootfs to the child");
@@ -975,6 +1054,12 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 			if (*end)
 				return fail(e, EINVAL, "--caps `%s` is not a number", v);
 			o->has_caps = 1;
+		} else if (!strcmp(k, "--pristine")) {
+			if (o->n_pristine == MAX_PROTECT)
+				return fail(e, EINVAL, "more than %d grader-view paths", MAX_PROTECT);
+			if (v[0] != '/' || strchr(v, ':'))
+				return fail(e, EINVAL, "grader-view path `%s`: absolute, without ':'", v);
+			o->pristine[o->n_pristine++] = v;
 		} else if (!strcmp(k, "--protect")) {
 			if (o->n_protect == MAX_PROTECT)
 				return fail(e, EINVAL, "more than %d protected paths", MAX_PROTECT);

@@ -492,7 +492,16 @@ class SandboxManager:
                     or not all(isinstance(a, str) and "\0" not in a for a in argv_v)):
                 raise BadRequest("argv: must be a non-empty list of strings without NUL")
             argv = tuple(argv_v)
-        env = {**rec.env, **_str_map(body.get("env"), "env")}
+        trusted = _flag(body.get("trusted", False), "trusted")
+        base_env = dict(rec.env)
+        if trusted:
+            # A grader trusts nothing the sandbox env could steer: the interpreter's
+            # start-up hooks and the dynamic loader's; its HOME is the fresh empty /root
+            # of its own view. What the request itself gives wins.
+            base_env = {k: v for k, v in base_env.items()
+                        if not k.startswith(("PYTHON", "LD_"))}
+            base_env.update(PYTHONNOUSERSITE="1", HOME="/root")
+        env = {**base_env, **_str_map(body.get("env"), "env")}
         cwd = body.get("cwd", "/")
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise BadRequest("cwd: must be an absolute path")
@@ -517,7 +526,7 @@ class SandboxManager:
             timeout_s=None if timeout is None else _number(timeout, "timeout_s", minimum=0.001),
             output_limit=limit,
             pty=bool(body.get("pty", False)),
-            trusted=_flag(body.get("trusted", False), "trusted"),
+            trusted=trusted,
             kill_leftovers=_flag(body.get("kill_leftovers", False), "kill_leftovers"),
         )
 

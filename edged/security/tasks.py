@@ -2,8 +2,10 @@
 
 Keys: ``seccomp`` (profile name), ``protected`` (absolute paths the workload may read and
 execute but never change), ``grader`` (absolute paths of programs the grader exec runs; treated
-as protected), ``tcp_bind`` / ``tcp_connect`` (port lists; absent means TCP not restricted by
-Landlock). Unknown keys are an error, so a typo cannot silently weaken a policy.
+as protected), ``grader_view`` (absolute paths that a grader exec sees as the layers hold
+them, whatever the workload wrote there, which it may: default :data:`DEFAULT_GRADER_VIEW`),
+``tcp_bind`` / ``tcp_connect`` (port lists; absent means TCP not restricted by Landlock).
+Unknown keys are an error, so a typo cannot silently weaken a policy.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from pathlib import Path
 from edged.security import landlock
 from edged.security.profile import ProfileError, profile_path
 
+#: What a grader exec sees from the layers when a task profile names nothing else: the
+#: system binaries, libraries and configuration (a ``sitecustomize.py`` in /etc/python3.x or
+#: /usr/lib/python3.x, a ``.pth`` file, an ld.so.preload) and the rollout's toolkit.
+DEFAULT_GRADER_VIEW = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc",
+                       "/opt/toolkit")
+
 
 @dataclass(frozen=True)
 class TaskProfile:
@@ -28,6 +36,7 @@ class TaskProfile:
     grader: tuple[str, ...]
     tcp_bind: tuple[int, ...] | None
     tcp_connect: tuple[int, ...] | None
+    grader_view: tuple[str, ...] = DEFAULT_GRADER_VIEW
 
     def all_protected(self) -> tuple[str, ...]:
         """``protected`` plus the grader's programs, sorted, without duplicates."""
@@ -45,7 +54,7 @@ def _paths(v: object, where: str) -> tuple[str, ...]:
         raise ProfileError(f"{where}: must be a list of paths")
     out = []
     for p in v:
-        if not p.startswith("/") or "\0" in p or ".." in p.split("/"):
+        if not p.startswith("/") or "\0" in p or ":" in p or ".." in p.split("/"):
             raise ProfileError(f"{where}: {p!r} must be absolute, without '..'")
         out.append(os.path.normpath(p))
     return tuple(out)
@@ -69,7 +78,8 @@ def load(name: str = "default") -> TaskProfile:
         doc = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ProfileError(f"task profile {path}: {e}") from e
-    unknown = set(doc) - {"seccomp", "protected", "grader", "tcp_bind", "tcp_connect"}
+    unknown = set(doc) - {"seccomp", "protected", "grader", "grader_view", "tcp_bind",
+                          "tcp_connect"}
     if unknown:
         raise ProfileError(f"task profile {name}: unknown keys {sorted(unknown)}")
     sc = doc.get("seccomp", "default")
@@ -82,6 +92,9 @@ def load(name: str = "default") -> TaskProfile:
         grader=_paths(doc.get("grader", []), f"task profile {name}: grader"),
         tcp_bind=_ports(doc.get("tcp_bind"), f"task profile {name}: tcp_bind"),
         tcp_connect=_ports(doc.get("tcp_connect"), f"task profile {name}: tcp_connect"),
+        grader_view=tuple(sorted(set(_paths(doc.get("grader_view", list(DEFAULT_GRADER_VIEW)),
+                                            f"task profile {name}: grader_view"))
+                                 - {"/"})),
     )
 
 

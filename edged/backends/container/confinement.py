@@ -177,6 +177,8 @@ def spawner_args(policy: Policy, policy_dir: Path) -> list[str]:
     args = ["--caps", str(policy.caps)]
     for p in policy.protected:
         args += ["--protect", p]
+    for p in policy.task.grader_view:
+        args += ["--pristine", p]
     args += ["--seccomp", str(_policy_file(policy_dir, policy.seccomp_prog, ".bpf"))]
     if policy.landlock_blob is not None:
         args += ["--landlock", str(_policy_file(policy_dir, policy.landlock_blob, ".landlock"))]

@@ -663,7 +663,8 @@ def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None
             while True:  # once it is in its cgroups (it closes their files then)
                 fds = {int(f): os.readlink(f"/proc/{spare}/fd/{f}")
                        for f in os.listdir(f"/proc/{spare}/fd")}
-                rest = sorted(t.split(":")[0] for f, t in fds.items() if f > 2)
+                # the grader view's tree (a detached mount: "/") is kept for grader execs
+                rest = sorted(t.split(":")[0] for f, t in fds.items() if f > 2 and t != "/")
                 if rest in (["socket"], ["anon_inode", "socket"]) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.01)

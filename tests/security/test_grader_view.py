@@ -1,0 +1,104 @@
+"""Red team: a grader exec (``trusted``) sees the system trees as the layers hold them.
+
+The workload may write in /etc, /root or a toolkit directory (they are not all protected),
+and a grader's interpreter or tool would run what it wrote: a ``sitecustomize.py`` in
+/etc/python3.11 (reached from /usr/lib/python3.11 by a symlink on Debian), a ``.pth`` file in
+``~/.local``, a changed tool under /opt/toolkit. The grader's own view (a mount namespace of
+its own with the task profile's ``grader_view`` trees cloned from the lowers) must show none
+of it, while the workload's own view keeps its changes and the workspace stays shared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from edged.backends.base import Resources, SandboxSpec
+from tests.security.conftest import ENV, Node, make_rootfs, run, sh
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+TAMPER = """
+set -e
+mkdir -p /etc/python3.11 /root/.local/lib/python3.11/site-packages /opt/extra
+echo 'print("INJECTED")' > /etc/python3.11/sitecustomize.py
+echo 'import evil' > /root/.local/lib/python3.11/site-packages/evil.pth
+printf '#!/bin/sh\\necho tampered tool\\n' > /opt/toolkit/run-tests
+echo agent > /opt/extra/file
+echo answer > /work/answer
+echo done
+"""
+
+GRADER = """
+cat /etc/python3.11/sitecustomize.py 2>&1
+ls -A /root
+/opt/toolkit/run-tests
+ls /opt/extra 2>&1 | wc -l
+cat /work/answer
+echo graded > /work/grade
+"""
+
+
+@pytest.fixture
+def toolkit_root(tmp_path: Path, attack_bin: Path) -> Path:
+    root = make_rootfs(tmp_path / "root", attack_bin)
+    (root / "etc" / "python3.11").mkdir()
+    (root / "etc" / "python3.11" / "sitecustomize.py").write_text("# from the layer\n")
+    (root / "root").mkdir(mode=0o700)
+    tool = root / "opt" / "toolkit" / "run-tests"
+    tool.parent.mkdir(parents=True)
+    tool.write_text("#!/bin/sh\necho pristine tool\n")
+    tool.chmod(0o755)
+    (root / "opt" / "extra").mkdir()
+    return root
+
+
+def test_grader_sees_the_layers(node: Node, toolkit_root: Path) -> None:
+    b = node.backend
+    env = {**ENV, "PYTHONPATH": "/opt/evil", "LD_PRELOAD": "/opt/evil.so"}
+
+    async def body() -> None:
+        await b.create(SandboxSpec(id="gview", lowers=(str(toolkit_root),),
+                                   resources=Resources(), env=env, hostname="gview"))
+        try:
+            out, err, end = await sh(b, "gview", TAMPER)
+            assert out == "done\n", (out, err)
+            # (the env a trusted exec gets is the daemon's to set: see the test below)
+            h_out, h_err, end = await sh(b, "gview", GRADER, trusted=True)
+            lines = h_out.splitlines()
+            assert end.reason == "exited" and end.exit_code == 0, (end, h_out, h_err)
+            assert lines[0] == "# from the layer", h_out  # not the injected sitecustomize
+            assert lines[1] == "pristine tool", h_out  # /root empty: no .pth; tool from layer
+            assert lines[2] == "1", h_out  # /opt/extra is outside the view: shared
+            assert lines[3] == "answer", h_out  # the workspace is shared
+            # the workload's own view still has its changes: the grader's was private
+            out, _, _ = await sh(b, "gview", "cat /etc/python3.11/sitecustomize.py "
+                                 "/opt/toolkit/run-tests /work/grade; ls /root/.local")
+            assert out == ('print("INJECTED")\n#!/bin/sh\necho tampered tool\ngraded\nlib\n'), out
+        finally:
+            await b.destroy("gview")
+
+    run(body)
+
+
+def test_grader_env_from_the_daemon() -> None:
+    """The daemon's exec body → spec: a trusted exec drops PYTHON*/LD_* of the sandbox env,
+    sets PYTHONNOUSERSITE=1 and HOME=/root; what the request gives explicitly wins."""
+    from edged.node.manager import SandboxManager
+
+    class Rec:
+        env: ClassVar[dict[str, str]] = {
+            "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so", "PYTHONSTARTUP": "/x",
+            "PATH": "/bin", "HOME": "/work"}
+
+    m = SandboxManager.__new__(SandboxManager)
+    m.get = lambda sid: Rec()  # type: ignore[method-assign]
+    spec = m.exec_spec("x", {"cmd": "true", "trusted": True})
+    assert dict(spec.env) == {"PATH": "/bin", "HOME": "/root", "PYTHONNOUSERSITE": "1"}
+    spec = m.exec_spec("x", {"cmd": "true", "trusted": True,
+                             "env": {"PYTHONPATH": "/opt/toolkit", "HOME": "/tmp"}})
+    assert spec.env["PYTHONPATH"] == "/opt/toolkit" and spec.env["HOME"] == "/tmp"
+    spec = m.exec_spec("x", {"cmd": "true"})
+    assert spec.env["PYTHONPATH"] == "/evil"  # an ordinary exec keeps the sandbox env
