@@ -71,6 +71,13 @@ class BadRequest(EdgedError, ValueError):
     status = 400
 
 
+class PayloadTooLarge(BadRequest):
+    """A request body over the documented limit (HTTP 413, code ``payload_too_large``)."""
+
+    code = "payload_too_large"
+    status = 413
+
+
 class BackendError(EdgedError, OSError):
     """The backend failed to carry out a valid request (spawn, mount, cgroup...) (HTTP 500)."""
 
@@ -82,5 +89,5 @@ class BackendError(EdgedError, OSError):
 ERRORS_BY_CODE: dict[str, type[EdgedError]] = {
     cls.code: cls
     for cls in (NotFound, InvalidState, Conflict, PidsExhausted, CapacityExhausted, BadRequest,
-                BackendError)
+                PayloadTooLarge, BackendError)
 }

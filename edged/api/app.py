@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from edged.backends.base import ExecEnd, ExecHandle
-from edged.errors import BadRequest, EdgedError
+from edged.errors import BadRequest, EdgedError, PayloadTooLarge
 from edged.node.manager import SandboxManager, parse_labels
 from edged.security import http as security_http
 from edged.security.ledger import Ledger
@@ -65,7 +65,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "bad_request"}.get(
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(
             e.status, "bad_request")
         mgr.metrics.api_errors.labels(code=code).inc()
         return error_response(code, f"{request.method} {request.path}: {e.reason}", e.status)
@@ -78,12 +78,19 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def json_body(request: web.Request) -> Any:
-    """The request's JSON body ({} if empty); :class:`BadRequest` if not JSON."""
+    """The request's whole JSON body ({} if empty); :class:`BadRequest` if not JSON,
+    :class:`PayloadTooLarge` (413) over ``MAX_JSON_BODY`` bytes."""
     if not request.body_exists:
         return {}
-    raw = await request.content.read(MAX_JSON_BODY + 1)
-    if len(raw) > MAX_JSON_BODY:
-        raise BadRequest(f"body: larger than {MAX_JSON_BODY} bytes")
+    # StreamReader.read(n) returns what has arrived so far, not n bytes: read to EOF
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.read(MAX_JSON_BODY + 1 - size):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_JSON_BODY:
+            raise PayloadTooLarge(f"body: larger than {MAX_JSON_BODY} bytes")
+    raw = b"".join(chunks)
     if not raw.strip():
         return {}
     try:

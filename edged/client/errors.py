@@ -61,6 +61,12 @@ class BadRequestError(SandboxError, ValueError):
     code = "bad_request"
 
 
+class PayloadTooLargeError(BadRequestError):
+    """A request body over the daemon's limit (4 MiB of JSON)."""
+
+    code = "payload_too_large"
+
+
 class BackendError(SandboxError, OSError):
     """``backend_error`` (500): the node failed to carry out a valid request."""
 

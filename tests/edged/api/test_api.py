@@ -346,3 +346,15 @@ def test_client_disconnect_kills_silent_exec(api: Api, node) -> None:
         time.sleep(0.05)
     assert node.server.manager.get("dc").active_execs == 0
     assert all(h.proc.returncode is not None for h in node.backend.procs["dc"])
+
+
+def test_large_json_body_read_whole(api: Api) -> None:
+    """A valid body of a few MiB arrives in many reads: it is read whole, not cut at the
+    first chunk (which gave "not valid JSON" for bodies over ~256 KiB); over 4 MiB is 413."""
+    create(api, id="big")
+    data = "x" * (3 << 20)
+    out, _, end = exec_(api, "big", argv=["wc", "-c"], stdin=data)
+    assert end["reason"] == "exited" and int(out) == len(data)
+    r = api.post("/v1/sandboxes/big/exec", {"argv": ["wc", "-c"], "stdin": "x" * (5 << 20)},
+                 check=False)
+    assert r.status == 413 and r.json()["error"]["code"] == "payload_too_large", r.body[:200]
