@@ -19,7 +19,7 @@ A chunk's bytes are verified against its digest, written at its offset and marke
 (for readers, at once). The ``.present`` bitmap is a snapshot of those marks taken BEFORE
 an fdatasync of the layer file and then replaced atomically (temp file, fsync, rename), so
 a bit set on disk never names bytes that a crash could have lost or torn; it lags the
-marks by at most a few tens of milliseconds (a crash then costs a refetch). Eviction
+marks by at most a second (a crash then costs refetches). Eviction
 clears the bit and persists the bitmap before punching the hole
 (``fallocate(PUNCH_HOLE)``). A bitmap that does not match its layer (size, chunk size,
 checksum) is ignored: the chunks are fetched again, never misread.

@@ -50,8 +50,10 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 FAIL_HOLD = 1.0
 """Seconds during which a chunk whose fetch just failed fails again at once."""
 
-FLUSH_DELAY = 0.05
-"""Seconds a changed present bitmap may wait before it is persisted."""
+FLUSH_DELAY = 1.0
+"""Seconds a changed present bitmap may wait before it is persisted. A flush (fdatasync of
+the layer file, then the bitmap's atomic write) blocks the loop for ~10 ms here; once a
+second keeps that off cold reads, and a crash costs at most a second of refetches."""
 
 
 class FetchFailed(LayerfsError, OSError):
