@@ -148,6 +148,21 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     client = LazyClient(cache)
     if client.alive():
         return None
+    running = _running_supervisor(client.cache)
+    if running is not None:
+        # Its server is restarting (or still starting): a second supervisor would stack
+        # another FUSE mount on fuse/ and the first would outlive every stop().
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if client.alive():
+                return None
+            if _running_supervisor(client.cache) is None:
+                break
+            time.sleep(0.05)
+        else:
+            raise LazyServerError(0, f"lazy server of {client.cache}: supervisor pid "
+                                     f"{running} runs but its server does not answer: "
+                                     f"{_log_tail(client.cache)}")
     ChunkCache(client.cache)  # create or check the layout before anything mounts
     cmd = [sys.executable, "-m", "layerfs.lazy.supervisor", "--cache", client.cache,
            "--fetch-timeout", str(fetch_timeout), "--attempt-timeout", str(attempt_timeout)]
@@ -168,6 +183,21 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     proc.wait()
     raise LazyServerError(0, f"lazy server of {client.cache} did not start: "
                              f"{_log_tail(client.cache)}")
+
+
+def _running_supervisor(cache: str) -> int | None:
+    """PID of the live supervisor recorded for ``cache``, if any."""
+    try:
+        with open(os.path.join(cache, "supervisor.pid")) as f:
+            pid = int(f.read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except (FileNotFoundError, ValueError, ProcessLookupError):
+        return None
+    if b"layerfs.lazy.supervisor" not in argv or os.fsencode(cache) not in argv \
+            or _zombie(pid):
+        return None
+    return pid
 
 
 def _log_tail(cache: str) -> str:

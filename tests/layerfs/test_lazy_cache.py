@@ -235,3 +235,25 @@ def test_metrics_of_a_server_that_is_not_running(tmp_path: pathlib.Path) -> None
     reg = CollectorRegistry()
     reg.register(LazyCollector(LazyClient(str(tmp_path / "nothing"))))
     assert "layerfs_lazy_up 0.0" in generate_latest(reg).decode()
+
+
+@pytest.mark.root
+@pytest.mark.fuse
+@pytest.mark.mount
+def test_start_while_the_server_restarts_makes_no_second_supervisor(
+        tmp_path: pathlib.Path) -> None:
+    import signal
+
+    from layerfs.lazy import client
+
+    cache = tmp_path / "cache"
+    with lazy_node(cache) as c:
+        first = int((cache / "supervisor.pid").read_text())
+        pid = c.server_pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)  # the supervisor restarts it within a second
+        assert client.start(str(cache)) is None  # waited for it, started nothing
+        assert c.alive() and c.server_pid() != pid
+        assert int((cache / "supervisor.pid").read_text()) == first
+        with open("/proc/mounts") as f:
+            assert f.read().count(str(cache / "fuse") + " ") == 1
