@@ -1175,7 +1175,10 @@ static void handle_exec(uint32_t id, uint8_t *payload, uint32_t len)
 	e->limit = req.output_limit;
 	e->window = SBX_WINDOW;
 	if (req.timeout_ms)
-		e->deadline = e->t0 + req.timeout_ms * 1000000ull;
+		/* saturating: a huge timeout must not wrap to a deadline in the past */
+		e->deadline = req.timeout_ms > (UINT64_MAX - e->t0) / 1000000ull
+				      ? UINT64_MAX
+				      : e->t0 + req.timeout_ms * 1000000ull;
 	set_nonblock(e->errpipe);
 	ep_add(e->errpipe, K_ERRPIPE, slot_of(e), EPOLLIN);
 	if (e->out_fd >= 0)
@@ -1683,7 +1686,8 @@ static int next_timeout_ms(uint64_t now)
 		return n_pending_rm ? 1000 : -1;
 	if (next <= now)
 		return 0;
-	return (int)((next - now + 999999) / 1000000);
+	next = (next - now + 999999) / 1000000;
+	return next > INT_MAX ? INT_MAX : (int)next;
 }
 
 /* Read a whole policy file (at most `max` bytes) into a new buffer. */

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import signal as signal_mod
@@ -35,12 +36,19 @@ from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.node")
 
-_RESOURCE_FIELDS: dict[str, type] = {
-    "cpus": float,
-    "memory_bytes": int,
-    "swap_bytes": int,
-    "pids": int,
-    "disk_bytes": int,
+#: The documented ranges of every numeric request field (openapi.json states the same), checked
+#: in one place: finite numbers, integers where integers; anything else is a 400 naming the
+#: field, never an overflow further down (C structs hold u64 milliseconds and bytes).
+MAX_SECONDS = 31_536_000.0  # one year: timeouts, TTLs
+MAX_BYTES = 1 << 50
+#: resources: (kind, minimum, maximum). The minimums are what a sandbox needs to start and run
+#: one exec (sbx-init, its spare exec child and the exec: a few pids, a few MiB).
+_RESOURCE_FIELDS: dict[str, tuple[type, float, float]] = {
+    "cpus": (float, 0.01, 1024.0),
+    "memory_bytes": (int, 16 << 20, MAX_BYTES),
+    "swap_bytes": (int, 0, MAX_BYTES),
+    "pids": (int, 8, 4_194_304),
+    "disk_bytes": (int, 1 << 20, MAX_BYTES),
 }
 _CREATE_FIELDS = {
     "id", "backend", "image", "layers", "resources", "env", "ttl_s", "idle_timeout_s",
@@ -83,10 +91,31 @@ def _flag(v: object, what: str) -> bool:
     return v
 
 
-def _number(v: object, what: str, *, minimum: float = 0.0) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
-        raise BadRequest(f"{what}: must be a number >= {minimum:g}")
+def _number(v: object, what: str, *, minimum: float = 0.0,
+            maximum: float = MAX_SECONDS) -> float:
+    """A finite number in [minimum, maximum] (JSON has no NaN or Infinity; Python's parser
+    accepts them, and 1e400 parses as inf)."""
+    if (isinstance(v, bool) or not isinstance(v, int | float)
+            or not math.isfinite(v) or not minimum <= v <= maximum):
+        raise BadRequest(f"{what}: must be a number in [{minimum:g}, {maximum:g}]")
     return float(v)
+
+
+def _integer(v: object, what: str, *, minimum: int, maximum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise BadRequest(f"{what}: must be an integer in [{minimum}, {maximum}]")
+    return v
+
+
+def _env(v: object, what: str) -> dict[str, str]:
+    """Environment variables: names non-empty without '=' or NUL, values without NUL."""
+    env = _str_map(v, what)
+    for k, x in env.items():
+        if not k or "=" in k or "\0" in k:
+            raise BadRequest(f"{what}: bad variable name {k!r}")
+        if "\0" in x:
+            raise BadRequest(f"{what}.{k}: NUL in the value")
+    return env
 
 
 def parse_resources(v: object, default: Resources) -> Resources:
@@ -98,17 +127,14 @@ def parse_resources(v: object, default: Resources) -> Resources:
         raise BadRequest("resources: must be an object")
     vals: dict[str, Any] = {}
     for k, x in v.items():
-        kind = _RESOURCE_FIELDS.get(k)
-        if kind is None:
+        field = _RESOURCE_FIELDS.get(k)
+        if field is None:
             raise BadRequest(f"resources.{k}: unknown field")
+        kind, lo, hi = field
         if kind is int:
-            if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
-                raise BadRequest(f"resources.{k}: must be a positive integer")
-            vals[k] = x
+            vals[k] = _integer(x, f"resources.{k}", minimum=int(lo), maximum=int(hi))
         else:
-            vals[k] = _number(x, f"resources.{k}", minimum=0.001)
-    if "swap_bytes" in v and v["swap_bytes"] == 0:
-        vals["swap_bytes"] = 0
+            vals[k] = _number(x, f"resources.{k}", minimum=lo, maximum=hi)
     return Resources(**{**default.__dict__, **vals})
 
 
@@ -311,7 +337,7 @@ class SandboxManager:
             backend=backend,
             layers=layers,
             resources=parse_resources(body.get("resources"), self.default_resources),
-            env=_str_map(body.get("env"), "env"),
+            env=_env(body.get("env"), "env"),
             labels=parse_labels(body.get("labels")),
             image=image,
             network=network,
@@ -379,6 +405,9 @@ class SandboxManager:
                 fetching.cancel()
             self._forget(rec)
             self.metrics.creates.labels(result=getattr(e, "code", "error")).inc()
+            if isinstance(e, Exception) and getattr(e, "status", 500) >= 500:
+                log.warning("sandbox %s: create failed: %s", rec.id, e,
+                            extra={"sandbox": rec.id})
             if isinstance(e, EdgedError):
                 raise
             if isinstance(e, Exception):
@@ -406,6 +435,8 @@ class SandboxManager:
             try:
                 await self.backend.destroy(sandbox_id)
             except Exception as e:
+                log.warning("sandbox %s: destroy failed: %s", sandbox_id, e,
+                            extra={"sandbox": sandbox_id})
                 rec.state = State.FAILED
                 rec.error = f"destroy failed: {e}"
                 self._save(rec)
@@ -501,7 +532,7 @@ class SandboxManager:
             base_env = {k: v for k, v in base_env.items()
                         if not k.startswith(("PYTHON", "LD_"))}
             base_env.update(PYTHONNOUSERSITE="1", HOME="/root")
-        env = {**base_env, **_str_map(body.get("env"), "env")}
+        env = {**base_env, **_env(body.get("env"), "env")}
         cwd = body.get("cwd", "/")
         if not isinstance(cwd, str) or not cwd.startswith("/"):
             raise BadRequest("cwd: must be an absolute path")
@@ -513,9 +544,12 @@ class SandboxManager:
             ids[k] = x
         timeout = body.get("timeout_s")
         limit = body.get("output_limit")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit <= 0):
-            raise BadRequest("output_limit: must be a positive integer (bytes)")
+        if limit is not None:
+            _integer(limit, "output_limit", minimum=1, maximum=MAX_BYTES)
+        pty = _flag(body.get("pty", False), "pty")
+        for k in ("rows", "cols"):  # the PTY's size, refused before anything starts
+            if k in body:
+                _integer(body[k], k, minimum=1, maximum=65535)
         return ExecSpec(
             argv=argv,
             env=env,
@@ -525,7 +559,7 @@ class SandboxManager:
             stdin=body.get("stdin") not in (None, False, ""),
             timeout_s=None if timeout is None else _number(timeout, "timeout_s", minimum=0.001),
             output_limit=limit,
-            pty=bool(body.get("pty", False)),
+            pty=pty,
             trusted=trusted,
             kill_leftovers=_flag(body.get("kill_leftovers", False), "kill_leftovers"),
         )

@@ -358,3 +358,39 @@ def test_large_json_body_read_whole(api: Api) -> None:
     r = api.post("/v1/sandboxes/big/exec", {"argv": ["wc", "-c"], "stdin": "x" * (5 << 20)},
                  check=False)
     assert r.status == 413 and r.json()["error"]["code"] == "payload_too_large", r.body[:200]
+
+
+def test_numbers_validated_in_one_place(api: Api) -> None:
+    """Every numeric field: finite, in its documented range, an integer where one is due;
+    out of range is a 400 naming the field (these were 500s: OverflowError, struct.error)."""
+    create(api, id="num")
+
+    def bad(path: str, raw: str, field: str) -> None:
+        r = api.request("POST", path, raw=raw.encode(), check=False)
+        assert r.status == 400, (raw, r.status, r.body[:200])
+        err = r.json()["error"]
+        assert err["code"] == "bad_request" and field in err["message"], (raw, err)
+
+    ex = "/v1/sandboxes/num/exec"
+    bad(ex, '{"cmd": "true", "timeout_s": 1e400}', "timeout_s")
+    bad(ex, '{"cmd": "true", "timeout_s": 1e300}', "timeout_s")
+    bad(ex, '{"cmd": "true", "timeout_s": NaN}', "timeout_s")
+    bad(ex, '{"cmd": "true", "output_limit": 1e23}', "output_limit")
+    bad(ex, '{"cmd": "true", "output_limit": 100000000000000000000000}', "output_limit")
+    bad(ex, '{"cmd": "true", "pty": "yes"}', "pty")
+    bad(ex, '{"cmd": "true", "pty": true, "rows": "x", "cols": 80}', "rows")
+    bad(ex, '{"cmd": "true", "pty": true, "rows": 70000, "cols": 80}', "rows")
+    bad(ex, '{"cmd": "true", "env": {"A=B": "x"}}', "env")
+    bad(ex, '{"cmd": "true", "env": {"": "x"}}', "env")
+    bad(ex, '{"cmd": "true", "env": {"A": "x\\u0000y"}}', "env")
+    cr = "/v1/sandboxes"
+    bad(cr, f'{{"layers": ["{L1}"], "resources": {{"memory_bytes": 1}}}}', "memory_bytes")
+    bad(cr, f'{{"layers": ["{L1}"], "resources": {{"pids": 1}}}}', "pids")
+    bad(cr, f'{{"layers": ["{L1}"], "resources": {{"cpus": Infinity}}}}', "cpus")
+    bad(cr, f'{{"layers": ["{L1}"], "ttl_s": NaN}}', "ttl_s")
+    bad(cr, f'{{"layers": ["{L1}"], "idle_timeout_s": -Infinity}}', "idle_timeout_s")
+    bad(cr, f'{{"layers": ["{L1}"], "env": {{"A=B": "x"}}}}', "env")
+    bad("/v1/sandboxes/num/timeout", '{"ttl_s": Infinity}', "ttl_s")
+    bad("/v1/sandboxes/num/timeout", '{"idle_timeout_s": 1e400}', "idle_timeout_s")
+    # the sandbox record still serialises as valid JSON
+    json.loads(api.get("/v1/sandboxes/num").body, parse_constant=lambda c: 1 / 0)
