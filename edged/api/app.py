@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import codecs
 import contextlib
 import json
@@ -327,7 +328,9 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
 
 async def _ws_input(ws: web.WebSocketResponse, handle: ExecHandle) -> None:
     """Client → exec: binary = stdin bytes; text JSON ``{"stdin": s}``, ``{"stdin_b64": s}``,
-    ``{"eof": true}``, ``{"resize": {"rows", "cols"}}``, ``{"signal": n}``."""
+    ``{"eof": true}``, ``{"resize": {"rows", "cols"}}``, ``{"signal": n}``. A bad message
+    is answered with an error message (the one error shape) and ignored: the reader goes on,
+    so later stdin, EOF and signals still reach the exec."""
     async for msg in ws:
         if msg.type == WSMsgType.BINARY:
             await handle.write_stdin(msg.data)
@@ -335,21 +338,44 @@ async def _ws_input(ws: web.WebSocketResponse, handle: ExecHandle) -> None:
         if msg.type != WSMsgType.TEXT:
             break
         try:
-            m = json.loads(msg.data)
-        except ValueError:
-            continue
-        if not isinstance(m, dict):
-            continue
-        if "stdin" in m:
-            await handle.write_stdin(str(m["stdin"]).encode())
-        if "stdin_b64" in m:
-            await handle.write_stdin(base64.b64decode(m["stdin_b64"]))
-        if m.get("eof"):
-            await handle.close_stdin()
-        if isinstance(m.get("resize"), dict):
-            await handle.resize(int(m["resize"]["rows"]), int(m["resize"]["cols"]))
-        if "signal" in m:
-            await handle.signal(int(m["signal"]))
+            await _ws_control(handle, msg.data)
+        except (EdgedError, ValueError, TypeError, KeyError, binascii.Error) as e:
+            text = e.message if isinstance(e, EdgedError) else f"{type(e).__name__}: {e}"
+            with contextlib.suppress(ConnectionResetError, RuntimeError):
+                await ws.send_json({"error": {"code": "bad_request",
+                                              "message": f"control message: {text}"}})
+
+
+def _int_field(m: dict[str, Any], k: str, lo: int, hi: int) -> int:
+    v = m.get(k)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"{k}: must be an integer in [{lo}, {hi}]")
+    return v
+
+
+async def _ws_control(handle: ExecHandle, data: str) -> None:
+    """Carry out one text message of the WebSocket exec; BadRequest (or ValueError) if it is
+    not a well-formed one."""
+    m = json.loads(data)
+    if not isinstance(m, dict):
+        raise BadRequest("must be a JSON object")
+    if "stdin" in m:
+        if not isinstance(m["stdin"], str):
+            raise BadRequest("stdin: must be a string")
+        await handle.write_stdin(m["stdin"].encode())
+    if "stdin_b64" in m:
+        if not isinstance(m["stdin_b64"], str):
+            raise BadRequest("stdin_b64: must be a string")
+        await handle.write_stdin(base64.b64decode(m["stdin_b64"], validate=True))
+    if m.get("eof"):
+        await handle.close_stdin()
+    if "resize" in m:
+        r = m["resize"]
+        if not isinstance(r, dict):
+            raise BadRequest("resize: must be {rows, cols}")
+        await handle.resize(_int_field(r, "rows", 1, 65535), _int_field(r, "cols", 1, 65535))
+    if "signal" in m:
+        await handle.signal(_int_field(m, "signal", 1, 64))
 
 
 # -- files --------------------------------------------------------------------------------
