@@ -22,10 +22,11 @@
  *
  * Pool mode, to take process start-up and namespace creation off a create's
  * critical path:
- *   edged-spawner --pool 1 --status-fd N --uid-base N --id-count N
- * does steps 2 and 3 below at once, writes "ready" to the status fd, then
- * reads the options above (NUL-separated, same --uid-base and --id-count)
- * from stdin up to EOF and carries on from step 1.  EOF without options
+ *   edged-spawner --pool 1 --status-fd N --uid-base N --id-count N [--join DIR...]
+ * does steps 2, 3 and 1 (into the --join cgroups: the daemon renames them to
+ * the sandbox's later) at once, writes "ready" to the status fd, then reads
+ * the options above (NUL-separated, same --uid-base and --id-count, no
+ * --join) from stdin up to EOF and carries on with step 4.  EOF without options
  * (the daemon closing its pool) kills the half-made child and exits 0.
  *
  * Order of work, and why:
@@ -1138,6 +1139,9 @@ int main(int argc, char **argv)
 	fcntl(o.status_fd, F_SETFD, FD_CLOEXEC);
 	if (rc == 0 && o.pool) {
 		rc = prefork(&o, &p, &e);
+		/* Ahead of demand, the cgroup move and its RCU grace period too */
+		if (rc == 0)
+			rc = join_cgroups(&o, p.pid, &e);
 		if (rc == 0) {
 			unsigned long base = o.uid_base, count = o.id_count;
 			int status_fd = o.status_fd, pargc;

@@ -13,7 +13,8 @@ Creating a sandbox never forks the daemon: ``os.posix_spawn`` (glibc: clone with
 CLONE_VFORK) runs the spawner, which reports ``ok PID`` on a pipe once sbx-init runs. To keep
 process start-up and namespace creation off a create's critical path, the backend holds a
 small pool of spawners started ahead of demand (``--pool``: each has already cloned its child
-into new namespaces with the uid range of a reserved slot, and waits for the sandbox's
+into new namespaces with the uid range of a reserved slot and, on cgroup v1, moved both into
+cgroups made for it, which the create renames to the sandbox's; it waits for the sandbox's
 options on its stdin); a create takes a ready one, or spawns directly when none is, and the
 pool is refilled in the background. A
 sandbox outlives the daemon (sbx-init is re-parented to the host's init); a restarted daemon
@@ -44,7 +45,7 @@ import edged
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import confinement, files, scratch
 from edged.backends.container import protocol as P
-from edged.backends.container.cgroups import CgroupManager, SandboxCgroup
+from edged.backends.container.cgroups import POOL_PREFIX, CgroupManager, SandboxCgroup
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
 from edged.security import apparmor, landlock
 
@@ -268,6 +269,7 @@ class _Pooled:
     stdin: int
     status: int
     ready: asyncio.Future[None]
+    cg: SandboxCgroup | None = None  # its cgroups (``.pool-<slot>``), v1 only
 
 
 @dataclass
@@ -334,7 +336,8 @@ class ContainerBackend:
         self._next_slot = 0
         self.spawner_pool = max(0, spawner_pool)
         self._pool: list[_Pooled] = []
-        self._reaping: dict[int, int] = {}  # pid -> pidfd of spawners being reaped
+        # pid -> (pidfd, what to do once it is reaped) of spawners being reaped
+        self._reaping: dict[int, tuple[int, Callable[[], None] | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # of the pool's readers
         self._closed = False
 
@@ -408,7 +411,7 @@ class ContainerBackend:
                 _write_all(pooled.stdin, b"".join(a.encode() + b"\0" for a in argv[1:]))
             except OSError as exc:
                 os.close(r)
-                self._reap(pid)
+                self._reap(pid)  # its cgroups are the sandbox's now: the teardown's
                 raise BackendError(f"pooled spawner {pid}: {exc.strerror}") from exc
             finally:
                 os.close(pooled.stdin)
@@ -424,13 +427,18 @@ class ContainerBackend:
         code, _, msg = rest.partition(" ")
         raise BackendError(f"spawner: {msg or line or 'no status'} (errno {code or '?'})")
 
-    def _reap(self, pid: int) -> None:
-        """Collect the exit of spawner ``pid`` without blocking (see :meth:`close`)."""
+    def _reap(self, pid: int, then: Callable[[], None] | None = None) -> None:
+        """Collect the exit of spawner ``pid`` without blocking, then call ``then`` (see
+        :meth:`close`)."""
         try:
             pidfd = os.pidfd_open(pid)
         except ProcessLookupError:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            if then is not None:
+                then()
             return
-        self._reaping[pid] = pidfd
+        self._reaping[pid] = (pidfd, then)
         loop = asyncio.get_running_loop()
 
         def on_exit() -> None:
@@ -439,6 +447,8 @@ class ContainerBackend:
             self._reaping.pop(pid, None)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
+            if then is not None:
+                then()
 
         loop.add_reader(pidfd, on_exit)
 
@@ -451,10 +461,10 @@ class ContainerBackend:
             return
         self._loop = loop
         stale, self._pool = self._pool, []
-        for pid, pidfd in list(self._reaping.items()):
+        for pid, (pidfd, then) in list(self._reaping.items()):
             self._reaping.pop(pid)
             os.close(pidfd)
-            self._reap(pid)
+            self._reap(pid, then)
         for p in stale:
             self._drop_pooled(p)
 
@@ -477,24 +487,36 @@ class ContainerBackend:
                 log.warning("spawner pool: %s", exc)
                 return
             uid_base = self.uid_base + slot * self.id_count
+            try:
+                cg = self.cgroups.create_pooled(str(slot), uid_base)
+            except BackendError as exc:
+                self._slots.discard(slot)
+                log.warning("spawner pool: %s", exc)
+                return
             spawner = str(self.bin_dir / "edged-spawner")
+            argv = ["edged-spawner", "--pool", "1", "--status-fd", "3", "--uid-base",
+                    str(uid_base), "--id-count", str(self.id_count)]
+            for j in cg.join if cg is not None else ():
+                argv += ["--join", str(j)]
             r_in, w_in = os.pipe2(os.O_CLOEXEC)
             r_st, w_st = os.pipe2(os.O_CLOEXEC)
             try:
                 pid = os.posix_spawn(
-                    spawner, ["edged-spawner", "--pool", "1", "--status-fd", "3", "--uid-base",
-                              str(uid_base), "--id-count", str(self.id_count)], {},
+                    spawner, argv, {},
                     file_actions=[(os.POSIX_SPAWN_DUP2, r_in, 0), (os.POSIX_SPAWN_DUP2, w_st, 3)])
             except OSError as exc:
                 for fd in (r_in, w_in, r_st):
                     os.close(fd)
                 self._slots.discard(slot)
+                if cg is not None:
+                    with contextlib.suppress(BackendError):
+                        cg.remove()
                 log.warning("spawner pool: posix_spawn %s: %s", spawner, exc.strerror)
                 return
             finally:
                 os.close(w_st)
             os.close(r_in)
-            p = _Pooled(pid, slot, w_in, r_st, loop.create_future())
+            p = _Pooled(pid, slot, w_in, r_st, loop.create_future(), cg)
             self._pool.append(p)
             loop.add_reader(r_st, self._pool_status, p)
 
@@ -522,7 +544,9 @@ class ContainerBackend:
         if not p.ready.done():
             p.ready.cancel()
         self._slots.discard(p.slot)
-        self._reap(p.pid)
+        cg = p.cg
+        # its child dies before it exits: the cgroups are empty then
+        self._reap(p.pid, None if cg is None else functools.partial(_remove_quietly, cg))
 
     async def _connect(self, sbx: _Sandbox) -> None:
         path = str(sbx.dir / "ctl.sock")
@@ -665,7 +689,12 @@ class ContainerBackend:
             (d / "root").mkdir()
             self._write_meta(d, meta)
             policy = confinement.prepare(spec)
-            cg = self.cgroups.create(sid, spec.resources, uid_base)
+            joined = pooled is not None and pooled.cg is not None
+            if pooled is not None and pooled.cg is not None:
+                cg = self.cgroups.claim(pooled.cg, sid, spec.resources)  # joined already
+                pooled.cg = None
+            else:
+                cg = self.cgroups.create(sid, spec.resources, uid_base)
             argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
                     "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
@@ -685,8 +714,9 @@ class ContainerBackend:
                     await asyncio.to_thread(scratch.limit, mnt, scratch_path, uid_base,
                                             spec.resources.disk_bytes)
                 argv += ["--upper-dir", str(scratch_path)]
-            for j in cg.join:
-                argv += ["--join", str(j)]
+            if not joined:
+                for j in cg.join:
+                    argv += ["--join", str(j)]
             if cg.version == "v1":
                 argv += ["--cg-freezer", str(cg.dirs["freezer"]),
                          "--cg-memory", str(cg.dirs["memory"])]
@@ -905,7 +935,9 @@ class ContainerBackend:
         ``keep`` nor attached to this backend: dead, half-made, or unwanted live ones.
         Returns the ids removed."""
         metas = self._metas()
-        ids = (set(metas) | self.cgroups.existing()) - keep - set(self._sandboxes) - self._busy
+        pool = {POOL_PREFIX + str(p.slot) for p in self._pool}
+        ids = ((set(metas) | self.cgroups.existing()) - keep - set(self._sandboxes) - self._busy
+               - pool)
         removed = []
         for sid in sorted(ids):
             try:
@@ -934,11 +966,13 @@ class ContainerBackend:
             self._drop_pooled(p)
         self._pool.clear()
         while self._reaping:
-            pid, pidfd = self._reaping.popitem()
+            pid, (pidfd, then) = self._reaping.popitem()
             loop.remove_reader(pidfd)
             os.close(pidfd)
             with contextlib.suppress(ChildProcessError):
                 await asyncio.to_thread(os.waitpid, pid, 0)
+            if then is not None:
+                then()
         self._reaping.clear()
         for sbx in list(self._sandboxes.values()):
             if sbx.conn is not None:
@@ -948,6 +982,13 @@ class ContainerBackend:
         if not self._metas() and not self._busy:
             self.cgroups.prune()
         self._closed = False
+
+
+def _remove_quietly(cg: SandboxCgroup) -> None:
+    try:
+        cg.remove()
+    except BackendError as exc:
+        log.warning("spawner pool: %s", exc)
 
 
 def _policy_from_dir(d: Path) -> confinement.Policy | None:

@@ -27,6 +27,8 @@ from edged.errors import BackendError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
 CFS_PERIOD_US = 100_000
+#: Name prefix of cgroups made ahead for pooled spawners; no sandbox id starts with a dot.
+POOL_PREFIX = ".pool-"
 
 
 def _write(path: Path, value: str) -> None:
@@ -322,9 +324,57 @@ class CgroupManager:
             raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
         return cg
 
+    def create_pooled(self, tag: str, root_uid: int) -> SandboxCgroup | None:
+        """Cgroups ``.pool-<tag>`` for a pooled spawner, made ahead of demand and delegated to
+        host uid ``root_uid``, without limits yet: the spawner moves itself and its child in
+        at once (a move waits for an RCU grace period when none happened lately, milliseconds,
+        kept off the create), and :meth:`claim` renames them to a sandbox's. v1 only (v2
+        cannot rename cgroups; there CLONE_INTO_CGROUP is the way to skip the move): None
+        elsewhere. Raises BackendError (nothing left)."""
+        if self.version != "v1":
+            return None
+        cg = self.path_of(POOL_PREFIX + tag)
+        try:
+            self._ensure_parents()
+            for d in dict.fromkeys(cg.dirs.values()):
+                d.mkdir()
+            for c in ("freezer", "memory"):
+                os.chown(cg.dirs[c], root_uid, root_uid)
+        except OSError as exc:
+            with contextlib.suppress(BackendError):
+                cg.remove()
+            raise BackendError(f"pooled cgroup {tag}: {exc}") from exc
+        cg.join = list(dict.fromkeys(cg.dirs.values()))
+        return cg
+
+    def claim(self, pooled: SandboxCgroup, sandbox_id: str, res: Resources) -> SandboxCgroup:
+        """Rename pooled cgroups (:meth:`create_pooled`) to ``sandbox_id``'s, their tasks
+        staying in them, and set the limits from ``res``. Raises BackendError (what was
+        renamed is renamed back)."""
+        cg = self.path_of(sandbox_id)
+        done: list[tuple[Path, Path]] = []
+        try:
+            for src, dst in {pooled.dirs[c]: cg.dirs[c] for c in pooled.dirs}.items():
+                os.rename(src, dst)
+                done.append((src, dst))
+            self._limits_v1(cg, res)
+        except OSError as exc:
+            for src, dst in reversed(done):
+                with contextlib.suppress(OSError):
+                    os.rename(dst, src)
+            raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
+        cg.join = list(dict.fromkeys(cg.dirs.values()))
+        return cg
+
     def _create_v1(self, cg: SandboxCgroup, res: Resources, root_uid: int) -> None:
         for d in cg.dirs.values():
             d.mkdir()
+        self._limits_v1(cg, res)
+        for c in ("freezer", "memory"):
+            os.chown(cg.dirs[c], root_uid, root_uid)
+        cg.join = list(dict.fromkeys(cg.dirs.values()))
+
+    def _limits_v1(self, cg: SandboxCgroup, res: Resources) -> None:
         cpu, mem = cg.dirs["cpu"], cg.dirs["memory"]
         _write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
         _write(cpu / "cpu.cfs_quota_us", str(max(1000, int(res.cpus * CFS_PERIOD_US))))
@@ -333,9 +383,6 @@ class CgroupManager:
         if self.swap_accounting:
             _write(mem / "memory.memsw.limit_in_bytes", str(res.memory_bytes + res.swap_bytes))
         _write(cg.dirs["pids"] / "pids.max", str(res.pids))
-        for c in ("freezer", "memory"):
-            os.chown(cg.dirs[c], root_uid, root_uid)
-        cg.join = list(dict.fromkeys(cg.dirs.values()))
 
     def _create_v2(self, cg: SandboxCgroup, res: Resources, root_uid: int) -> None:
         d = cg.dirs["v2"]

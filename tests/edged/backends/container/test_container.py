@@ -573,10 +573,19 @@ def test_spawner_pool(state_dir: Path, busybox_tree: Path) -> None:
             assert time.monotonic() < deadline, "pool not ready"
             await asyncio.sleep(0.01)
         pooled = {p.slot: p.pid for p in b._pool}
-        await b.create(spec((str(busybox_tree),), sid="p1"))
+        if b.cgroups.version == "v1":  # cgroups made ahead too, the spawner and child in them
+            assert sorted(Path(d).name for d in cgroup_dirs(b) if "/.pool-" in d) == sorted(
+                f".pool-{slot}" for slot in pooled for _ in b.cgroups.parents)
+        await b.create(spec((str(busybox_tree),), sid="p1", pids=77))
         sbx = b._sandboxes["p1"]
         assert sbx.slot in pooled  # made by a pooled spawner, in that spawner's uid range
         assert os.stat(f"/proc/{sbx.pid}").st_uid == b.uid_base + sbx.slot * b.id_count
+        # sbx-init is in the sandbox's cgroups (renamed from the pool's), with its limits
+        for c, d in sbx.cg.dirs.items():
+            assert d.name == "p1" and str(sbx.pid) in (d / "cgroup.procs").read_text().split(), c
+        if b.cgroups.version == "v1":
+            assert (sbx.cg.dirs["pids"] / "pids.max").read_text().strip() == "77"
+            assert f".pool-{sbx.slot}" not in " ".join(cgroup_dirs(b))
         out, _, end = await sh(b, "p1", "id -u; hostname; cat /proc/1/cgroup")
         assert end.exit_code == 0
         lines = out.decode().split()
@@ -593,6 +602,7 @@ def test_spawner_pool(state_dir: Path, busybox_tree: Path) -> None:
         assert not b._pool and not b._reaping
         assert all(_gone(p) for p in spawners + kids)
         assert not sandbox_processes(b)
+        assert not cgroup_dirs(b)  # the pool's cgroups too
 
     run(body)
 
