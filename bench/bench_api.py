@@ -12,22 +12,27 @@ mountpoint). Figures, after one warm-up sandbox each:
 - creates/s: sequential create+first exec+delete cycles per second.
 The ratio API/direct is the daemon's cost (HTTP, JSON, state machine, admission, persistence).
 Both sides make the same sandbox: the daemon's default task profile (confined) and spawner
-pool (``Config().spawner_pool``).
+pool (``Config().spawner_pool``). The daemon runs as a process of its own, as in production
+(``--in-process``: in a thread of this one, where it shares one interpreter lock with the
+client).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +127,52 @@ async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list
     return {"create": create, "exec": rt, "cycles_per_s": [cycles]}
 
 
+def start_daemon(cfg: Config, in_process: bool) -> Callable[[], None]:
+    """Start a daemon on ``cfg``; returns the function that stops it."""
+    if in_process:
+        server = Server(cfg)
+        loop = asyncio.new_event_loop()
+        th = threading.Thread(
+            target=lambda: loop.run_until_complete(server.serve(install_signals=False)),
+            daemon=True)
+        th.start()
+        while not server.started.is_set():
+            time.sleep(0.01)
+
+        def stop_thread() -> None:
+            loop.call_soon_threadsafe(server.handle_exit, 15)
+            th.join(60)
+
+        return stop_thread
+    argv = [sys.executable, "-c", "import sys; from edged.cli import main; sys.exit(main())",
+            "serve"]
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value != f.default:
+            argv += ["--" + f.name.replace("_", "-"), str(value)]
+    proc = subprocess.Popen(argv, cwd=str(Path(__file__).resolve().parents[1]))
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            Sandbox.list(socket=cfg.socket)
+            break
+        except Exception:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("the daemon did not start") from None
+            time.sleep(0.05)
+
+    def stop_process() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return stop_process
+
+
 def summarize(d: dict[str, list[float]]) -> dict[str, float]:
     return {
         "create_first_exec_p50_ms": pct(d["create"], 50) * 1e3,
@@ -136,6 +187,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=100, help="create cycles per contender")
     ap.add_argument("--execs", type=int, default=300, help="exec round trips per contender")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run the daemon in a thread of this process (shares its GIL)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -149,25 +202,17 @@ def main() -> int:
         cfg = Config(socket=str(work / "s.sock"), state_dir=str(work / "state"),
                      runtime_dir=runtime, store_dir=store, log_level="warning",
                      default_ttl_s=0.0)
-        server = Server(cfg)
-        loop = asyncio.new_event_loop()
-        th = threading.Thread(
-            target=lambda: loop.run_until_complete(server.serve(install_signals=False)),
-            daemon=True)
-        th.start()
-        while not server.started.is_set():
-            time.sleep(0.01)
+        stop = start_daemon(cfg, a.in_process)
         try:
             api = summarize(via_api(cfg.socket, digest, a.n, a.execs))
             # The baseline runs on the daemon's own layer mount, held by one sandbox.
             keep = Sandbox.create(layers=[digest], env=ENV, socket=cfg.socket)
-            assert server.manager is not None
-            lower = str(server.manager.layers.mountpoint(digest))
+            lower = str(Path(runtime, "layers", digest.split(":", 1)[1]))
+            assert os.path.ismount(lower), lower
             base = summarize(asyncio.run(direct(direct_rt, lower, a.n, a.execs)))
             keep.kill()
         finally:
-            loop.call_soon_threadsafe(server.handle_exit, 15)
-            th.join(60)
+            stop()
     finally:
         for rt in (runtime, direct_rt):
             h = hashlib.sha256(str(Path(rt).resolve()).encode()).hexdigest()[:10]

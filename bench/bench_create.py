@@ -17,7 +17,9 @@ image of it built by layerfs and mounted file-backed). What each contender does 
   (Debian 12's bwrap 0.8 has no overlay option, so it does less than the others).
 - unshare: `unshare -muinpfC sh -c 'mount tmpfs; mount overlay; chroot … true'`.
 Latency: sequential, one at a time. creates/s: `--concurrency` at a time, for `--n` sandboxes
-(edged: create+first exec; destroys run after the clock stops).
+(edged: create+first exec; destroys run after the clock stops). "after idle" (edged): the same
+two figures with `--idle-ms` of nothing before each (an agent thinking between commands): the
+kernel's cgroup moves then find no recent grace period to ride on.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | None,
-                    pool: int) -> dict[str, Any]:
+                    pool: int, idle_s: float) -> dict[str, Any]:
     b = ContainerBackend(state, spawner_pool=pool)
     await b.warm()
     counter = 0
@@ -107,10 +109,24 @@ async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | N
                 pass
             exec_rt.append(time.perf_counter() - t0)
         await b.destroy(sid)
+    idle_lat, idle_rt = [], []
+    for _ in range(10):
+        await asyncio.sleep(idle_s)
+        sid, dt = await one()
+        idle_lat.append(dt)
+        for _ in range(2):
+            await asyncio.sleep(idle_s)
+            t0 = time.perf_counter()
+            h = await b.exec(sid, ExecSpec(argv=("true",), env=ENV))
+            async for _ev in h.events():
+                pass
+            idle_rt.append(time.perf_counter() - t0)
+        await b.destroy(sid)
     rate = await throughput(one, n, conc, b.destroy)
     await b.cleanup_leftovers(set())
     await b.close()
-    return {"latencies": lat, "creates_per_s": rate, "exec_roundtrips": exec_rt}
+    return {"latencies": lat, "creates_per_s": rate, "exec_roundtrips": exec_rt,
+            "idle_latencies": idle_lat, "idle_exec_roundtrips": idle_rt}
 
 
 async def throughput(one: Callable[[], Awaitable[tuple[str, float]]], n: int, conc: int,
@@ -183,11 +199,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         os.chmod(tmp, 0o755)
         with lower_dir(tmp, args.erofs) as lower:
             results: dict[str, Any] = {}
+            idle = args.idle_ms / 1e3
             results["edged"] = await run_edged(lower, tmp / "state", args.n, args.concurrency,
-                                               "default", args.spawner_pool)
+                                               "default", args.spawner_pool, idle)
             results["edged unconfined"] = await run_edged(lower, tmp / "state", args.n,
                                                           args.concurrency, None,
-                                                          args.spawner_pool)
+                                                          args.spawner_pool, idle)
             if shutil.which("bwrap"):
                 results["bwrap"] = await run_command(command_runner(bwrap_argv(lower)), args.n,
                                                      args.concurrency)
@@ -205,6 +222,8 @@ def main() -> int:
     ap.add_argument("--erofs", action="store_true", help="use an EROFS image as the lower")
     ap.add_argument("--spawner-pool", type=int, default=Config().spawner_pool,
                     help="edged's pooled spawners (default: the daemon's)")
+    ap.add_argument("--idle-ms", type=float, default=50.0,
+                    help="idle time before each 'after idle' sample")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -217,6 +236,9 @@ def main() -> int:
                        "creates_per_s": r["creates_per_s"], "samples": len(lat)}
         if "exec_roundtrips" in r:
             table[name]["exec_roundtrip_p50_ms"] = 1e3 * statistics.median(r["exec_roundtrips"])
+            table[name]["after_idle_p50_ms"] = 1e3 * statistics.median(r["idle_latencies"])
+            table[name]["after_idle_exec_roundtrip_p50_ms"] = 1e3 * statistics.median(
+                r["idle_exec_roundtrips"])
     base = table["unshare+overlay"]
     ratios = {name: {"p50_vs_unshare": t["p50_ms"] / base["p50_ms"],
                      "rate_vs_unshare": t["creates_per_s"] / base["creates_per_s"]}
@@ -238,7 +260,10 @@ def main() -> int:
               f"{ratios[name]['p50_vs_unshare']:14.2f}")
     for name, t in table.items():
         if "exec_roundtrip_p50_ms" in t:
-            print(f"{name} exec `true` round trip p50: {t['exec_roundtrip_p50_ms']:.2f} ms")
+            print(f"{name}: exec `true` round trip p50 {t['exec_roundtrip_p50_ms']:.2f} ms; "
+                  f"after {args.idle_ms:.0f} ms idle: create→first exec p50 "
+                  f"{t['after_idle_p50_ms']:.2f} ms, exec round trip p50 "
+                  f"{t['after_idle_exec_roundtrip_p50_ms']:.2f} ms")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
     for k, v in goals.items():
         print(f"goal {k}: {'met' if v else 'NOT met'}")
