@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import grp
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +29,7 @@ from aiohttp import web
 from edged.api.app import make_app
 from edged.backends.base import Backend
 from edged.config import Config
-from edged.errors import BackendError
+from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
 from edged.metrics import Metrics
@@ -101,6 +103,8 @@ class Server:
         self._prev_handlers: dict[int, Any] = {}
         self._wake: asyncio.Event | None = None
         self._forced = asyncio.Event()
+        self._lock_fds: list[int] = []  # flocks on the runtime dir's pid file, the state dir
+        self._owns_socket = False
 
     # -- signals --------------------------------------------------------------------------
 
@@ -153,6 +157,13 @@ class Server:
         runtime = Path(cfg.runtime_dir)
         for d in (state, runtime):
             d.mkdir(parents=True, exist_ok=True, mode=0o750)
+        # Before recovery: a second daemon on the same dirs would tear down the first one's
+        # sandboxes as leftovers of a crash.
+        self._lock(runtime / "edged.pid", write_pid=True)
+        self._lock(state / "edged.lock", write_pid=False)
+        sock = Path(cfg.socket)
+        if sock.is_socket() and _answers(sock):
+            raise Conflict(f"another daemon answers on {sock}; not starting")
         # security events are kept under the state dir and outlive their sandbox
         ledger = Ledger(state, retention_s=cfg.events_retention_s)
         backend = self._backend or make_backend(cfg, on_event=ledger.record)
@@ -176,18 +187,43 @@ class Server:
         self.manager.start_reaper()
         app = make_app(self.manager)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                                     shutdown_timeout=cfg.shutdown_timeout_s)
+                                     shutdown_timeout=cfg.shutdown_timeout_s * 0.5)
         await self._runner.setup()
-        sock = Path(cfg.socket)
         sock.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         if sock.is_socket():
-            sock.unlink()  # a stale socket of a dead daemon; a live one would hold a pid file
+            if _answers(sock):  # one that started serving meanwhile: leave it alone
+                raise Conflict(f"another daemon answers on {sock}; not starting")
+            sock.unlink()  # a stale socket of a dead daemon
         site = web.UnixSite(self._runner, str(sock))
         await site.start()
+        self._owns_socket = True
         self._secure_socket(sock)
         log.info("serving", extra={"socket": str(sock), "pid": os.getpid(),
                                    "startup_s": round(time.monotonic() - t0, 3)})
         self.started.set()
+
+    def _lock(self, path: Path, *, write_pid: bool) -> None:
+        """Hold an exclusive flock on ``path`` for the daemon's life (released by the kernel
+        when the process dies, so a crash leaves no stale lock). Raises Conflict naming the
+        holder if another daemon has it."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            holder = f"pid {other}" if other else "another daemon"
+            raise Conflict(f"{holder} holds {path}: one daemon per state and runtime dir; "
+                           f"not starting") from None
+        if write_pid:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fds.append(fd)
+
+    def _unlock(self) -> None:
+        for fd in self._lock_fds:
+            os.close(fd)
+        self._lock_fds.clear()
 
     def _secure_socket(self, sock: Path) -> None:
         os.chmod(sock, 0o660)
@@ -215,8 +251,11 @@ class Server:
 
     async def shutdown(self) -> None:
         """Stop listening, let in-flight requests end (unless forced), then stop or keep
-        sandboxes per ``on_shutdown``."""
+        sandboxes per ``on_shutdown``; all within ``shutdown_timeout_s`` (in-flight requests
+        get half of it, then are cancelled, which ends exec streams)."""
         log.info("shutting down", extra={"force": self.force_exit})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.shutdown_timeout_s
         if self.manager is not None and self.manager.ledger is not None:
             # ends the event streams, which would otherwise hold the runner's cleanup
             self.manager.ledger.close()
@@ -225,20 +264,24 @@ class Server:
             # signal cuts the wait short.
             cleanup = asyncio.ensure_future(self._runner.cleanup())
             forced = asyncio.ensure_future(self._forced.wait())
-            await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({cleanup, forced}, return_when=asyncio.FIRST_COMPLETED,
+                               timeout=self.config.shutdown_timeout_s * 0.6)
             for t in (cleanup, forced):
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             self._runner = None
-        with contextlib.suppress(FileNotFoundError):
-            Path(self.config.socket).unlink()
+        if self._owns_socket:  # never a live daemon's socket that made this one give up
+            with contextlib.suppress(FileNotFoundError):
+                Path(self.config.socket).unlink()
+            self._owns_socket = False
         if self.manager is not None:
-            timeout = 1.0 if self.force_exit else self.config.shutdown_timeout_s
-            await self.manager.shutdown(timeout)
+            left = max(0.5, deadline - loop.time())
+            await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
             close = getattr(self.manager.backend, "close", None)
             if close is not None:  # drop control connections; kept sandboxes live on
                 await close()
+        self._unlock()
         log.info("stopped")
 
 
@@ -248,7 +291,20 @@ def run(config: Config) -> int:
     server = Server(config)
     try:
         asyncio.run(server.serve())
-    except BackendError as e:
+    except EdgedError as e:
         log.error("cannot start: %s", e)
         return 1
     return 0
+
+
+def _answers(sock: Path) -> bool:
+    """Whether something accepts connections on the Unix socket ``sock``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(sock))
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True

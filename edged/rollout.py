@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import tarfile
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -141,9 +143,11 @@ async def run_batch(socket: str, image: str, project_dir: str, n: int, parallel:
     sem = asyncio.Semaphore(parallel)
     argv = ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts="]
 
+    run_id = uuid.uuid4().hex[:8]  # two rollouts on a node never share sandbox ids
+
     async def one(i: int) -> Outcome:
         async with sem:
-            sid = f"rollout-{i}"
+            sid = f"rollout-{run_id}-{i}"
             t0 = time.monotonic()
             sbx = await AsyncSandbox.create(
                 image=image, id=sid, cpus=cpus, memory_bytes=memory, timeout=timeout + 60,
@@ -235,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0, help="per test run, seconds")
     p.add_argument("--cpus", type=float, default=1.0)
     p.add_argument("--memory", type=int, default=1 << 30, help="bytes per sandbox")
-    p.add_argument("--runtime-dir", default="/run/edged-rollout",
-                   help="the rollout daemon's runtime dir (layer mounts, sandbox state)")
+    p.add_argument("--runtime-dir", default=None,
+                   help="the rollout daemon's runtime dir (layer mounts, sandbox state); "
+                        "default: a private one made for this run under /run")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
 
@@ -246,10 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="edged-rollout-") as tmp:
         work = Path(tmp)
         digests, name, inside = build_layers(a.store, a.rootfs, a.project, a.test_dep, work)
-        # A fixed runtime dir: the backend keys its cgroup subtree on it, so repeated
-        # rollouts reuse one subtree instead of leaving one per temp dir.
+        # A private runtime dir per run (two rollouts at once must not share one: the
+        # second daemon's recovery would tear down the first's sandboxes); the cgroup
+        # subtree the backend keys on it is removed at the end.
+        runtime_dir = a.runtime_dir or tempfile.mkdtemp(
+            prefix="edged-rollout-", dir="/run" if os.access("/run", os.W_OK) else None)
         cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
-                     runtime_dir=a.runtime_dir, store_dir=a.store or "",
+                     runtime_dir=runtime_dir, store_dir=a.store or "",
                      on_shutdown="stop", default_ttl_s=0.0)
         server = Server(cfg)
         errors: list[BaseException] = []
@@ -283,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             loop.call_soon_threadsafe(server.handle_exit, 15)
             th.join(120)
-            _remove_cgroup_subtree(a.runtime_dir)
+            _remove_cgroup_subtree(runtime_dir)
+            if a.runtime_dir is None:  # empty dirs only: never delete through a mount
+                for d, _subdirs, _files in os.walk(runtime_dir, topdown=False):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(d)
     if a.json:
         print(json.dumps(rep, indent=2))
     else:

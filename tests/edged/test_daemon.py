@@ -4,6 +4,7 @@ recovery (adopt or destroy), leftovers cleaned, signal handlers restored."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import stat
@@ -14,6 +15,7 @@ import pytest
 from edged.client import Sandbox
 from edged.config import Config
 from edged.daemon import Server
+from edged.errors import Conflict
 from tests.edged.fakes import FakeBackend, digest, fake_layers
 
 
@@ -139,3 +141,45 @@ def test_edged_serve_process_sigterm(tmp_path, sockdir) -> None:
 
     for cg in _cgroup_parents(str(runtime)):
         cg.rmdir()
+
+
+def test_second_daemon_refuses_and_leaves_the_first_alone(make_node, tmp_path) -> None:
+    """Same runtime/state dirs or the same socket: the second daemon refuses to start (flock
+    on the pid file, or the socket answers), tears nothing down and keeps the first's socket."""
+    node = make_node(on_shutdown="keep")
+    Sandbox.create(layers=[digest(1)], id="mine", socket=node.socket)
+    pid_file = Path(node.server.config.runtime_dir) / "edged.pid"
+    assert pid_file.read_text().strip() == str(os.getpid())
+    with pytest.raises(Conflict, match="holds"):
+        make_node(backend=node.backend, on_start="destroy")
+    # another runtime and state dir, the same socket
+    with pytest.raises(Conflict, match="answers"):
+        make_node(backend=node.backend, on_start="destroy", runtime_dir=str(tmp_path / "r2"),
+                  state_dir=str(tmp_path / "s2"))
+    assert os.path.exists(node.socket)
+    assert Sandbox.connect("mine", socket=node.socket).exec("echo alive").stdout == "alive\n"
+    assert "mine" in node.backend.live
+
+
+def test_shutdown_ends_within_timeout_with_a_streaming_exec(make_node) -> None:
+    """SIGTERM with an exec still streaming: the daemon ends within shutdown_timeout_s
+    (it took shutdown_timeout_s twice over and more, past systemd's TimeoutStopSec)."""
+    import threading
+    import time
+
+    node = make_node(on_shutdown="stop", shutdown_timeout_s=2.0)
+    sbx = Sandbox.create(layers=[digest(1)], id="busy", socket=node.socket)
+    def stream() -> None:
+        with contextlib.suppress(Exception):  # the daemon goes away under it
+            sbx.exec("sleep 60")
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    for _ in range(200):
+        if node.server.manager.get("busy").active_execs:
+            break
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    node.stop()
+    assert time.monotonic() - t0 < 2.0  # within shutdown_timeout_s, streams cut at half
+    t.join(5)
