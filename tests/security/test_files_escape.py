@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from edged.errors import EdgedError
+from edged.errors import BadRequest, EdgedError
 from tests.security.conftest import Node, run, sh, spec
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -73,3 +73,36 @@ def test_files_api_cannot_escape(node: Node, rootfs: Path, tmp_path: Path) -> No
     run(body)
     assert secret.read_text() == "host only\n"
     assert not host_target.exists()
+
+
+def test_files_api_stays_off_mounts(node: Node, rootfs: Path) -> None:
+    """PUT onto a protected path (a read-only bind mount of itself) is a 400 and leaves the
+    mount in place (the daemon renaming from the host's namespace used to replace the file
+    under it); /proc, /sys and /dev are out of the files API's reach (400, not 500 or a
+    read of another process's memory or environment); protected files stay readable."""
+    b = node.backend
+
+    async def body() -> None:
+        await b.create(spec(rootfs, "mnts"))
+        try:
+            for p in ("/etc/passwd", "/usr/bin/attack", "/usr/lib/new", "/dev/shm/x",
+                      "/proc/1/environ", "/sys/kernel/x"):
+                with pytest.raises(BadRequest):
+                    await b.put_file("mnts", p, _data(b"evil\n"))
+            for p in ("/proc/1/mem", "/proc/1/environ", "/proc/self/environ", "/dev/null",
+                      "/sys/kernel/osrelease", "/proc/1/root/etc/passwd"):
+                with pytest.raises(BadRequest):
+                    await b.get_file("mnts", p)
+            got = b"".join([c async for c in await b.get_file("mnts", "/etc/passwd")])
+            assert got.startswith(b"root:x:0:0"), got
+            out, _, end = await sh(b, "mnts", "cat /etc/passwd; grep -c ' /etc/passwd ' "
+                                   "/proc/self/mounts; echo x >> /etc/passwd")
+            assert out.startswith("root:x:0:0") and out.splitlines()[-1] == "1", out
+            assert end.exit_code != 0  # still read-only
+            # ordinary files still work both ways
+            assert await b.put_file("mnts", "/work/ok", _data(b"fine\n")) == 5
+            assert b"".join([c async for c in await b.get_file("mnts", "/work/ok")]) == b"fine\n"
+        finally:
+            await b.destroy("mnts")
+
+    run(body)

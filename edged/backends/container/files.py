@@ -1,15 +1,21 @@
 """Files in and out of a container sandbox, resolved strictly inside its root.
 
-Every path is resolved with ``openat2(root_fd, path, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)``
-where ``root_fd`` is the sandbox's ``/`` (``/proc/<sbx-init pid>/root``): ``..`` and symlinks
-(absolute or relative, planted by the workload) are resolved as if the sandbox root were the
-filesystem root, so they cannot lead out; ``/proc/<pid>/fd``-style magic links are refused.
-A path whose ``..`` would climb above ``/`` is refused outright (BadRequest) rather than
+Every path is resolved with ``openat2(root_fd, path, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS |
+RESOLVE_NO_XDEV)`` where ``root_fd`` is the sandbox's ``/`` (``/proc/<sbx-init pid>/root``):
+``..`` and symlinks (absolute or relative, planted by the workload) are resolved as if the
+sandbox root were the filesystem root, so they cannot lead out; ``/proc/<pid>/fd``-style magic
+links are refused; and no path crosses a mount: not into /proc, /sys or /dev, nor into a
+protected path's read-only bind mount (BadRequest). A read may cross into a bind mount of the
+rootfs itself (the protected paths: same filesystem, read-only), never into another
+filesystem. A path whose ``..`` would climb above ``/`` is refused outright rather than
 silently clamped. Source: openat2(2), include/uapi/linux/openat2.h.
 
 Writes go to a temporary file in the target directory, are chowned to the sandbox's view of
 ``uid``/``gid`` and renamed over the target, so a failed upload leaves nothing behind and a
-symlink at the target name is replaced, never followed.
+symlink at the target name is replaced, never followed. A target that is a mount point in the
+sandbox (a protected file such as /etc/passwd is a read-only bind mount of itself) is refused:
+the daemon renames from the host's mount namespace, where the kernel would not see the mount
+and would replace the file under it, detaching the read-only mount.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from collections.abc import AsyncIterator
 from edged.errors import BackendError, BadRequest, EdgedError, NotFound
 
 SYS_openat2 = 437  # x86_64 and aarch64 (include/uapi/asm-generic/unistd.h)
+RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
-RESOLVE = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
+RESOLVE_ANY_MOUNT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS
+RESOLVE = RESOLVE_ANY_MOUNT | RESOLVE_NO_XDEV
 CHUNK = 256 << 10
 MAX_PATH = 4096
 
@@ -80,6 +88,9 @@ def _map_error(exc: OSError, path: str, what: str) -> EdgedError:
         return NotFound(f"{what} {path!r}: no such file or directory in the sandbox")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return BadRequest(f"{what} {path!r}: the sandbox's disk limit is reached")
+    if exc.errno == errno.EXDEV:
+        return BadRequest(f"{what} {path!r}: crosses a mount (a protected path, /proc, /sys or "
+                          f"/dev): not reachable through the files API")
     if exc.errno in (errno.EXDEV, errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.EINVAL,
                      errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.EROFS):
         return BadRequest(f"{what} {path!r}: {exc.strerror}")
@@ -101,6 +112,14 @@ async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, ui
         pfd = openat2(root_fd, parent or ".", os.O_PATH | os.O_DIRECTORY)
     except OSError as exc:
         raise _map_error(exc, path, "put: parent of") from exc
+    try:
+        t = openat2(pfd, name, os.O_PATH | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            os.close(pfd)
+            raise _map_error(exc, path, "put") from exc
+    else:
+        os.close(t)  # the name is no mount point (that would have been EXDEV)
     tmp = f".edged-put-{secrets.token_hex(6)}"
     total = 0
     fd = -1
@@ -136,10 +155,33 @@ def open_for_get(root_fd: int, path: str) -> int:
     """Open a regular file inside the root for reading; raises BadRequest (not a regular
     file, escapes), NotFound or BackendError."""
     rel = check_path(path)
+    flags = os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK
     try:
-        fd = openat2(root_fd, rel, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+        fd = openat2(root_fd, rel, flags)
     except OSError as exc:
-        raise _map_error(exc, path, "get") from exc
+        if exc.errno != errno.EXDEV:
+            raise _map_error(exc, path, "get") from exc
+        # A mount: readable only if it is the rootfs itself (a protected path's bind mount
+        # of it), told by the filesystem id (st_dev of an overlay file is its layer's).
+        # Checked on an O_PATH fd first, so that nothing in /proc, /sys or /dev is opened.
+        fsid = os.fstatvfs(root_fd).f_fsid
+        try:
+            fd = openat2(root_fd, rel, os.O_PATH, resolve=RESOLVE_ANY_MOUNT)
+        except OSError:
+            raise _map_error(exc, path, "get") from exc
+        try:
+            same = os.fstatvfs(fd).f_fsid == fsid
+        finally:
+            os.close(fd)
+        if not same:
+            raise _map_error(exc, path, "get") from exc
+        try:
+            fd = openat2(root_fd, rel, flags, resolve=RESOLVE_ANY_MOUNT)
+        except OSError as exc2:
+            raise _map_error(exc2, path, "get") from exc2
+        if os.fstatvfs(fd).f_fsid != fsid:  # changed under us
+            os.close(fd)
+            raise _map_error(exc, path, "get") from exc
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
