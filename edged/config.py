@@ -142,6 +142,39 @@ def load(path: str | None = None, overrides: dict[str, Any] | None = None) -> Co
     return cfg
 
 
+#: One line per knob for ``edged serve --help``.
+_HELP = {
+    "socket": "Unix socket the API listens on (also $EDGED_SOCKET)",
+    "socket_group": "group allowed to connect (socket mode 0660); skipped if it does not exist",
+    "state_dir": "sandbox records, image registry, layer cache, security events, daemon lock; "
+                 "a second daemon needs its own",
+    "runtime_dir": "layer mountpoints and the daemon's pid file (flock); a second daemon "
+                   "needs its own",
+    "store_dir": "the layerfs store holding layers by digest ('' = layerfs's default)",
+    "layers_remote": "where layers come from: http://HOST:PORT, unix:/PATH or file:/PATH "
+                     "('' = the local store)",
+    "layers_cache_bytes": "size limit of the node's layer cache in bytes (0 = none)",
+    "layers_fetch_timeout_s": "seconds before a read of an unreachable chunk fails (EIO)",
+    "backend": "sandbox backend (container)",
+    "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",
+    "memory_bytes": "memory capacity in bytes (0 = MemTotal)",
+    "cpu_overcommit": "CPU requests admitted up to capacity times this",
+    "memory_overcommit": "memory requests admitted up to capacity times this",
+    "max_sandboxes": "sandboxes at most at once",
+    "retry_after_s": "Retry-After seconds of a capacity_exhausted refusal",
+    "default_ttl_s": "a sandbox's TTL when the create names none, seconds (0 = none)",
+    "default_idle_timeout_s": "a sandbox's idle timeout when the create names none (0 = none)",
+    "reaper_interval_s": "seconds between passes that stop expired sandboxes",
+    "on_shutdown": "'stop': destroy every sandbox at shutdown; 'keep': leave them running",
+    "on_start": "'adopt' the live sandboxes found at start, or 'destroy' them",
+    "shutdown_timeout_s": "the whole shutdown ends within this (requests get half of it)",
+    "log_level": "debug, info, warning or error",
+    "spawner_pool": "container spawners started ahead of demand (0 = none)",
+    "layer_linger_s": "seconds a layer stays mounted after its last sandbox (0 = unmount)",
+    "events_retention_s": "seconds a sandbox's security events are kept after it is gone",
+}
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one ``--knob-name`` flag per :class:`Config` field to ``parser`` (default None, so
     an absent flag leaves the file's value)."""
@@ -154,7 +187,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
             dest=name,
             type=kind,
             default=None,
-            help=f"(default {default!r})",
+            help=f"{_HELP[name]} (default {default!r})" if name in _HELP
+            else f"(default {default!r})",
         )
 
 

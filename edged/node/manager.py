@@ -267,10 +267,10 @@ class SandboxManager:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    def _forget(self, rec: SandboxRecord) -> None:
+    def _forget(self, rec: SandboxRecord, cause: str) -> None:
         self._starts.pop(rec.id, None)
         if self.ledger is not None and rec.id in self._sandboxes:
-            self.ledger.sandbox_gone(rec.id)
+            self.ledger.sandbox_gone(rec.id, cause=cause)
         self._sandboxes.pop(rec.id, None)
         self._execs.pop(rec.id, None)
         self._locks.pop(rec.id, None)
@@ -403,7 +403,7 @@ class SandboxManager:
         except BaseException as e:
             if fetching is not None:
                 fetching.cancel()
-            self._forget(rec)
+            self._forget(rec, "create_failed")
             self.metrics.creates.labels(result=getattr(e, "code", "error")).inc()
             if isinstance(e, Exception) and getattr(e, "status", 500) >= 500:
                 log.warning("sandbox %s: create failed: %s", rec.id, e,
@@ -446,7 +446,7 @@ class SandboxManager:
                 raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
             await self._release_layers(rec.layers)
             rec.transition(State.STOPPED)
-            self._forget(rec)
+            self._forget(rec, "deleted" if cause == "api" else cause)
         self.metrics.destroys.labels(cause=cause).inc()
         log.info("sandbox stopped", extra={"sandbox": sandbox_id, "cause": cause})
         return rec

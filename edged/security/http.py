@@ -24,13 +24,17 @@ LEDGER: web.AppKey[Ledger] = web.AppKey("security_ledger", Ledger)
 
 
 def _int_param(request: web.Request, name: str, default: int) -> int:
+    """A non-negative integer query parameter (event sequence numbers start at 1)."""
     raw = request.query.get(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        v = int(raw)
     except ValueError as e:
         raise BadRequest(f"query {name}: {raw!r} is not an integer") from e
+    if v < 0:
+        raise BadRequest(f"query {name}: {v} must be >= 0")
+    return v
 
 
 def _kinds(request: web.Request) -> list[str] | None:

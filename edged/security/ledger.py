@@ -358,9 +358,13 @@ class Ledger:
             sub._offer(ev)
         return ev
 
-    def sandbox_gone(self, sandbox_id: str, now: float | None = None) -> None:
-        """Mark the sandbox as gone: its events are kept ``retention_s`` from now."""
-        self.record(sandbox_id, "sandbox_gone", now=now)
+    def sandbox_gone(self, sandbox_id: str, now: float | None = None,
+                     cause: str | None = None) -> None:
+        """Mark the sandbox as gone: its events are kept ``retention_s`` from now.
+        ``cause`` (``deleted``, ``ttl``, ``idle``, ``shutdown``, ``create_failed``) goes in
+        the event's detail."""
+        self.record(sandbox_id, "sandbox_gone", now=now,
+                    detail=None if cause is None else {"cause": cause})
 
     def prune(self, now: float | None = None) -> int:
         """Forget sandboxes gone for longer than ``retention_s``; returns how many. Compacts the

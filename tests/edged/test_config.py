@@ -49,3 +49,17 @@ def test_bad_config(tmp_path, text, match) -> None:
     f.write_text(text)
     with pytest.raises(BadRequest, match=match):
         config.load(str(f))
+
+
+def test_every_flag_of_serve_is_described() -> None:
+    """``edged serve --help`` says what each knob does, not only its default."""
+    import argparse
+
+    from edged import config as config_mod
+
+    p = argparse.ArgumentParser()
+    config_mod.add_flags(p)
+    for action in p._actions:
+        if action.dest in ("help",):
+            continue
+        assert action.help and not action.help.startswith("(default"), action.dest

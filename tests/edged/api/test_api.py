@@ -394,3 +394,23 @@ def test_numbers_validated_in_one_place(api: Api) -> None:
     bad("/v1/sandboxes/num/timeout", '{"idle_timeout_s": 1e400}', "idle_timeout_s")
     # the sandbox record still serialises as valid JSON
     json.loads(api.get("/v1/sandboxes/num").body, parse_constant=lambda c: 1 / 0)
+
+
+def test_sandbox_gone_records_its_cause(api: Api) -> None:
+    """TTL expiry, idle timeout and delete each leave sandbox_gone with the cause; a negative
+    ``since`` is a 400 (it was echoed back as ``next``)."""
+    create(api, id="ttl", ttl_s=0.2)
+    create(api, id="idle", idle_timeout_s=0.2)
+    create(api, id="del")
+    assert api.delete("/v1/sandboxes/del").status in (200, 204)
+    deadline = time.monotonic() + 10
+    causes: dict[str, str] = {}
+    while time.monotonic() < deadline and len(causes) < 3:
+        for sid in ("ttl", "idle", "del"):
+            evs = api.get(f"/v1/sandboxes/{sid}/events?kind=sandbox_gone").json()["events"]
+            if evs:
+                causes[sid] = evs[-1]["detail"]["cause"]
+        time.sleep(0.05)
+    assert causes == {"ttl": "ttl", "idle": "idle", "del": "deleted"}
+    r = api.get("/v1/sandboxes/ttl/events?since=-5", check=False)
+    assert r.status == 400 and r.json()["error"]["code"] == "bad_request"
