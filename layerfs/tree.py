@@ -183,13 +183,16 @@ class Tree:
         parts = path if isinstance(path, tuple) else split_path(path)
         if not parts:
             return self.root
+        children = self._existing_children(parts)
+        return None if children is None else children.get(parts[-1])
+
+    def _existing_children(self, parts: tuple[bytes, ...]) -> dict[bytes, Inode] | None:
+        """The child map of the existing parent directory of ``parts``, or None."""
         try:
             parent = self._parent(parts, create=False)
         except InvalidSourceError:
             return None
-        if parent is None or parent.children is None:
-            return None
-        return parent.children.get(parts[-1])
+        return None if parent is None else parent.children
 
     def put(self, path: str | bytes | tuple[bytes, ...], inode: Inode, *,
             implicit_mtime_ns: int = 0) -> None:
@@ -251,17 +254,12 @@ class Tree:
 
     def remove(self, path: str | bytes | tuple[bytes, ...]) -> Inode | None:
         """Remove the entry at ``path`` (a directory with its subtree); returns it or None.
-        The root cannot be removed (use :meth:`clear`)."""
+        Raises :class:`InvalidSourceError` for the root."""
         parts = path if isinstance(path, tuple) else split_path(path)
         if not parts:
             raise InvalidSourceError("entry /: the layer root cannot be removed")
-        try:
-            parent = self._parent(parts, create=False)
-        except InvalidSourceError:
-            return None
-        if parent is None or parent.children is None:
-            return None
-        return parent.children.pop(parts[-1], None)
+        children = self._existing_children(parts)
+        return None if children is None else children.pop(parts[-1], None)
 
     def walk(self) -> Iterator[tuple[tuple[bytes, ...], Inode]]:
         """Yield ``(parts, inode)`` for every name in the tree, the root first, then
