@@ -376,7 +376,11 @@ static int cg_make(struct exec *e, int join[2])
 
 		if (mkdirat(cg_freezer, e->cg, 0755) < 0)
 			goto fail;
-		snprintf(path, sizeof(path), "%s/cgroup.procs", e->cg);
+		/* "tasks", not "cgroup.procs": the child is single-threaded and moves
+		 * itself ("0"), which the kernel does without write-locking the
+		 * global cgroup_threadgroup_rwsem, i.e. without waiting for an RCU
+		 * grace period (milliseconds when no move happened lately). */
+		snprintf(path, sizeof(path), "%s/tasks", e->cg);
 		join[0] = openat(cg_freezer, path, O_WRONLY | O_CLOEXEC);
 		if (cg_memory >= 0 && mkdirat(cg_memory, e->cg, 0755) == 0)
 			join[1] = openat(cg_memory, path, O_WRONLY | O_CLOEXEC);

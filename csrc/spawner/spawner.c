@@ -36,10 +36,12 @@
  *     be made before the sandbox it will become is known.
  *  3. Write its uid/gid maps: sandbox 0..count-1 = host base..base+count-1, so
  *     sandbox root is an unprivileged host uid.
- *  1. Enter the sandbox's cgroups, this process and the child, so that
- *     everything after is accounted.  The child makes its cgroup namespace
- *     only once it is in them (unshare after the setup message), so that the
- *     namespace is rooted at the sandbox's cgroups, not at the daemon's.
+ *  1. Enter the sandbox's cgroups, so that everything after is accounted:
+ *     this process before step 2 (the child is born in them), or, pooled,
+ *     this process and the child right after step 3.  The child makes its
+ *     cgroup namespace only once it is in them (unshare after the setup
+ *     message), so that the namespace is rooted at the sandbox's cgroups,
+ *     not at the daemon's.
  *  4. Here, as host root, build the rootfs as detached mounts (nothing ever
  *     appears in the host's mount table, and a crash leaves nothing behind):
  *     each lower cloned with open_tree and id-mapped through the child's user
@@ -108,7 +110,7 @@
 #include "lfs_confine.h"
 
 struct opts {
-	int status_fd, pool;
+	int status_fd, pool, joined;
 	const char *root, *ctl, *log, *init, *hostname;
 	unsigned long uid_base, id_count;
 	unsigned long long disk_bytes;
@@ -837,9 +839,21 @@ static int join_cgroups(const struct opts *o, pid_t child, struct err *e)
 
 	snprintf(pid, sizeof(pid), "%d", child);
 	for (i = 0; i < o->n_join; i++) {
-		snprintf(path, sizeof(path), "%s/cgroup.procs", o->join[i]);
-		if (write_file(path, "0", e) < 0 || write_file(path, pid, e) < 0)
+		/* This single-threaded process moves itself through v1's "tasks":
+		 * the kernel then skips write-locking the global
+		 * cgroup_threadgroup_rwsem, and its wait for an RCU grace period
+		 * (milliseconds when no move happened lately); moving the child
+		 * (another process) takes it.  v2 has "cgroup.procs" only. */
+		snprintf(path, sizeof(path), "%s/tasks", o->join[i]);
+		if (access(path, W_OK) < 0)
+			snprintf(path, sizeof(path), "%s/cgroup.procs", o->join[i]);
+		if (write_file(path, "0", e) < 0)
 			return -1;
+		if (child > 0) {
+			snprintf(path, sizeof(path), "%s/cgroup.procs", o->join[i]);
+			if (write_file(path, pid, e) < 0)
+				return -1;
+		}
 	}
 	return 0;
 }
@@ -958,7 +972,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 		if (sc < 0)
 			return fail(e, errno, "open seccomp program `%s`", o->seccomp);
 	}
-	if (join_cgroups(o, p->pid, e) < 0)
+	if (!o->joined && join_cgroups(o, p->pid, e) < 0)
 		return -1;
 	listen_fd = open_listen(o->ctl, e);
 	if (listen_fd < 0)
@@ -1165,7 +1179,11 @@ int main(int argc, char **argv)
 		}
 	} else if (rc == 0) {
 		len = join_args(argc, argv, args, sizeof(args), &e);
-		rc = len < 0 ? -1 : prefork(&o, &p, &e);
+		/* the child is then born in the sandbox's cgroups: nothing to move */
+		rc = len < 0 ? -1 : join_cgroups(&o, 0, &e);
+		o.joined = 1;
+		if (rc == 0)
+			rc = prefork(&o, &p, &e);
 	}
 	if (rc == 0)
 		rc = finish(&o, &p, args, (size_t)len, &pid, &e);
