@@ -67,6 +67,7 @@ from typing import IO, Any, BinaryIO, TypeVar
 import zstandard
 
 from layerfs.errors import CorruptError, LayerfsError, NotFoundError, StoreError
+from layerfs.fsutil import atomic_write, fsync_dir, write_all
 from layerfs.manifest import (
     MAX_CHUNK_SIZE,
     ChunkRef,
@@ -202,21 +203,6 @@ def _ordered_map(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable
                 f.result()
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
 class Store:
     """A chunk store rooted at ``root`` (default :func:`default_root`).
 
@@ -286,9 +272,9 @@ class Store:
                 # Fanout directories exist up front: adding a chunk never creates a
                 # directory, so the only directory to fsync for it is its fanout dir.
             for i in range(256):
-                _fsync_dir(self._path("chunks", f"{i:02x}"))
+                fsync_dir(self._path("chunks", f"{i:02x}"))
             for d in _STORE_DIRS:
-                _fsync_dir(self._path(d))
+                fsync_dir(self._path(d))
             self._atomic_write(self.root, "layout-version", (LAYOUT_VERSION + "\n").encode())
         except OSError as exc:
             raise StoreError(exc.errno, f"store {self.root}: creating layout: "
@@ -322,19 +308,7 @@ class Store:
     # -- small file helpers -------------------------------------------------------------
 
     def _atomic_write(self, directory: str, name: str, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=self._path("tmp"))
-        try:
-            try:
-                _write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, os.path.join(directory, name))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(directory)
+        atomic_write(directory, name, data, tmp_dir=self._path("tmp"))
 
     def _chunk_path(self, hexd: str) -> str:
         return self._path("chunks", hexd[:2], hexd)
@@ -369,7 +343,7 @@ class Store:
         fd, tmp = tempfile.mkstemp(prefix="chunk.", dir=self._path("tmp"))
         try:
             try:
-                _write_all(fd, comp)
+                write_all(fd, comp)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -449,7 +423,7 @@ class Store:
             try:
                 _, _, new = self._put_chunk(data)
                 if new:
-                    _fsync_dir(os.path.dirname(self._chunk_path(digest[7:])))
+                    fsync_dir(os.path.dirname(self._chunk_path(digest[7:])))
             except OSError as exc:
                 if isinstance(exc, StoreError):
                     raise
@@ -547,7 +521,7 @@ class Store:
                 # Chunks are renamed into place; make the renames durable before the
                 # manifest that points at them can be.
                 for d in sorted({r.digest[7:9] for r in refs}):
-                    _fsync_dir(self._path("chunks", d))
+                    fsync_dir(self._path("chunks", d))
                 digest = "sha256:" + whole.hexdigest()
                 m = Manifest(digest=digest, size=done, chunk_size=csize, chunks=tuple(refs),
                              kind=kind, source=source, created=utc_now_rfc3339())
@@ -644,7 +618,7 @@ class Store:
                 os.unlink(path)
             except FileNotFoundError:
                 raise NotFoundError(f"layer {digest} is not in store {self.root}") from None
-            _fsync_dir(self._path("manifests"))
+            fsync_dir(self._path("manifests"))
 
     def _iter_layer(self, m: Manifest, pool: ThreadPoolExecutor,
                     where: str) -> Iterator[tuple[ChunkRef, bytes]]:
@@ -754,7 +728,7 @@ class Store:
                 with contextlib.suppress(FileNotFoundError):
                     os.rename(path, dest)
                     rep.quarantined[c] = dest
-            _fsync_dir(qdir)
+            fsync_dir(qdir)
 
     def _check_chunk(self, m: Manifest, item: tuple[int, ChunkRef]) -> tuple[ChunkRef, bytes | str]:
         i, ref = item
@@ -829,7 +803,7 @@ class Store:
                     _rmtree(os.path.join(tmp, name))
             if not dry_run:
                 for d in sorted(touched):
-                    _fsync_dir(d)
+                    fsync_dir(d)
         return rep
 
 

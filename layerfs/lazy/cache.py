@@ -37,12 +37,12 @@ import json
 import os
 import shutil
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from typing import Any
 
 from layerfs.errors import StoreError
+from layerfs.fsutil import atomic_write
 from layerfs.manifest import check_digest
 
 LAYOUT = "layerfs-lazy-cache 2\n"
@@ -112,20 +112,7 @@ class ChunkCache:
                 os.unlink(self.path("tmp", name))
 
     def _atomic_write(self, directory: str, name: str, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=name + ".", dir=self.path("tmp"))
-        try:
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, os.path.join(directory, name))
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        atomic_write(directory, name, data, tmp_dir=self.path("tmp"))
 
     # -- layer cache files ---------------------------------------------------------------
 
