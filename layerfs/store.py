@@ -394,9 +394,29 @@ class Store:
         """The zstd frame of chunk ``digest`` exactly as stored, for serving as is; not
         verified here (whoever decompresses it must re-hash it). Raises
         :class:`NotFoundError` if the store does not hold it."""
+        data = self._read_stored(digest, nowait=False)
+        assert data is not None
+        return data
+
+    def read_stored_chunk_nowait(self, digest: str) -> bytes | None:
+        """Like :meth:`read_stored_chunk`, but None instead of waiting for the disk when
+        the file's bytes are not all in the page cache (``preadv2(RWF_NOWAIT)``, Linux
+        4.14+), so an event loop can read a cached chunk itself and hand only the others
+        to a thread."""
+        return self._read_stored(digest, nowait=True)
+
+    def _read_stored(self, digest: str, *, nowait: bool) -> bytes | None:
         try:
             with open(self._chunk_path(check_digest(digest)[7:]), "rb") as f:
-                return f.read()
+                if not nowait:
+                    return f.read()
+                size = os.fstat(f.fileno()).st_size
+                buf = bytearray(size)
+                try:
+                    got = os.preadv(f.fileno(), [buf], 0, os.RWF_NOWAIT)
+                except BlockingIOError:
+                    return None
+                return bytes(buf) if got == size else None
         except FileNotFoundError:
             raise NotFoundError(f"chunk {digest} is not in store {self.root}") from None
         except OSError as exc:

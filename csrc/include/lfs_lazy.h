@@ -46,6 +46,8 @@ struct lfs_lazy_stats {
 	uint32_t inflight;       /* chunks FETCHING now */
 	uint32_t nchunks;        /* chunks of the layer */
 	uint32_t touched;        /* distinct chunks read since the trace was last reset */
+	uint64_t speculative;    /* chunks queued ahead of a sequential reader */
+	uint64_t wait_ns;        /* time reads spent parked on chunks, summed */
 };
 
 struct lfs_lazy;
@@ -73,8 +75,15 @@ int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *
 /* Start the multi-threaded FUSE loop (at most `max_threads` workers) in the background. */
 int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *err);
 
-/* Pop one queued chunk: returns 1 and sets *slot and *index, or 0 when the queue is empty. */
+/* Pop one queued chunk, on-demand ones first: sets *slot and *index and returns 1 for a
+ * chunk a read waits for, 2 for a speculative one (no read asked for it yet); 0 when
+ * both queues are empty.  Either way the chunk is FETCHING and the caller owns its fetch. */
 int lfs_lazy_next_fetch(struct lfs_lazy *lz, uint32_t *slot, uint32_t *index);
+
+/* When a read misses chunk i while chunk i-1 is present or being fetched, also claim and
+ * queue (speculatively) chunks i+1 .. i+`chunks` that are missing; 0 turns it off (the
+ * default).  Each costs its bytes whether or not a read comes for it. */
+void lfs_lazy_set_speculate(struct lfs_lazy *lz, uint32_t chunks);
 
 /* MISSING -> FETCHING for a prefetch: returns 1 if the caller now owns the fetch, 0 if
  * the chunk is present or already being fetched, -1 for a bad slot or index. */

@@ -14,6 +14,7 @@
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <fuse_lowlevel.h>
@@ -41,6 +42,7 @@ struct lazy_wait {
 	uint64_t off;
 	size_t size;
 	int waited;              /* parked at least once (a miss, not a hit) */
+	uint64_t parked;         /* CLOCK_MONOTONIC ns when it first parked */
 	struct lazy_wait *next;
 };
 
@@ -71,6 +73,14 @@ struct lazy_fetch {
 	uint32_t index;
 };
 
+/* A FIFO of chunks for the Python side. */
+struct lazy_queue {
+	struct lazy_fetch *q;
+	size_t head, len, cap;
+};
+
+enum { LAZY_Q_DEMAND, LAZY_Q_SPECULATIVE, LAZY_NQUEUES };
+
 struct lfs_lazy {
 	struct fuse_session *se;
 	int fuse_fd;
@@ -80,12 +90,27 @@ struct lfs_lazy {
 	_Atomic(struct lazy_layer *) layers[LFS_LAZY_MAX_LAYERS];
 	_Atomic uint64_t tick;
 
-	pthread_mutex_t qlock;   /* the fetch queue */
-	struct lazy_fetch *q;
-	size_t qhead, qlen, qcap;
+	pthread_mutex_t qlock;   /* the fetch queues */
+	struct lazy_queue queues[LAZY_NQUEUES]; /* popped in this order */
+	_Atomic uint32_t speculate; /* chunks fetched ahead of a sequential miss */
 	unsigned max_threads;
 	_Atomic int stopped;     /* the FUSE loop ended (connection gone) */
 };
+
+static uint64_t lazy_now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Count the time a read that waited spent parked (it is being answered now). */
+static void lazy_waited(struct lazy_layer *l, const struct lazy_wait *w)
+{
+	if (w->waited)
+		__atomic_add_fetch(&l->st.wait_ns, lazy_now_ns() - w->parked, __ATOMIC_RELAXED);
+}
 
 static struct lazy_layer *lazy_layer(struct lfs_lazy *lz, fuse_ino_t ino)
 {
@@ -121,30 +146,31 @@ static void lazy_stat(struct lfs_lazy *lz, fuse_ino_t ino, struct stat *st)
 	st->st_blocks = (blkcnt_t)((l->size + 511) / 512);
 }
 
-/* Queue a chunk for the Python side; called with the layer lock held.  Returns -1 if
- * the queue cannot grow (ENOMEM). */
-static int lazy_enqueue(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
+/* Queue a chunk for the Python side on queue `which`; called with the layer lock held.
+ * Returns -1 if the queue cannot grow (ENOMEM). */
+static int lazy_enqueue(struct lfs_lazy *lz, int which, uint32_t slot, uint32_t index)
 {
+	struct lazy_queue *q = &lz->queues[which];
 	uint64_t one = 1;
 
 	pthread_mutex_lock(&lz->qlock);
-	if (lz->qlen == lz->qcap) {
-		size_t ncap = lz->qcap ? lz->qcap * 2 : 64;
+	if (q->len == q->cap) {
+		size_t ncap = q->cap ? q->cap * 2 : 64;
 		struct lazy_fetch *nq = malloc(ncap * sizeof(*nq));
 
 		if (!nq) {
 			pthread_mutex_unlock(&lz->qlock);
 			return -1;
 		}
-		for (size_t i = 0; i < lz->qlen; i++)
-			nq[i] = lz->q[(lz->qhead + i) % lz->qcap];
-		free(lz->q);
-		lz->q = nq;
-		lz->qhead = 0;
-		lz->qcap = ncap;
+		for (size_t i = 0; i < q->len; i++)
+			nq[i] = q->q[(q->head + i) % q->cap];
+		free(q->q);
+		q->q = nq;
+		q->head = 0;
+		q->cap = ncap;
 	}
-	lz->q[(lz->qhead + lz->qlen) % lz->qcap] = (struct lazy_fetch){ slot, index };
-	lz->qlen++;
+	q->q[(q->head + q->len) % q->cap] = (struct lazy_fetch){ slot, index };
+	q->len++;
 	pthread_mutex_unlock(&lz->qlock);
 	/* A full eventfd counter (2^64-2) cannot happen: Python drains it. */
 	if (write(lz->efd, &one, sizeof(one)) < 0) {
@@ -153,13 +179,39 @@ static int lazy_enqueue(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
 	return 0;
 }
 
-/* Answer `w` if every chunk it covers is present, else park it on the first missing
- * chunk (queueing that chunk once).  Takes ownership of `w`. */
+/* A reader just missed chunk `index` (queued on demand).  If the chunk before it is
+ * present or being fetched, the reader is likely going through the file in order (the
+ * kernel reads a file's pages in order, and EROFS lays files out contiguously): claim
+ * the next lz->speculate chunks and queue them on the speculative queue, which the
+ * Python side serves after on-demand fetches.  Called with the layer lock held; a
+ * chunk that cannot be queued is left missing. */
+static void lazy_speculate(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
+			   uint32_t index)
+{
+	uint32_t n = atomic_load_explicit(&lz->speculate, memory_order_relaxed);
+
+	if (n == 0 || index == 0 || l->chunks[index - 1].state == LFS_LAZY_MISSING)
+		return;
+	for (uint32_t j = index + 1; j <= index + n && j < l->nchunks; j++) {
+		struct lazy_chunk *c = &l->chunks[j];
+
+		if (c->state != LFS_LAZY_MISSING)
+			continue;
+		if (lazy_enqueue(lz, LAZY_Q_SPECULATIVE, slot, j) < 0)
+			return;
+		c->state = LFS_LAZY_FETCHING;
+		l->st.inflight++;
+		l->st.speculative++;
+	}
+}
+
+/* Answer `w` if every chunk it covers is present, else queue each missing one (once)
+ * and park `w` on the first one not present.  Takes ownership of `w`. */
 static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		       struct lazy_wait *w)
 {
 	uint64_t end, off = w->off;
-	uint32_t first, last, i;
+	uint32_t first, last, i, park = UINT32_MAX, queued = UINT32_MAX;
 	struct fuse_bufvec bv;
 	uint64_t now, enter;
 	int rc, seq;
@@ -178,6 +230,8 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 
 	now = atomic_fetch_add(&lz->tick, 1) + 1;
 	pthread_mutex_lock(&l->lock);
+	/* Every missing chunk the read covers is queued now, not one after the other as
+	 * the read is re-run; the read parks on the first one not present. */
 	for (i = first; i <= last; i++) {
 		struct lazy_chunk *c = &l->chunks[i];
 
@@ -189,7 +243,9 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		if (c->state == LFS_LAZY_PRESENT)
 			continue;
 		if (c->state == LFS_LAZY_MISSING) {
-			if (lazy_enqueue(lz, slot, i) < 0) {
+			if (lazy_enqueue(lz, LAZY_Q_DEMAND, slot, i) < 0) {
+				if (park != UINT32_MAX)
+					break; /* park on what is already queued */
 				pthread_mutex_unlock(&l->lock);
 				__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
 				fuse_reply_err(w->req, ENOMEM);
@@ -199,9 +255,20 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 			c->state = LFS_LAZY_FETCHING;
 			l->st.fetches++;
 			l->st.inflight++;
+			queued = i;
 		}
-		if (!w->waited)
+		if (park == UINT32_MAX)
+			park = i;
+	}
+	if (queued != UINT32_MAX)
+		lazy_speculate(lz, slot, l, queued);
+	if (park != UINT32_MAX) {
+		struct lazy_chunk *c = &l->chunks[park];
+
+		if (!w->waited) {
 			l->st.misses++;
+			w->parked = lazy_now_ns();
+		}
 		w->waited = 1;
 		w->next = c->waiters;
 		c->waiters = w;
@@ -224,6 +291,7 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 	if (!w->waited)
 		l->st.hits++;
 	pthread_mutex_unlock(&l->lock);
+	lazy_waited(l, w);
 	if (seq)
 		posix_fadvise(l->fd, (off_t)enter, LAZY_READAHEAD, POSIX_FADV_WILLNEED);
 
@@ -646,20 +714,29 @@ int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *
 	return 0;
 }
 
+void lfs_lazy_set_speculate(struct lfs_lazy *lz, uint32_t chunks)
+{
+	atomic_store(&lz->speculate, chunks);
+}
+
 int lfs_lazy_next_fetch(struct lfs_lazy *lz, uint32_t *slot, uint32_t *index)
 {
 	uint64_t v;
 	int got = 0;
 
 	pthread_mutex_lock(&lz->qlock);
-	if (lz->qlen) {
-		struct lazy_fetch f = lz->q[lz->qhead];
+	for (int k = 0; k < LAZY_NQUEUES && !got; k++) {
+		struct lazy_queue *q = &lz->queues[k];
+		struct lazy_fetch f;
 
-		lz->qhead = (lz->qhead + 1) % lz->qcap;
-		lz->qlen--;
+		if (!q->len)
+			continue;
+		f = q->q[q->head];
+		q->head = (q->head + 1) % q->cap;
+		q->len--;
 		*slot = f.slot;
 		*index = f.index;
-		got = 1;
+		got = k == LAZY_Q_DEMAND ? 1 : 2;
 	}
 	pthread_mutex_unlock(&lz->qlock);
 	if (!got) {
@@ -832,6 +909,7 @@ int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, in
 	while (w) {
 		struct lazy_wait *next = w->next;
 
+		lazy_waited(l, w);
 		fuse_reply_err(w->req, errnum > 0 ? errnum : EIO);
 		__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
 		free(w);
@@ -925,6 +1003,7 @@ int lfs_lazy_layer_stats(struct lfs_lazy *lz, uint32_t slot, struct lfs_lazy_sta
 	out->reads = __atomic_load_n(&l->st.reads, __ATOMIC_RELAXED);
 	out->read_bytes = __atomic_load_n(&l->st.read_bytes, __ATOMIC_RELAXED);
 	out->errors = __atomic_load_n(&l->st.errors, __ATOMIC_RELAXED);
+	out->wait_ns = __atomic_load_n(&l->st.wait_ns, __ATOMIC_RELAXED);
 	pthread_mutex_unlock(&l->lock);
 	return 0;
 }

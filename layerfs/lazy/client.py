@@ -138,10 +138,13 @@ class LazyClient:
 
 def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
           attempt_timeout: float = 10.0, cache_limit: int | None = None,
+          speculate: int | None = None,
           wait: float = 20.0) -> subprocess.Popen[bytes] | None:
     """Start the supervisor and lazy server for ``cache`` unless one answers already, and
     wait until it answers. Returns the supervisor's Popen (None if it was running); it
-    runs in its own session, so it outlives the caller.
+    runs in its own session, so it outlives the caller. ``speculate``: chunks fetched
+    ahead of a sequential miss (None: the server's default,
+    :data:`layerfs.lazy.server.DEFAULT_SPECULATE`).
 
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
     within ``wait`` seconds."""
@@ -168,6 +171,8 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
            "--fetch-timeout", str(fetch_timeout), "--attempt-timeout", str(attempt_timeout)]
     if cache_limit is not None:
         cmd += ["--cache-limit", str(cache_limit)]
+    if speculate is not None:
+        cmd += ["--speculate", str(speculate)]
     with open(os.path.join(client.cache, "server.log"), "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                 start_new_session=True, close_fds=True)

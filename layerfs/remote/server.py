@@ -122,7 +122,11 @@ async def _put_layer(request: web.Request, store: Store) -> web.StreamResponse:
 async def _get_chunk(request: web.Request, store: Store) -> web.StreamResponse:
     digest = _digest(request)
     if ZSTD_TYPE in request.headers.get("Accept", ""):
-        comp = await asyncio.to_thread(storeio.read_stored, store, digest)
+        # A chunk in the page cache is read here: a thread hop costs a lazy reader's
+        # miss more than the copy; only one that needs the disk goes to a thread.
+        comp = storeio.read_stored_cached(store, digest)
+        if comp is None:
+            comp = await asyncio.to_thread(storeio.read_stored, store, digest)
         return _ranged(request, comp, ZSTD_TYPE)
     data = await asyncio.to_thread(store.read_chunk, digest)
     return _ranged(request, data, "application/octet-stream")

@@ -22,6 +22,12 @@ def read_stored(store: Store, digest: str) -> bytes:
     return store.read_stored_chunk(digest)
 
 
+def read_stored_cached(store: Store, digest: str) -> bytes | None:
+    """Like :func:`read_stored` if the chunk's file is wholly in the page cache, else
+    None (without waiting for the disk)."""
+    return store.read_stored_chunk_nowait(digest)
+
+
 def put_chunk(store: Store, digest: str, data: bytes) -> bool:
     """Store uncompressed ``data`` as chunk ``digest`` after checking it; True if new.
 

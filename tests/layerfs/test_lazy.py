@@ -119,7 +119,49 @@ def test_concurrent_readers_of_a_missing_chunk_fetch_it_once(layer: Layer,
         deadline = time.monotonic() + 10
         while (st := _stats(c, layer.digest))["inflight"] and time.monotonic() < deadline:
             time.sleep(0.05)  # a readahead fetch may still be in flight
-        assert st["queued"] == st["chunks_fetched"] == len(layer.remote.gets)
+        # one fetch per chunk, whether a read or a sequential miss's speculation queued it
+        assert st["queued"] + st["speculative"] == st["chunks_fetched"] == \
+            len(layer.remote.gets)
+
+
+def _settle(c: LazyClient, digest: str) -> dict[str, object]:
+    deadline = time.monotonic() + 10
+    while (st := _stats(c, digest))["inflight"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return st
+
+
+@pytest.mark.parametrize("ahead", [1, 0])
+def test_a_sequential_miss_fetches_the_next_chunk_ahead(layer: Layer, tmp_path: pathlib.Path,
+                                                        ahead: int) -> None:
+    with lazy_node(tmp_path / "cache", speculate=ahead) as c:
+        c.register(layer.digest, layer.remote.url)
+        image = layer.image.read_bytes()
+        fd = os.open(_file(c, layer.digest), os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel readahead
+
+            def read(idx: int) -> None:
+                assert os.pread(fd, 4096, idx * CHUNK) == image[idx * CHUNK:idx * CHUNK + 4096]
+
+            read(20)  # chunk 19 missing: a random read, nothing ahead
+            st = _settle(c, layer.digest)
+            assert (st["chunks_fetched"], st["speculative"]) == (1, 0)
+            read(21)  # chunk 20 present: sequential, chunk 22 comes ahead
+            st = _settle(c, layer.digest)
+            assert (st["chunks_fetched"], st["speculative"]) == (2 + ahead, ahead)
+            assert st["present_chunks"] == 2 + ahead
+            read(22)
+            st = _settle(c, layer.digest)
+            # a hit if it came ahead (and 23 does not come: a hit speculates nothing)
+            assert (st["misses"], st["chunks_fetched"]) == ((2, 3) if ahead else (3, 3))
+            read(40)  # random again
+            st = _settle(c, layer.digest)
+            assert st["speculative"] == ahead
+            assert st["queued"] + st["speculative"] == st["chunks_fetched"] == \
+                sum(layer.remote.gets.values())
+        finally:
+            os.close(fd)
 
 
 def _corrupt(store: Store, digest: str) -> bytes:

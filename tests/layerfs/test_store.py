@@ -515,3 +515,21 @@ def test_push_chunk_by_chunk_then_manifest(tmp_path: Path) -> None:
     assert not os.listdir(tmp_path / "dst" / "tmp")
     with pytest.raises(NotFoundError):
         dst.read_stored_chunk("sha256:" + "0" * 64)
+    # nowait: the stored bytes when the page cache holds them, None rather than a wait
+    stored = dst.read_stored_chunk(first)
+    assert dst.read_stored_chunk_nowait(first) == stored
+    path = tmp_path / "dst" / "chunks" / first[7:9] / first[7:]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages can be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    fstype = subprocess.run(["stat", "-f", "-c", "%T", str(path)], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    if fstype != "tmpfs":  # tmpfs pages cannot be dropped; a disk file's then need the disk
+        assert dst.read_stored_chunk_nowait(first) is None, fstype
+    assert dst.read_stored_chunk(first) == stored  # waits for the disk
+    assert dst.read_stored_chunk_nowait(first) == stored  # cached again
+    with pytest.raises(NotFoundError):
+        dst.read_stored_chunk_nowait("sha256:" + "0" * 64)
