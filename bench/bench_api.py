@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,7 @@ from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.client import Sandbox
 from edged.config import Config
-from edged.daemon import Server
+from edged.daemon import Server, ServerThread
 
 ENV = {"PATH": "/bin"}
 
@@ -130,18 +129,10 @@ async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list
 def start_daemon(cfg: Config, in_process: bool) -> Callable[[], None]:
     """Start a daemon on ``cfg``; returns the function that stops it."""
     if in_process:
-        server = Server(cfg)
-        loop = asyncio.new_event_loop()
-        th = threading.Thread(
-            target=lambda: loop.run_until_complete(server.serve(install_signals=False)),
-            daemon=True)
-        th.start()
-        while not server.started.is_set():
-            time.sleep(0.01)
+        node = ServerThread(Server(cfg)).start()
 
         def stop_thread() -> None:
-            loop.call_soon_threadsafe(server.handle_exit, 15)
-            th.join(60)
+            node.stop(60)
 
         return stop_thread
     argv = [sys.executable, "-c", "import sys; from edged.cli import main; sys.exit(main())",

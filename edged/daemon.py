@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -283,6 +284,63 @@ class Server:
                 await close()
         self._unlock()
         log.info("stopped")
+
+
+class ServerThread:
+    """A :class:`Server` embedded in a process that has other work: its own event loop in
+    a background thread (the rollout, benchmarks and tests use it; ``edged serve`` uses
+    :func:`run`). No signal handlers are installed.
+
+    :meth:`start` returns once the daemon serves, or raises its start-up error (e.g. a
+    :class:`~edged.errors.Conflict` when another daemon holds the socket) or
+    :class:`TimeoutError`. :meth:`stop` asks for a graceful shutdown as SIGTERM would,
+    joins the thread, and re-raises an error the daemon died of.
+    """
+
+    def __init__(self, server: Server, *, name: str = "edged") -> None:
+        self.server = server
+        self.loop = asyncio.new_event_loop()
+        self.errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self.server.serve(install_signals=False))
+        except BaseException as e:  # surfaced by start() or stop()
+            self.errors.append(e)
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        """Start the thread and wait until the daemon serves (``timeout`` seconds)."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        # Server.started is an asyncio.Event of the daemon's loop: only read from here.
+        while not self.server.started.is_set():
+            if self.errors or not self._thread.is_alive():
+                self._thread.join(timeout)
+                raise self.errors[0] if self.errors else RuntimeError("edged exited at start")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"edged did not start within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """Shut the daemon down gracefully and join its thread (``timeout`` seconds)."""
+        if self._thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # loop already closed
+                self.loop.call_soon_threadsafe(self.server.handle_exit, signal.SIGTERM)
+            self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"edged did not stop within {timeout} s")
+        if self.errors:
+            raise self.errors[0]
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
 
 def run(config: Config) -> int:

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -246,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     from edged.config import Config
-    from edged.daemon import Server
+    from edged.daemon import Server, ServerThread
 
     with tempfile.TemporaryDirectory(prefix="edged-rollout-") as tmp:
         work = Path(tmp)
@@ -259,26 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
                      runtime_dir=runtime_dir, store_dir=a.store or "",
                      on_shutdown="stop", default_ttl_s=0.0)
-        server = Server(cfg)
-        errors: list[BaseException] = []
-        loop = asyncio.new_event_loop()
-
-        def serve() -> None:
-            try:
-                loop.run_until_complete(server.serve(install_signals=False))
-            except BaseException as e:
-                errors.append(e)
-                server.started.set()
-            finally:
-                loop.close()
-
-        th = threading.Thread(target=serve, name="edged", daemon=True)
-        th.start()
+        node = ServerThread(Server(cfg), name="edged")
+        server = node.server
         try:
-            while not server.started.is_set():
-                time.sleep(0.01)
-            if errors:
-                raise errors[0]
+            node.start()
             assert server.manager is not None
             image = f"rollout/{name.lower()}:latest"
             server.manager.images.put(image, [digests["base"], digests["workspace"],
@@ -289,13 +272,14 @@ def main(argv: list[str] | None = None) -> int:
                                              a.timeout, a.cpus, a.memory))
             rep = report(outcomes, time.monotonic() - t0, digests, a.project)
         finally:
-            loop.call_soon_threadsafe(server.handle_exit, 15)
-            th.join(120)
-            _remove_cgroup_subtree(runtime_dir)
-            if a.runtime_dir is None:  # empty dirs only: never delete through a mount
-                for d, _subdirs, _files in os.walk(runtime_dir, topdown=False):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(d)
+            try:
+                node.stop(120)
+            finally:
+                _remove_cgroup_subtree(runtime_dir)
+                if a.runtime_dir is None:  # empty dirs only: never delete through a mount
+                    for d, _subdirs, _files in os.walk(runtime_dir, topdown=False):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(d)
     if a.json:
         print(json.dumps(rep, indent=2))
     else:

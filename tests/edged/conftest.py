@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import signal
 import tempfile
-import threading
 from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edged.config import Config
-from edged.daemon import Server
+from edged.daemon import Server, ServerThread
 from tests.edged.fakes import FakeBackend, FakeLayerOps, digest, fake_layers
 
 LAYERS = {digest(i) for i in range(1, 6)}
@@ -25,24 +23,24 @@ LAYERS = {digest(i) for i in range(1, 6)}
 
 @dataclass
 class Node:
-    server: Server
+    thread: ServerThread
     backend: FakeBackend
     layer_ops: FakeLayerOps
     socket: str
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
-    errors: list[BaseException] = field(default_factory=list)
+
+    @property
+    def server(self) -> Server:
+        return self.thread.server
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.thread.loop
 
     def call(self, coro: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.server.handle_exit, signal.SIGTERM)
-            self.thread.join(30)
-        assert not self.thread.is_alive(), "daemon did not stop"
-        if self.errors:
-            raise self.errors[0]
+        self.thread.stop(30)
 
 
 NodeFactory = Callable[..., Node]
@@ -76,30 +74,8 @@ def make_node(tmp_path: Path, sockdir: Path) -> Iterator[NodeFactory]:
             setattr(cfg, k, v)
         be = backend or FakeBackend(tmp_path / "sandboxes", live)
         layers, ops = fake_layers(tmp_path, LAYERS)
-        server = Server(cfg, backend=be, layers=layers)
-        loop = asyncio.new_event_loop()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            try:
-                loop.run_until_complete(server.serve(install_signals=False))
-            except BaseException as e:  # surfaced by Node.stop
-                errors.append(e)
-                server.started.set()
-            finally:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.close()
-
-        t = threading.Thread(target=run, daemon=True)
-        node = Node(server, be, ops, cfg.socket, loop, t, errors)
-        t.start()
-        for _ in range(300):
-            if server.started.is_set() or errors:
-                break
-            threading.Event().wait(0.01)
-        if errors:
-            raise errors[0]
+        node = Node(ServerThread(Server(cfg, backend=be, layers=layers)), be, ops, cfg.socket)
+        node.thread.start()
         nodes.append(node)
         return node
 

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import pytest
 
 from edged.client import BadRequestError, InvalidStateError, NotFoundError, Sandbox
 from edged.config import Config
-from edged.daemon import Server
+from edged.daemon import Server, ServerThread
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -28,16 +27,15 @@ BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 
 @dataclass
 class RealNode:
-    server: Server
+    thread: ServerThread
     socket: str
-    loop: asyncio.AbstractEventLoop
-    thread: threading.Thread
+
+    @property
+    def server(self) -> Server:
+        return self.thread.server
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.server.handle_exit, 15)
-            self.thread.join(60)
-        assert not self.thread.is_alive()
+        self.thread.stop(60)
 
 
 @pytest.fixture(scope="module")
@@ -88,28 +86,7 @@ def real_node(layer_store, tmp_path) -> Iterator[callable]:
                      layer_linger_s=0.0)
         for k, v in overrides.items():
             setattr(cfg, k, v)
-        server = Server(cfg)
-        loop = asyncio.new_event_loop()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                loop.run_until_complete(server.serve(install_signals=False))
-            except BaseException as e:
-                errors.append(e)
-                server.started.set()
-            finally:
-                loop.close()
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        for _ in range(3000):
-            if server.started.is_set():
-                break
-            time.sleep(0.01)
-        if errors:
-            raise errors[0]
-        node = RealNode(server, cfg.socket, loop, t)
+        node = RealNode(ServerThread(Server(cfg)).start(timeout=30), cfg.socket)
         nodes.append(node)
         return node
 
