@@ -33,7 +33,6 @@
 #define LAZY_ROOT_MODE (S_IFDIR | 0555)
 #define LAZY_FILE_MODE (S_IFREG | 0444)
 #define LAZY_READAHEAD (1 << 20)
-#define LAZY_STORE_MAX 64 /* chunks waiting to be pushed to the kernel; more are dropped */
 #define LAZY_SEQ_TICKS 32 /* reads (node-wide) since the previous chunk was read */
 
 /* A READ waiting for a chunk.  It re-runs from the start when the chunk arrives (it may
@@ -94,10 +93,6 @@ struct lfs_lazy {
 	pthread_mutex_t qlock;   /* the fetch queues */
 	struct lazy_queue queues[LAZY_NQUEUES]; /* popped in this order */
 	_Atomic uint32_t speculate; /* chunks fetched ahead of a sequential miss */
-	pthread_mutex_t slock;   /* the store queue (chunks to push to the kernel) */
-	pthread_cond_t scond;
-	struct lazy_queue storeq;
-	pthread_t storer;
 	unsigned max_threads;
 	_Atomic int stopped;     /* the FUSE loop ended (connection gone) */
 };
@@ -538,8 +533,6 @@ struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err)
 		return NULL;
 	}
 	pthread_mutex_init(&lz->qlock, NULL);
-	pthread_mutex_init(&lz->slock, NULL);
-	pthread_cond_init(&lz->scond, NULL);
 	lz->fuse_fd = fuse_fd;
 	lz->resumed = resumed;
 	lz->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -702,8 +695,6 @@ static void *lazy_loop(void *arg)
 	return NULL;
 }
 
-static void *lazy_storer(void *arg);
-
 int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *err)
 {
 	int rc;
@@ -711,15 +702,6 @@ int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *
 	lz->max_threads = max_threads ? max_threads : 8;
 	if (lz->resumed)
 		lazy_replay_init(lz);
-	lz->storeq.q = calloc(LAZY_STORE_MAX, sizeof(*lz->storeq.q));
-	if (!lz->storeq.q)
-		return lfs_error_set(err, ENOMEM, "allocating the store queue");
-	rc = pthread_create(&lz->storer, NULL, lazy_storer, lz);
-	if (rc)
-		return lfs_error_set(err, rc, "starting the store thread: %s", strerror(rc));
-	pthread_mutex_lock(&lz->slock);
-	lz->storeq.cap = LAZY_STORE_MAX;
-	pthread_mutex_unlock(&lz->slock);
 	rc = pthread_create(&lz->loop, NULL, lazy_loop, lz);
 	if (rc)
 		return lfs_error_set(err, rc, "starting the FUSE loop: %s", strerror(rc));
@@ -849,73 +831,6 @@ static int lazy_all_zero(const uint8_t *p, size_t n)
 	return 1;
 }
 
-static void lazy_store_push(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
-{
-	struct lazy_queue *q = &lz->storeq;
-
-	pthread_mutex_lock(&lz->slock);
-	if (q->cap && q->len < q->cap) {
-		q->q[(q->head + q->len) % q->cap] = (struct lazy_fetch){ slot, index };
-		q->len++;
-		pthread_cond_signal(&lz->scond);
-	}
-	pthread_mutex_unlock(&lz->slock);
-}
-
-/* Push each fetched chunk into the kernel's page cache of its layer file
- * (FUSE_NOTIFY_STORE), so the reads that follow a miss, which mostly fall in the chunk
- * just fetched, are answered by the kernel without a round trip here.  A thread of its
- * own: the kernel locks the pages it fills, and a read parked on another chunk may hold
- * some of them until the Python side fetches that chunk. */
-static void *lazy_storer(void *arg)
-{
-	struct lfs_lazy *lz = arg;
-	struct lazy_queue *q = &lz->storeq;
-	uint8_t *buf = NULL;
-	size_t cap = 0;
-
-	for (;;) {
-		struct lazy_fetch f;
-		struct lazy_layer *l;
-		struct fuse_bufvec bv;
-		uint64_t len, pos;
-		ssize_t got = -1;
-
-		pthread_mutex_lock(&lz->slock);
-		while (!q->len)
-			pthread_cond_wait(&lz->scond, &lz->slock);
-		f = q->q[q->head];
-		q->head = (q->head + 1) % q->cap;
-		q->len--;
-		pthread_mutex_unlock(&lz->slock);
-		if (atomic_load(&lz->stopped))
-			continue;
-		l = lazy_slot(lz, f.slot);
-		if (!l || f.index >= l->nchunks)
-			continue;
-		len = lazy_chunk_len(l, f.index);
-		pos = (uint64_t)f.index * l->chunk_size;
-		if (len > cap) {
-			free(buf);
-			buf = malloc(len);
-			cap = buf ? len : 0;
-			if (!buf)
-				continue;
-		}
-		/* Under the lock: the layer is not removed (its fd closed) meanwhile. */
-		pthread_mutex_lock(&l->lock);
-		if (!l->removed && l->chunks[f.index].state == LFS_LAZY_PRESENT)
-			got = pread(l->fd, buf, len, (off_t)pos);
-		pthread_mutex_unlock(&l->lock);
-		if (got != (ssize_t)len)
-			continue;
-		bv = (struct fuse_bufvec)FUSE_BUFVEC_INIT(len);
-		bv.buf[0].mem = buf;
-		fuse_lowlevel_notify_store(lz->se, (fuse_ino_t)f.slot + 2, (off_t)pos, &bv, 0);
-	}
-	return NULL;
-}
-
 int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 			 const void *data, size_t len, struct lfs_error *err)
 {
@@ -958,7 +873,6 @@ int lfs_lazy_chunk_write(struct lfs_lazy *lz, uint32_t slot, uint32_t index,
 	 * then writes it, so a bit on disk never names bytes a crash could lose.  An
 	 * fdatasync per chunk here would cost each cold read a disk flush (~4 ms). */
 	lazy_mark_present(lz, slot, l, index);
-	lazy_store_push(lz, slot, index);
 	return 0;
 }
 

@@ -164,27 +164,6 @@ def test_a_sequential_miss_fetches_the_next_chunk_ahead(layer: Layer, tmp_path: 
             os.close(fd)
 
 
-def test_a_fetched_chunk_is_pushed_into_the_kernel_page_cache(layer: Layer,
-                                                               tmp_path: pathlib.Path) -> None:
-    with lazy_node(tmp_path / "cache", speculate=0) as c:
-        c.register(layer.digest, layer.remote.url)
-        image = layer.image.read_bytes()
-        fd = os.open(_file(c, layer.digest), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no kernel readahead
-            base = 30 * CHUNK
-            assert os.pread(fd, 4096, base) == image[base:base + 4096]
-            reads = _settle(c, layer.digest)["reads"]
-            time.sleep(1.0)  # the push runs in a thread of its own, right after the fetch
-            # every other page of the chunk comes from the kernel: no READ reaches us
-            for off in range(base + 4096, base + CHUNK, 4096):
-                assert os.pread(fd, 4096, off) == image[off:off + 4096]
-            st = _stats(c, layer.digest)
-            assert (st["reads"], st["chunks_fetched"]) == (reads, 1)
-        finally:
-            os.close(fd)
-
-
 def _corrupt(store: Store, digest: str) -> bytes:
     path = os.path.join(store.root, "chunks", digest[7:9], digest[7:])
     good = _read(path)
