@@ -13,7 +13,7 @@ import ctypes
 import ctypes.util
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from layerfs.errors import NativeError
 
@@ -118,34 +118,34 @@ def _cleanup(mountpoint: str) -> None:
 
 
 @contextlib.contextmanager
-def mounted_erofs(image: StrPath, *, options: str | None = None) -> Iterator[str]:
+def _on_temp_mountpoint(prefix: str, mount: Callable[[str], None]) -> Iterator[str]:
+    """Make a temporary directory, ``mount(it)``, yield it; always unmounts (lazily if
+    busy) and removes the directory on exit, also when the mount itself fails."""
+    mp = tempfile.mkdtemp(prefix=prefix)
+    try:
+        mount(mp)
+    except BaseException:
+        os.rmdir(mp)
+        raise
+    try:
+        yield mp
+    finally:
+        _cleanup(mp)
+
+
+def mounted_erofs(image: StrPath, *, options: str | None = None
+                  ) -> contextlib.AbstractContextManager[str]:
     """Mount ``image`` on a fresh temporary directory and yield its path; always
     unmounts (lazily if busy) and removes the directory on exit."""
-    mp = tempfile.mkdtemp(prefix="layerfs-mnt-")
-    try:
-        mount_erofs(image, mp, options=options)
-    except BaseException:
-        os.rmdir(mp)
-        raise
-    try:
-        yield mp
-    finally:
-        _cleanup(mp)
+    return _on_temp_mountpoint("layerfs-mnt-",
+                               lambda mp: mount_erofs(image, mp, options=options))
 
 
-@contextlib.contextmanager
 def mounted_overlay(lowers: Sequence[StrPath], upper: StrPath | None = None,
                     work: StrPath | None = None, *, extra: str | None = None,
-                    readonly: bool = False) -> Iterator[str]:
+                    readonly: bool = False) -> contextlib.AbstractContextManager[str]:
     """:func:`mount_overlay` on a fresh temporary directory, yielded; always unmounted
     and removed on exit."""
-    mp = tempfile.mkdtemp(prefix="layerfs-ovl-")
-    try:
-        mount_overlay(lowers, upper, work, mp, extra=extra, readonly=readonly)
-    except BaseException:
-        os.rmdir(mp)
-        raise
-    try:
-        yield mp
-    finally:
-        _cleanup(mp)
+    return _on_temp_mountpoint(
+        "layerfs-ovl-",
+        lambda mp: mount_overlay(lowers, upper, work, mp, extra=extra, readonly=readonly))

@@ -22,7 +22,7 @@ import pytest
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.security.ledger import Ledger, SecurityEvent
-from tests.edged.backends.container.conftest import cgroup_dirs
+from tests.edged.backends.container.conftest import assert_left_clean
 
 BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 HERE = Path(__file__).resolve().parent
@@ -96,13 +96,7 @@ def node_factory(tmp_path: Path, ledger: Ledger) -> Iterator[Callable[..., Node]
 
     yield make
     for b in made:
-        removed = asyncio.run(b.cleanup_leftovers(set()))
-        left_cg = cgroup_dirs(b)
-        for p in b.cgroups.parents.values():
-            if p.exists():
-                p.rmdir()
-        assert not removed, f"test left sandboxes behind: {removed}"
-        assert not left_cg, f"test left cgroups behind: {left_cg}"
+        assert_left_clean(b)
 
 
 @pytest.fixture

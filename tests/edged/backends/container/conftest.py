@@ -71,7 +71,12 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "state"
     yield d
     # whatever a test left (it should leave nothing): tear it down, then insist
-    b = ContainerBackend(d)
+    assert_left_clean(ContainerBackend(d))
+
+
+def assert_left_clean(b: ContainerBackend) -> None:
+    """Tear down whatever a test left on ``b`` (it should leave nothing), remove the
+    backend's parent cgroups, then fail if there was anything to tear down."""
     removed = asyncio.run(b.cleanup_leftovers(set()))
     leftover_cg = cgroup_dirs(b)
     for p in b.cgroups.parents.values():
