@@ -94,8 +94,10 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     from layerfs.store import Store
 
     store = Store(store_dir or None)
-    # Clamp mtimes (layerfs honours SOURCE_DATE_EPOCH) so that a rebuild of the same inputs
-    # gives the same digests and the store dedups whole layers across rollouts.
+    # The workspace and toolkit trees are made of fresh files (copies, pip): clamp their
+    # mtimes to SOURCE_DATE_EPOCH so that a rebuild of the same inputs gives the same
+    # digests and the store dedups whole layers across rollouts. The base keeps its
+    # tarball's mtimes: clamping them would make Debian's timestamp-based .pyc stale.
     os.environ.setdefault("SOURCE_DATE_EPOCH", "1700000000")
     digests: dict[str, str] = {}
     t0 = time.monotonic()
@@ -107,7 +109,8 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     inside = f"/work/{name}"
     shutil.copytree(src, ws / inside.lstrip("/"), symlinks=True)
     t0 = time.monotonic()
-    digests["workspace"] = build_layer(str(ws), kind="workspace", store=store).digest
+    digests["workspace"] = build_layer(str(ws), kind="workspace", store=store,
+                                       clamp_mtime=True).digest
     _log(f"workspace layer {digests['workspace'][:19]} from {src.name} "
          f"({time.monotonic() - t0:.1f}s)")
 
@@ -116,7 +119,8 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile",
                     "--target", str(target), "pytest", *test_deps], check=True)
     t0 = time.monotonic()
-    digests["toolkit"] = build_layer(str(tk), kind="toolkit", store=store).digest
+    digests["toolkit"] = build_layer(str(tk), kind="toolkit", store=store,
+                                     clamp_mtime=True).digest
     _log(f"toolkit layer {digests['toolkit'][:19]} ({time.monotonic() - t0:.1f}s)")
     return digests, name, inside
 

@@ -81,19 +81,30 @@ class BuildResult:
 
 
 def writer_options(options: WriterOptions | None, chunk_size: int,
-                   environ: dict[str, str] | None = None) -> WriterOptions:
+                   environ: dict[str, str] | None = None, *,
+                   clamp_mtime: bool = False) -> WriterOptions:
     """The writer options for a build: ``options`` (or the defaults) with the chunk
-    alignment set to the store's chunk size and, if ``SOURCE_DATE_EPOCH`` is set (seconds,
-    reproducible-builds.org convention) and no clamp was given, mtimes clamped to it.
+    alignment set to the store's chunk size and, with ``clamp_mtime`` and no clamp given
+    in ``options``, mtimes clamped to ``SOURCE_DATE_EPOCH`` (seconds,
+    reproducible-builds.org convention; like ``tar --clamp-mtime``).
+
+    Clamping is asked for, never implied by the variable alone (BuildKit's
+    ``rewrite-timestamp`` is opt-in for the same reason): it changes files' mtimes, and
+    caches keyed on them go stale in every sandbox, notably timestamp-based ``.pyc``
+    files (Debian's), which Python then recompiles from source at every start.
 
     Raises :class:`InvalidArgumentError` naming the variable for a ``SOURCE_DATE_EPOCH``
-    that is not a non-negative decimal integer of at most :data:`MAX_SOURCE_DATE_EPOCH`.
+    that is unset (with ``clamp_mtime``) or not a non-negative decimal integer of at most
+    :data:`MAX_SOURCE_DATE_EPOCH`.
     """
     env = os.environ if environ is None else environ
     opts = options if options is not None else WriterOptions()
     opts = dataclasses.replace(opts, chunk_align=chunk_size)
     sde = env.get("SOURCE_DATE_EPOCH")
-    if sde is not None and opts.clamp_mtime_ns is None:
+    if clamp_mtime and opts.clamp_mtime_ns is None:
+        if sde is None:
+            raise InvalidArgumentError("clamping mtimes needs SOURCE_DATE_EPOCH (seconds) "
+                                       "in the environment")
         text = sde.strip()
         # Digits only: int() would also take "-5", "+5" and "1_000".
         if not text.isascii() or not text.isdigit() or int(text) > MAX_SOURCE_DATE_EPOCH:
@@ -175,7 +186,7 @@ def _parse_oci(src: str) -> tuple[str, str | None]:
 
 def build_layers(src: str, *, kind: str, store: Store | None, output: str | None = None,
                  options: WriterOptions | None = None, flatten: bool = False,
-                 chunk_size: int | None = None,
+                 chunk_size: int | None = None, clamp_mtime: bool = False,
                  progress: BuildProgress | None = None) -> list[BuildResult]:
     """Build one layer per source layer and return them in order.
 
@@ -187,7 +198,8 @@ def build_layers(src: str, *, kind: str, store: Store | None, output: str | None
     output that is not a regular file (a device, FIFO, symlink, directory) is refused
     with :class:`~layerfs.output.OutputError` before any work (see
     :mod:`layerfs.output`); images get mode 0644 minus the umask. ``chunk_size``
-    (bytes) defaults to the store's.
+    (bytes) defaults to the store's. ``clamp_mtime``: mtimes later than
+    ``SOURCE_DATE_EPOCH`` become it (see :func:`writer_options`).
     At least one of ``store`` and ``output`` is required.
 
     Raises :class:`InvalidSourceError` for a bad source (naming the entry),
@@ -196,19 +208,21 @@ def build_layers(src: str, *, kind: str, store: Store | None, output: str | None
     layer of this call that failed is in the store and ``output`` is untouched.
     """
     return _build(src, kind=kind, store=store, output=output, options=options,
-                  flatten=flatten, chunk_size=chunk_size, progress=progress, single=False)
+                  flatten=flatten, chunk_size=chunk_size, clamp_mtime=clamp_mtime,
+                  progress=progress, single=False)
 
 
 def _build(src: str, *, kind: str, store: Store | None, output: str | None,
            options: WriterOptions | None, flatten: bool, chunk_size: int | None,
-           progress: BuildProgress | None, single: bool) -> list[BuildResult]:
+           clamp_mtime: bool, progress: BuildProgress | None,
+           single: bool) -> list[BuildResult]:
     check_kind(kind)
     if store is None and output is None:
         raise InvalidArgumentError("build needs a store or an output path (or both)")
     csize = check_chunk_size(chunk_size if chunk_size is not None
                              else store.chunk_size if store is not None
                              else DEFAULT_CHUNK_SIZE)
-    opts = writer_options(options, csize)
+    opts = writer_options(options, csize, clamp_mtime=clamp_mtime)
     out = output if output is None or output == STDOUT else os.path.abspath(output)
     if out is not None and out != STDOUT and not os.path.isdir(os.path.dirname(out)):
         raise NotFoundError(f"{output}: directory {os.path.dirname(out)} does not exist")
@@ -265,7 +279,7 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
 
 def build_layer(src: str, *, kind: str, store: Store | None, output: str | None = None,
                 options: WriterOptions | None = None, flatten: bool = False,
-                chunk_size: int | None = None,
+                chunk_size: int | None = None, clamp_mtime: bool = False,
                 progress: BuildProgress | None = None) -> BuildResult:
     """Build exactly one layer (see :func:`build_layers` for the arguments and errors).
 
@@ -273,4 +287,5 @@ def build_layer(src: str, *, kind: str, store: Store | None, output: str | None 
     and ``flatten`` is not set.
     """
     return _build(src, kind=kind, store=store, output=output, options=options,
-                  flatten=flatten, chunk_size=chunk_size, progress=progress, single=True)[0]
+                  flatten=flatten, chunk_size=chunk_size, clamp_mtime=clamp_mtime,
+                  progress=progress, single=True)[0]

@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="OCI: one layer from all OCI layers instead of one per OCI layer")
     b.add_argument("--chunk-size", type=_size_arg, metavar="N",
                    help="store chunk size and big-file alignment (default 256K)")
+    b.add_argument("--clamp-mtime", action="store_true",
+                   help="mtimes later than $SOURCE_DATE_EPOCH become it (reproducible "
+                        "layers from fresh files; makes timestamp-based .pyc stale)")
     b.add_argument("--level", type=int, default=DEFAULT_LEVEL,
                    help=f"zstd level for new chunks (default {DEFAULT_LEVEL})")
 
@@ -127,6 +130,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     with Bar("storing") as bar:
         results = build_layers(args.src, kind=args.kind, store=store, output=args.output,
                                flatten=args.flatten, chunk_size=args.chunk_size,
+                               clamp_mtime=args.clamp_mtime,
                                progress=lambda _stage, d, t: bar(d, t))
     lines = []
     for res in results:

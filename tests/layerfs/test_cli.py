@@ -129,6 +129,28 @@ def test_build_directory_human_output_and_env_store(tmp_path: Path) -> None:
     assert listing["layers"][0]["source"] == f"dir:{src}"
 
 
+def test_build_clamp_mtime_is_asked_for(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    os.utime(src / "f", (1_650_000_000, 1_650_000_000))
+    os.utime(src, (1_600_000_000, 1_600_000_000))
+    store = tmp_path / "store"
+    env = {"SOURCE_DATE_EPOCH": "1500000000"}
+    plain = ok_json(layerfs("build", str(src), "--kind", "base", "--json", store=store,
+                            env=env))
+    clamped = ok_json(layerfs("build", str(src), "--kind", "base", "--json", "--clamp-mtime",
+                              store=store, env=env))
+    assert plain["digest"] != clamped["digest"]
+    os.utime(src / "f", (1_550_000_000, 1_550_000_000))  # also after the epoch
+    again = ok_json(layerfs("build", str(src), "--kind", "base", "--json", "--clamp-mtime",
+                            store=store, env=env))
+    assert again["digest"] == clamped["digest"]
+    unset = layerfs("build", str(src), "--kind", "base", "--clamp-mtime", store=store,
+                    env={"SOURCE_DATE_EPOCH": ""})
+    assert unset.returncode != 0 and "SOURCE_DATE_EPOCH" in unset.stderr
+
+
 def test_build_from_stdin_and_no_store(tmp_path: Path) -> None:
     raw = make_tar({"a": b"x" * 10_000})
     store = tmp_path / "store"
