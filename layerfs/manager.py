@@ -6,7 +6,10 @@ as ``CACHE/fuse/<hex>.erofs``, fetched chunk by chunk) and mounted read-only, fi
 EROFS, at ``MOUNT_ROOT/<hex>``. :meth:`LayerManager.acquire` counts users;
 :meth:`LayerManager.release` drops the count, and a layer nobody has used for
 ``idle_seconds`` is unmounted by :meth:`LayerManager.reap` (so a sandbox that restarts at
-once finds its layers still mounted and its pages still cached).
+once finds its layers still mounted and its pages still cached). The lazy server keeps the
+last ``keep_registered`` unmounted layers registered (remounting one costs no manifest
+fetch) and the manager unregisters older ones, so a node that runs many distinct layers
+over its life (a workspace per task) never runs out of the server's layer slots.
 
 Access traces: when a layer's last user releases it, the chunks read since it was
 mounted are recorded as its prefetch list; the next :meth:`acquire` that mounts it replays
@@ -20,6 +23,7 @@ node's disk).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import shutil
@@ -59,23 +63,29 @@ class LayerManager:
     ``cache``: the lazy cache directory (its server is started if not running and
     stopped by :meth:`close` if this manager started it); ``remote``: the default remote
     URL; ``mount_root``: where layers are mounted; ``idle_seconds``: how long an unused
-    layer stays mounted. Methods are thread-safe and blocking. Errors: ``NotFoundError``
+    layer stays mounted; ``keep_registered``: how many unmounted layers stay registered
+    with the lazy server (least recently unmounted ones are unregistered first).
+    Methods are thread-safe and blocking. Errors: ``NotFoundError``
     when a remote lacks a layer, ``RemoteError``, ``NativeError`` from mount(2).
     """
 
     def __init__(self, cache: str, remote: str, mount_root: str, *,
                  idle_seconds: float = 60.0, fetch_timeout: float = 30.0,
-                 cache_limit: int | None = None, prefetch: bool = True) -> None:
+                 cache_limit: int | None = None, prefetch: bool = True,
+                 keep_registered: int = 256) -> None:
         self.remote = remote
         self.mount_root = os.path.abspath(mount_root)
         self.idle_seconds = idle_seconds
         self.prefetch = prefetch
+        self.keep_registered = max(0, keep_registered)
         os.makedirs(self.mount_root, exist_ok=True)
         self._proc = client.start(cache, fetch_timeout=fetch_timeout, cache_limit=cache_limit)
         self.client = client.LazyClient(cache)
         self._lock = threading.Lock()
         self._layers: dict[str, _Mounted] = {}
         self._roots: dict[str, Rootfs] = {}
+        # Layers this manager unmounted and the lazy server still has, oldest first.
+        self._unmounted: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     # -- layers -------------------------------------------------------------------------
 
@@ -100,6 +110,7 @@ class LayerManager:
 
     def _mount(self, digest: str, remote: str) -> _Mounted:
         info = self.client.register(digest, remote)
+        self._unmounted.pop(digest, None)
         mp = os.path.join(self.mount_root, digest[7:])
         os.makedirs(mp, exist_ok=True)
         mount_erofs(info["file"], mp)
@@ -140,6 +151,13 @@ class LayerManager:
                     os.rmdir(m.mountpoint)
                 del self._layers[d]
                 gone.append(d)
+                self._unmounted[d] = None
+            while len(self._unmounted) > self.keep_registered:
+                # Its file leaves the lazy server, which reuses the slot; its cached
+                # chunks stay (first to go under pressure) for a later registration.
+                old, _ = self._unmounted.popitem(last=False)
+                with contextlib.suppress(LayerfsError):
+                    self.client.unregister(old)
         return gone
 
     def mounted(self) -> dict[str, int]:

@@ -24,7 +24,7 @@
 
 #include "lfs_error.h"
 
-#define LFS_LAZY_MAX_LAYERS 4096 /* slots; inode = slot + 2 */
+#define LFS_LAZY_MAX_LAYERS 16384 /* slots; inode = slot + 2 */
 
 enum lfs_lazy_chunk_state {
 	LFS_LAZY_MISSING = 0,  /* not cached, nobody fetching */
@@ -64,12 +64,34 @@ int lfs_lazy_event_fd(struct lfs_lazy *lz);
 /* 1 once the FUSE loop has ended (the connection was unmounted or aborted). */
 int lfs_lazy_stopped(struct lfs_lazy *lz);
 
-/* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot`, cached in the
- * file `data_path` (created, or sized to `size`, if needed); every chunk starts missing. */
+/* A slot for a new layer (the lowest free one), or -1 if all are taken.  A removed
+ * layer's slot is free again once the kernel has forgotten its inode (after its file is
+ * closed everywhere; removal invalidates the kernel's dentry) and no READ handler uses
+ * it; its inode number then comes back with a new generation. */
+int lfs_lazy_take_slot(struct lfs_lazy *lz);
+
+/* Slots by state: registered layers, removed ones the kernel (or a READ) still holds,
+ * removed ones ready for reuse, and pinned ones (see lfs_lazy_pin_slot). */
+struct lfs_lazy_slots {
+	uint32_t live;
+	uint32_t held;
+	uint32_t reusable;
+	uint32_t pinned;
+};
+void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out);
+
+/* Never reuse `slot` in this server: the kernel's lookups of its inode were counted by
+ * an earlier server (a resumed connection).  Returns -1 for a slot out of range. */
+int lfs_lazy_pin_slot(struct lfs_lazy *lz, uint32_t slot);
+
+/* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot` (from
+ * lfs_lazy_take_slot(), or restored by the caller), cached in the file `data_path`
+ * (created, or sized to `size`, if needed); every chunk starts missing. */
 int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uint64_t size,
 		       uint32_t chunk_size, const char *data_path, struct lfs_error *err);
 
-/* Forget the layer in `slot`: later lookups fail with ENOENT, reads with EIO. */
+/* Forget the layer in `slot`: later lookups fail with ENOENT, reads with EIO, its
+ * queued fetches are dropped and the kernel is told to drop its dentry. */
 int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err);
 
 /* Start the multi-threaded FUSE loop (at most `max_threads` workers) in the background. */

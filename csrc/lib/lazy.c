@@ -65,6 +65,7 @@ struct lazy_layer {
 	struct lazy_chunk *chunks;
 	uint32_t *trace;         /* chunk indexes, first-touch order */
 	uint32_t ntrace;
+	_Atomic uint32_t active; /* READ handlers using this struct right now */
 	struct lfs_lazy_stats st;
 };
 
@@ -87,8 +88,21 @@ struct lfs_lazy {
 	int resumed;
 	int efd;
 	pthread_t loop;
+	int started;             /* the FUSE loop thread runs */
 	_Atomic(struct lazy_layer *) layers[LFS_LAZY_MAX_LAYERS];
 	_Atomic uint64_t tick;
+
+	/* Slot reuse.  The kernel may reuse nothing of an inode until it has FORGOTTEN it
+	 * (its lookup count back to 0, include/uapi/linux/fuse.h FUSE_FORGET): a removed
+	 * layer's slot is taken again only then, with a new generation, and once no READ
+	 * handler still uses the old struct, which is freed.  FUSE handlers hold
+	 * slots_lock shared while they use a layer pointer they have not counted in
+	 * `active`; reclaiming a slot holds it exclusively.  A slot whose lookups were
+	 * counted by an earlier server (a resumed connection) is pinned: never reused. */
+	pthread_rwlock_t slots_lock;
+	_Atomic uint64_t nlookup[LFS_LAZY_MAX_LAYERS];
+	uint64_t generation[LFS_LAZY_MAX_LAYERS];
+	uint8_t pinned[LFS_LAZY_MAX_LAYERS];
 
 	pthread_mutex_t qlock;   /* the fetch queues */
 	struct lazy_queue queues[LAZY_NQUEUES]; /* popped in this order */
@@ -336,21 +350,56 @@ static void lazy_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 		fuse_reply_err(req, ENOTDIR);
 		return;
 	}
+	pthread_rwlock_rdlock(&lz->slots_lock);
 	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
 		struct lazy_layer *l = lazy_slot(lz, s);
 
 		if (l && strcmp(l->name, name) == 0) {
 			memset(&e, 0, sizeof(e));
 			e.ino = (fuse_ino_t)s + 2;
-			e.generation = 1;
+			e.generation = lz->generation[s];
 			e.attr_timeout = LAZY_TIMEOUT;
 			e.entry_timeout = LAZY_TIMEOUT;
 			lazy_stat(lz, e.ino, &e.attr);
-			fuse_reply_entry(req, &e);
+			/* Counted before the reply: a FORGET may follow it at once. */
+			atomic_fetch_add(&lz->nlookup[s], 1);
+			pthread_rwlock_unlock(&lz->slots_lock);
+			if (fuse_reply_entry(req, &e) != 0)
+				atomic_fetch_sub(&lz->nlookup[s], 1); /* the kernel holds none */
 			return;
 		}
 	}
+	pthread_rwlock_unlock(&lz->slots_lock);
 	fuse_reply_err(req, ENOENT);
+}
+
+/* The kernel dropped `n` lookups of inode `ino` (saturating: a resumed server never saw
+ * the lookups of its predecessor; those slots are pinned anyway). */
+static void lazy_forget_one(struct lfs_lazy *lz, fuse_ino_t ino, uint64_t n)
+{
+	uint64_t cur, next;
+
+	if (ino < 2 || ino - 2 >= LFS_LAZY_MAX_LAYERS)
+		return;
+	cur = atomic_load(&lz->nlookup[ino - 2]);
+	do {
+		next = cur > n ? cur - n : 0;
+	} while (!atomic_compare_exchange_weak(&lz->nlookup[ino - 2], &cur, next));
+}
+
+static void lazy_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+	lazy_forget_one(fuse_req_userdata(req), ino, nlookup);
+	fuse_reply_none(req);
+}
+
+static void lazy_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+	struct lfs_lazy *lz = fuse_req_userdata(req);
+
+	for (size_t i = 0; i < count; i++)
+		lazy_forget_one(lz, (fuse_ino_t)forgets[i].ino, forgets[i].nlookup);
+	fuse_reply_none(req);
 }
 
 static void lazy_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -359,11 +408,14 @@ static void lazy_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *
 	struct stat st;
 
 	(void)fi;
+	pthread_rwlock_rdlock(&lz->slots_lock);
 	if (ino != FUSE_ROOT_ID && !lazy_layer(lz, ino)) {
+		pthread_rwlock_unlock(&lz->slots_lock);
 		fuse_reply_err(req, ENOENT);
 		return;
 	}
 	lazy_stat(lz, ino, &st);
+	pthread_rwlock_unlock(&lz->slots_lock);
 	fuse_reply_attr(req, &st, LAZY_TIMEOUT);
 }
 
@@ -375,10 +427,13 @@ static void lazy_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 		fuse_reply_err(req, EISDIR);
 		return;
 	}
+	pthread_rwlock_rdlock(&lz->slots_lock);
 	if (!lazy_layer(lz, ino)) {
+		pthread_rwlock_unlock(&lz->slots_lock);
 		fuse_reply_err(req, ENOENT);
 		return;
 	}
+	pthread_rwlock_unlock(&lz->slots_lock);
 	if ((fi->flags & O_ACCMODE) != O_RDONLY) {
 		fuse_reply_err(req, EROFS);
 		return;
@@ -392,10 +447,15 @@ static void lazy_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 		      struct fuse_file_info *fi)
 {
 	struct lfs_lazy *lz = fuse_req_userdata(req);
-	struct lazy_layer *l = lazy_layer(lz, ino);
+	struct lazy_layer *l;
 	struct lazy_wait *w;
 
 	(void)fi;
+	pthread_rwlock_rdlock(&lz->slots_lock);
+	l = lazy_layer(lz, ino);
+	if (l)
+		atomic_fetch_add(&l->active, 1);
+	pthread_rwlock_unlock(&lz->slots_lock);
 	if (!l) {
 		fuse_reply_err(req, EIO);
 		return;
@@ -403,11 +463,12 @@ static void lazy_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 	w = malloc(sizeof(*w));
 	if (!w) {
 		fuse_reply_err(req, ENOMEM);
-		return;
+	} else {
+		*w = (struct lazy_wait){ .req = req, .off = (uint64_t)off, .size = size };
+		__atomic_add_fetch(&l->st.reads, 1, __ATOMIC_RELAXED);
+		lazy_serve(lz, (uint32_t)(ino - 2), l, w);
 	}
-	*w = (struct lazy_wait){ .req = req, .off = (uint64_t)off, .size = size };
-	__atomic_add_fetch(&l->st.reads, 1, __ATOMIC_RELAXED);
-	lazy_serve(lz, (uint32_t)(ino - 2), l, w);
+	atomic_fetch_sub(&l->active, 1);
 }
 
 static void lazy_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
@@ -430,6 +491,7 @@ static void lazy_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 	}
 	/* Offsets: 1 ".", 2 "..", slot + 3 for each layer (stable across changes). */
 	memset(&st, 0, sizeof(st));
+	pthread_rwlock_rdlock(&lz->slots_lock);
 	for (off_t pos = off; pos < (off_t)LFS_LAZY_MAX_LAYERS + 2; pos++) {
 		const char *name;
 		size_t need;
@@ -452,6 +514,7 @@ static void lazy_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off,
 			break;
 		used += need;
 	}
+	pthread_rwlock_unlock(&lz->slots_lock);
 	fuse_reply_buf(req, buf, used);
 	free(buf);
 }
@@ -471,6 +534,8 @@ static void lazy_statfs(fuse_req_t req, fuse_ino_t ino)
 static const struct fuse_lowlevel_ops lazy_ops = {
 	.init = lazy_init,
 	.lookup = lazy_lookup,
+	.forget = lazy_forget,
+	.forget_multi = lazy_forget_multi,
 	.getattr = lazy_getattr,
 	.open = lazy_open,
 	.read = lazy_read,
@@ -533,6 +598,9 @@ struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err)
 		return NULL;
 	}
 	pthread_mutex_init(&lz->qlock, NULL);
+	pthread_rwlock_init(&lz->slots_lock, NULL);
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++)
+		lz->generation[s] = 1;
 	lz->fuse_fd = fuse_fd;
 	lz->resumed = resumed;
 	lz->efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -637,13 +705,34 @@ int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uin
 	return 0;
 }
 
+/* Drop the queued fetches of `slot` (its layer is going away). */
+static void lazy_unqueue(struct lfs_lazy *lz, uint32_t slot)
+{
+	pthread_mutex_lock(&lz->qlock);
+	for (int k = 0; k < LAZY_NQUEUES; k++) {
+		struct lazy_queue *q = &lz->queues[k];
+		size_t kept = 0;
+
+		for (size_t i = 0; i < q->len; i++) {
+			struct lazy_fetch f = q->q[(q->head + i) % q->cap];
+
+			if (f.slot != slot)
+				q->q[(q->head + kept++) % q->cap] = f;
+		}
+		q->len = kept;
+	}
+	pthread_mutex_unlock(&lz->qlock);
+}
+
 int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *err)
 {
 	struct lazy_layer *l = lazy_slot(lz, slot);
 	uint32_t busy = 0;
+	char name[sizeof(l->name)];
 
 	if (!l)
 		return lfs_error_set(err, ENOENT, "no layer in slot %u", slot);
+	lazy_unqueue(lz, slot);
 	pthread_mutex_lock(&l->lock);
 	l->removed = 1;
 	for (uint32_t i = 0; i < l->nchunks; i++) {
@@ -666,9 +755,83 @@ int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *
 		close(l->fd);
 		l->fd = -1;
 	}
+	memcpy(name, l->name, sizeof(name));
 	pthread_mutex_unlock(&l->lock);
-	/* The struct stays allocated (a READ may still hold a pointer to it) and the slot
-	 * stays taken, so inode numbers are never reused for another layer. */
+	/* Tell the kernel the file is deleted (its dentry dropped, its link count 0), so
+	 * that it evicts and FORGETs the inode once nothing has it open: only then can the
+	 * slot be reused (lfs_lazy_take_slot).  A merely invalidated dentry would leave a
+	 * linked inode in the inode cache until memory pressure.  Not from a FUSE handler
+	 * (libfuse: that may deadlock); ENOENT means the kernel had no dentry cached. */
+	if (lz->started)
+		fuse_lowlevel_notify_delete(lz->se, FUSE_ROOT_ID, (fuse_ino_t)slot + 2, name,
+					    strlen(name));
+	/* The struct stays allocated until its slot is reclaimed (a READ handler may still
+	 * use it). */
+	return 0;
+}
+
+/* Free a removed layer's struct; called with slots_lock held exclusively. */
+static void lazy_free_layer(struct lazy_layer *l)
+{
+	if (l->fd >= 0)
+		close(l->fd);
+	pthread_mutex_destroy(&l->lock);
+	free(l->chunks);
+	free(l->trace);
+	free(l);
+}
+
+int lfs_lazy_take_slot(struct lfs_lazy *lz)
+{
+	int got = -1;
+
+	pthread_rwlock_wrlock(&lz->slots_lock);
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS && got < 0; s++) {
+		struct lazy_layer *l = atomic_load(&lz->layers[s]);
+
+		if (lz->pinned[s])
+			continue;
+		if (!l) {
+			got = (int)s;
+		} else if (l->removed && atomic_load(&lz->nlookup[s]) == 0 &&
+			   atomic_load(&l->active) == 0) {
+			atomic_store(&lz->layers[s], NULL);
+			lazy_free_layer(l);
+			lz->generation[s]++;
+			got = (int)s;
+		}
+	}
+	pthread_rwlock_unlock(&lz->slots_lock);
+	return got;
+}
+
+void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out)
+{
+	memset(out, 0, sizeof(*out));
+	pthread_rwlock_rdlock(&lz->slots_lock);
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
+		struct lazy_layer *l = atomic_load(&lz->layers[s]);
+
+		if (lz->pinned[s])
+			out->pinned++;
+		if (!l)
+			continue;
+		if (!l->removed)
+			out->live++;
+		else if (lz->pinned[s] || atomic_load(&lz->nlookup[s]) ||
+			 atomic_load(&l->active))
+			out->held++;
+		else
+			out->reusable++;
+	}
+	pthread_rwlock_unlock(&lz->slots_lock);
+}
+
+int lfs_lazy_pin_slot(struct lfs_lazy *lz, uint32_t slot)
+{
+	if (slot >= LFS_LAZY_MAX_LAYERS)
+		return -1;
+	lz->pinned[slot] = 1;
 	return 0;
 }
 
@@ -705,6 +868,7 @@ int lfs_lazy_start(struct lfs_lazy *lz, unsigned max_threads, struct lfs_error *
 	rc = pthread_create(&lz->loop, NULL, lazy_loop, lz);
 	if (rc)
 		return lfs_error_set(err, rc, "starting the FUSE loop: %s", strerror(rc));
+	lz->started = 1;
 	if (lz->resumed) {
 		rc = lazy_notify_resend(lz);
 		if (rc < 0)

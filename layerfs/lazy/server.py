@@ -27,6 +27,7 @@ import contextlib
 import errno
 import logging
 import os
+import resource
 import sys
 import time
 from bisect import bisect_left
@@ -134,7 +135,6 @@ class LazyServer:
         self._dirty: set[str] = set()
         self._flush_handle: asyncio.TimerHandle | None = None
         self._holder_maps: dict[str, dict[str, list[int]]] = {}
-        self._next_slot = 0
         self.lz: Any = None
 
     # -- start-up -----------------------------------------------------------------------
@@ -151,7 +151,10 @@ class LazyServer:
         self.lz = lz
         lib.lfs_lazy_set_speculate(lz, self.speculate)
         for digest, rec in self.cache.layers().items():
-            self._next_slot = max(self._next_slot, int(rec["slot"]) + 1)
+            if self.resumed:
+                # The kernel may hold inodes of these slots, looked up through the
+                # previous server: never give them to another layer in this one.
+                lib.lfs_lazy_pin_slot(lz, int(rec["slot"]))
             if rec.get("removed"):
                 continue
             m = Manifest.from_json(rec["manifest"].encode(), where=f"cache layer {digest}")
@@ -200,8 +203,11 @@ class LazyServer:
         m = await self._remote(remote).manifest(digest)
         if digest in self.layers:  # registered while we waited
             return self.layers[digest]
-        layer = Layer(digest, self._next_slot, remote, m)
-        self._next_slot += 1
+        slot = lib.lfs_lazy_take_slot(self.lz)
+        if slot < 0:
+            raise LayerfsError(f"layer {digest}: every one of the {lib.LFS_LAZY_MAX_LAYERS} "
+                               "layer slots is in use (unregister unused layers)")
+        layer = Layer(digest, slot, remote, m)
         self.cache.save_layer(digest, {"slot": layer.slot, "remote": remote,
                                        "manifest": m.to_json().decode()})
         self._add(layer)
@@ -218,14 +224,19 @@ class LazyServer:
         self._dirty.discard(digest)
         err = new_error()
         lib.lfs_lazy_remove_layer(self.lz, layer.slot, err)
-        # The slot stays taken (kernel dentries may still name it); the cache file stays
-        # for a later registration, first in line for eviction.
+        # The slot is reused once the kernel has forgotten the file (lfs_lazy_take_slot);
+        # the cache file stays for a later registration, first in line for eviction.
         self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
         self._cache_bytes -= sum(layer.manifest.chunk_length(i)
                                  for i in range(len(layer.manifest.chunks))
                                  if self._present(layer, i))
         self._orphans[digest] = self.cache.data_bytes(digest)
         self._cache_bytes += self._orphans[digest]
+
+    def _live(self, layer: Layer) -> bool:
+        """Whether ``layer`` is still registered. A fetch started for a layer that was
+        unregistered meanwhile must not touch its slot: another layer may hold it."""
+        return self.by_slot.get(layer.slot) is layer
 
     def _present(self, layer: Layer, index: int) -> bool:
         return bool(lib.lfs_lazy_chunk_info(self.lz, layer.slot, index, ffi.NULL)
@@ -299,16 +310,19 @@ class LazyServer:
             if now - self._failed.get(ref.digest, -1e9) < FAIL_HOLD:
                 # The kernel retries a page synchronously right after its readahead
                 # failed; without this the reader would wait out the bound twice.
-                lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
+                if self._live(layer):
+                    lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
                 return
             try:
                 data = await self._get_chunk(layer, index)
-                await self._write(layer, index, data)
+                if self._live(layer):
+                    await self._write(layer, index, data)
             except FetchFailed as exc:
                 layer.fetch_failures += 1
                 self._failed[ref.digest] = asyncio.get_running_loop().time()
                 log.error("%s", exc)
-                lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
+                if self._live(layer):
+                    lib.lfs_lazy_chunk_failed(self.lz, layer.slot, index, errno.EIO)
         finally:
             if ondemand:
                 self._ondemand -= 1
@@ -440,6 +454,8 @@ class LazyServer:
                 if not queue:  # another worker took the last one meanwhile
                     break
                 i = queue.pop()
+                if not self._live(layer):
+                    break
                 if lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
                     await self._fetch(layer, i, ondemand=False)
 
@@ -539,9 +555,19 @@ class LazyServer:
                               "sum": layer.latency_sum, "count": sum(layer.latency_counts)},
         }
 
+    def slots(self) -> dict[str, int]:
+        """Layer slots (inode numbers) by state: ``live`` (registered), ``held`` (removed,
+        the kernel still has the file's inode), ``reusable``, ``pinned`` (never reused
+        by this server: looked up through its predecessor), and the ``max``."""
+        out = ffi.new("struct lfs_lazy_slots *")
+        lib.lfs_lazy_slot_counts(self.lz, out)
+        return {"live": int(out.live), "held": int(out.held),
+                "reusable": int(out.reusable), "pinned": int(out.pinned),
+                "max": int(lib.LFS_LAZY_MAX_LAYERS)}
+
     def stats(self) -> dict[str, Any]:
         return {
-            "pid": os.getpid(), "resumed": self.resumed,
+            "pid": os.getpid(), "resumed": self.resumed, "slots": self.slots(),
             "cache": {"root": self.cache.root, "bytes": self._cache_bytes,
                       "limit": self.cache.limit},
             "layers": {d: self.layer_stats(layer) for d, layer in self.layers.items()},
@@ -657,6 +683,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--speculate", type=int, default=DEFAULT_SPECULATE)
     args = p.parse_args(argv)
+    # One open cache file per registered layer: up to LFS_LAZY_MAX_LAYERS of them.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = lib.LFS_LAZY_MAX_LAYERS + 1024
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (want if hard == resource.RLIM_INFINITY else min(want, hard),
+                                hard))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s layerfs-lazy[%(process)d] %(levelname)s %(message)s")
     cache = ChunkCache(args.cache, limit=args.cache_limit, server=True)

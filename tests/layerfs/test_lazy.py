@@ -267,6 +267,20 @@ def test_server_killed_mid_read_recovers(layer: Layer, tmp_path: pathlib.Path) -
             # the existing mount keeps working: the whole tree reads back right
             with mounted_erofs(layer.image) as direct:
                 assert snapshot(mp) == snapshot(direct)
+            # The kernel's lookups of the layer's inode were counted by the dead server:
+            # the new one never gives that slot to another layer.
+            slots = c.stats()["slots"]
+            assert slots["live"] == 1 and slots["pinned"] == 1, slots
+        slot = c.stats()["layers"][layer.digest]["slot"]
+        c.unregister(layer.digest)
+        other = tmp_path / "other"
+        other.mkdir()
+        (other / "f").write_text("other\n")
+        res = build_layer(str(other), kind="workspace", store=layer.store, chunk_size=CHUNK)
+        b = c.register(res.manifest.digest, layer.remote.url)
+        assert b["slot"] != slot
+        with mounted(b["file"], tmp_path / "b") as mp:
+            assert _read(os.path.join(mp, "f")) == b"other\n"
         assert len(image) == layer.image.stat().st_size
 
 
@@ -292,3 +306,51 @@ def test_prometheus_metrics(layer: Layer, tmp_path: pathlib.Path) -> None:
                     if line.startswith(f"layerfs_lazy_layer_bytes{lab}"))
         assert size == layer.image.stat().st_size
         assert f'layerfs_lazy_fetch_seconds_count{lab}' in text
+
+
+def _wait_slots(c: LazyClient, **want: int) -> dict[str, int]:
+    deadline = time.monotonic() + 10
+    while True:
+        slots = dict(c.stats()["slots"])
+        if all(slots[k] == v for k, v in want.items()) or time.monotonic() > deadline:
+            return slots
+        time.sleep(0.02)
+
+
+def test_an_unregistered_layers_slot_is_reused_once_the_kernel_forgets_it(
+        layer: Layer, tmp_path: pathlib.Path) -> None:
+    # Bug: a removed layer's slot (its inode number) was never reused, so a node that
+    # registered 4096 layers over its life could register no more.
+    other = tmp_path / "other"
+    (other / "etc").mkdir(parents=True)
+    (other / "etc" / "hostname").write_text("other\n")
+    res = build_layer(str(other), kind="workspace", store=layer.store,
+                      output=str(tmp_path / "other.erofs"), chunk_size=CHUNK)
+    with lazy_node(tmp_path / "cache") as c:
+        a = c.register(layer.digest, layer.remote.url)
+        with mounted(a["file"], tmp_path / "a") as mp:
+            assert _read(os.path.join(mp, "etc/hostname")) == b"node\n"
+            held = open(a["file"], "rb")  # noqa: SIM115 - held across the unregister
+            c.unregister(layer.digest)
+            assert os.listdir(os.path.join(c.cache, "fuse")) == []
+            # Mounted and open: the kernel still has the inode, the slot is not reused.
+            assert _wait_slots(c, held=1)["held"] == 1
+            b = c.register(res.manifest.digest, layer.remote.url)
+            assert b["slot"] != a["slot"]
+            assert held.read(4096) == layer.image.read_bytes()[:4096]  # still served
+            held.close()
+        slots = _wait_slots(c, held=0, reusable=1)
+        assert slots == {"live": 1, "held": 0, "reusable": 1, "pinned": 0,
+                         "max": slots["max"]}, slots
+        c.unregister(res.manifest.digest)
+        assert _wait_slots(c, reusable=2)["reusable"] == 2
+        # A new registration takes the lowest free slot, A's old one, and reads are of
+        # the new layer (the kernel holds nothing of the old inode).
+        again = c.register(res.manifest.digest, layer.remote.url)
+        assert again["slot"] == a["slot"]
+        with mounted(again["file"], tmp_path / "b") as mp:
+            assert _read(os.path.join(mp, "etc/hostname")) == b"other\n"
+        assert _read(again["file"]) == (tmp_path / "other.erofs").read_bytes()
+        a2 = c.register(layer.digest, layer.remote.url)
+        assert a2["slot"] == b["slot"]
+        assert _read(a2["file"]) == layer.image.read_bytes()

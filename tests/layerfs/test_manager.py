@@ -54,11 +54,30 @@ def test_layers_mount_once_and_are_refcounted(
         assert f.read() == "node\n"
     mgr.release(digests)
     assert mgr.reap(0) == [digests[1]]  # still in use: the base stays
+    assert sorted(mgr.client.stats()["layers"]) == sorted(digests)  # kept registered
     mgr.release(digests[:1])
     assert mgr.reap() == []  # idle, but not for an hour yet
     assert mgr.reap(0) == [digests[0]]
     assert mgr.mounted() == {}
     assert not os.path.ismount(a[0])
+
+
+def test_unmounted_layers_beyond_the_bound_are_unregistered(
+        setup: tuple[LayerManager, list[str], RemoteThread]) -> None:
+    # Bug: layers stayed registered with the lazy server forever, so a node running a
+    # new workspace layer per task ran out of its layer slots.
+    mgr, digests, _ = setup
+    mgr.keep_registered = 1
+    mgr.acquire(digests)
+    mgr.release(digests)
+    assert sorted(mgr.reap(0)) == sorted(digests)
+    # the one unmounted last stays registered, the other is gone from the server
+    assert list(mgr.client.stats()["layers"]) == [digests[-1]]
+    (mp,) = mgr.acquire(digests[:1])  # registered again on demand
+    with open(os.path.join(mp, "etc/hostname")) as f:
+        assert f.read() == "node\n"
+    assert sorted(mgr.client.stats()["layers"]) == sorted(digests)
+    mgr.release(digests[:1])
 
 
 def test_compose_overlay_root_with_disk_limit(
