@@ -50,6 +50,7 @@ def test_serve_push_mount_stats_umount(tmp_path: pathlib.Path) -> None:
             st = _run("stats", "--cache", str(cache))
             layer = st["layers"][digest]  # type: ignore[index]
             assert 0 < layer["bytes_fetched"] < m["size"]  # type: ignore[operator]
+            assert st["slots"]["live"] == 1  # type: ignore[index]
         finally:
             _run("umount", str(mp))
         assert not os.path.ismount(mp)
