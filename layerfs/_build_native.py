@@ -50,4 +50,10 @@ if __name__ == "__main__":
     import os
 
     os.chdir(ROOT)
-    ffibuilder.compile(tmpdir=str(ROOT), verbose=False)
+    built = ffibuilder.compile(tmpdir=str(ROOT), verbose=False)
+    # `pip install` names the extension _native.abi3.so (cffi builds for the limited API);
+    # a copy under this interpreter's own suffix would be imported first and shadow every
+    # later pip build, so the in-place build takes the same name.
+    target = ROOT / "layerfs" / "_native.abi3.so"
+    if pathlib.Path(built).resolve() != target:
+        os.replace(built, target)
