@@ -154,6 +154,9 @@ _Static_assert(sizeof(struct sbx_error) == 8, "sbx_error is 8 bytes");
 
 /* SBX_EVENT kinds */
 #define SBX_EV_SECCOMP 1u /* a syscall the seccomp profile denies (failed with EPERM) */
+#define SBX_EV_DROPPED 2u /* only `dropped` is set: denials not sent one by one (rate
+			   * limit or busy client) since the last event, sent before an
+			   * exec's SBX_END */
 
 struct sbx_event {
 	uint32_t kind;    /* SBX_EV_* */

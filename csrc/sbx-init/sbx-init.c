@@ -134,6 +134,15 @@ static uint32_t ll_flags;
 static uint8_t *sc_prog;        /* seccomp program, NULL: none */
 static size_t sc_len;
 static uint32_t ev_dropped;     /* events not queued since the last one sent */
+static uint64_t ev_tat;         /* GCRA theoretical arrival time of the next event, ns */
+
+/* Denied syscalls sent to the daemon one by one: at most EV_RATE per second after a
+ * burst of EV_BURST (the daemon's ledger keeps 200 a second per sandbox).  A workload
+ * that loops on a denied syscall costs the daemon nothing beyond that: the rest are only
+ * counted here (and reported as `dropped`), their syscalls denied all the same. */
+#define EV_RATE 200u
+#define EV_BURST 200u
+#define EV_INTERVAL_NS (1000000000ull / EV_RATE)
 static const char *aa_profile;  /* AppArmor profile for execs, NULL: none */
 static int pristine_fd = -1;    /* the lowers-only tree for grader views, -1: none */
 static const char *grader_paths; /* ':'-separated paths a grader view replaces */
@@ -608,6 +617,13 @@ static void exec_finish(struct exec *e)
 		end.reason = WIFEXITED(e->status) ? SBX_EXITED : SBX_SIGNALLED;
 	end.duration_ns = e->t_end - e->t0;
 	end.peak_memory = peak;
+	if (ev_dropped && client_fd >= 0) {
+		/* the denials not reported one by one, before the exec's end */
+		struct sbx_event ev = {.kind = SBX_EV_DROPPED, .dropped = ev_dropped};
+
+		send_frame(SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
+		ev_dropped = 0;
+	}
 	send_frame(SBX_END, e->id, &end, sizeof(end), NULL, 0);
 	exec_free(e);
 	interest_dirty = 1;
@@ -1268,6 +1284,17 @@ static void on_errpipe(struct exec *e)
 	maybe_finish(e, now_ns());
 }
 
+/* GCRA: whether one more event may go out at `now` (and count it if so). */
+static int ev_admit(uint64_t now)
+{
+	uint64_t tat = ev_tat > now ? ev_tat : now;
+
+	if (tat - now > (uint64_t)(EV_BURST - 1) * EV_INTERVAL_NS)
+		return 0;
+	ev_tat = tat + EV_INTERVAL_NS;
+	return 1;
+}
+
 /* A denied syscall of the exec's tree: fail it with EPERM at once, then report
  * it.  A workload can raise these in a loop; events beyond what the client
  * takes are dropped and counted (the syscall is denied all the same). */
@@ -1289,6 +1316,11 @@ static void on_notif(struct exec *e, uint32_t events)
 			close_fd(&e->notif);
 		return;
 	}
+	if (client_fd < 0 || outq_pending() >= OUTQ_HIGH || !ev_admit(now_ns())) {
+		lfs_seccomp_notif_deny(e->notif, sev.id, EPERM, &err);
+		ev_dropped++;
+		return;
+	}
 	memset(&ev, 0, sizeof(ev));
 	ev.kind = SBX_EV_SECCOMP;
 	ev.pid = sev.pid;
@@ -1308,10 +1340,6 @@ static void on_notif(struct exec *e, uint32_t events)
 		close(fd);
 	}
 	lfs_seccomp_notif_deny(e->notif, sev.id, EPERM, &err);
-	if (client_fd < 0 || outq_pending() >= OUTQ_HIGH) {
-		ev_dropped++;
-		return;
-	}
 	ev.dropped = ev_dropped;
 	ev_dropped = 0;
 	send_frame(SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);

@@ -14,6 +14,8 @@
  *   mem                 allocate and touch memory until killed
  *   fds                 open files until refused
  *   inotify [hold]      inotify instances until refused (then keep them)
+ *   denyflood N         call a denied syscall (umount2) N times; prints how many
+ *                       failed with EPERM
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -310,6 +312,18 @@ static int do_forkbomb(void)
 			usleep(1000);
 }
 
+/* A flood of denied syscalls: each one is a seccomp user notification. */
+static int do_denyflood(const char *count)
+{
+	long n = strtol(count, NULL, 10), eperm = 0;
+
+	for (long i = 0; i < n; i++)
+		if (umount2("/", MNT_DETACH) < 0 && errno == EPERM)
+			eperm++;
+	printf("denied %ld\n", eperm);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	if (argc == 3 && !strcmp(argv[1], "protect"))
@@ -330,7 +344,9 @@ int main(int argc, char **argv)
 		return do_inotify(argc == 3 && !strcmp(argv[2], "hold"));
 	if (argc == 2 && !strcmp(argv[1], "forkbomb"))
 		return do_forkbomb();
+	if (argc == 3 && !strcmp(argv[1], "denyflood"))
+		return do_denyflood(argv[2]);
 	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify"
-			" | forkbomb\n");
+			" | forkbomb | denyflood N\n");
 	return 2;
 }

@@ -133,3 +133,35 @@ def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
     assert {"pids_limit", "oom_kill", "disk_full", "cpu_throttled", "output_limit",
             "timeout"} <= k, k
     assert not ledger.known("bystander")  # not a single event for the bystander
+
+
+def test_a_flood_of_denied_syscalls_reaches_the_daemon_rate_limited(node: Node,
+                                                                    rootfs: Path) -> None:
+    # Bug: every denied syscall went to the daemon as its own event, so a workload looping
+    # on one (300k in 10 s) cost the daemon seconds of CPU. sbx-init now sends at most
+    # 200 a second one by one and counts the rest, reported as dropped.
+    from tests.security.conftest import denied, execv
+
+    b, ledger = node.backend, node.ledger
+    n = 20_000
+
+    async def body() -> None:
+        await b.create(spec(rootfs, "flood"))
+        try:
+            t0 = time.monotonic()
+            out, _, end = await execv(b, "flood", ("/usr/bin/attack", "denyflood", str(n)),
+                                      timeout_s=60)
+            secs = time.monotonic() - t0
+            assert end.reason == "exited" and out.split() == ["denied", str(n)], (out, end)
+            evs = denied(ledger, "flood")
+            single = [e for e in evs if not e.detail.get("summary")]
+            assert single and {e.syscall for e in single} == {"umount2"}
+            # at most the burst, then the rate, went to the daemon one by one ...
+            assert len(single) <= 200 + 200 * secs + 1, (len(single), secs)
+            # ... and every denial is accounted for, one by one or in a dropped count
+            assert len(single) + sum(int(e.detail.get("dropped_before", 0)) for e in evs) == n
+            assert evs[-1].detail.get("summary") is True  # the trailing count, at the end
+        finally:
+            await b.destroy("flood")
+
+    run(body)

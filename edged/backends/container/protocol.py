@@ -54,6 +54,7 @@ EVENT = 0x87
 
 #: SBX_EVENT kinds
 EV_SECCOMP = 1
+EV_DROPPED = 2  # only ``dropped``: denials not sent one by one, before an exec's END
 
 EXEC_STDIN = 0x1
 EXEC_PTY = 0x2

@@ -38,6 +38,18 @@ def test_record_event_decodes_seccomp_denials() -> None:
     assert ev[1].syscall == "syscall_1" and "foreign" in ev[1].detail["abi"]
 
 
+def test_record_event_dropped_summary() -> None:
+    led = Ledger(None)
+    summary = P.EVENT_S.pack(P.EV_DROPPED, 0, 0, 0, *(0,) * 6, 0, 1234, 0, b"")
+    confinement.record_event(led.record, "s", 7, summary)
+    confinement.record_event(led.record, "s", 7, P.EVENT_S.pack(P.EV_DROPPED, 0, 0, 0,
+                                                                 *(0,) * 6, 0, 0, 0, b""))
+    ev = led.events("s")
+    assert [e.kind for e in ev] == ["seccomp_denied", "protocol_violation"]  # empty: bogus
+    assert ev[0].syscall is None and ev[0].detail == {"dropped_before": 1234, "exec_id": 7,
+                                                      "summary": True}
+
+
 def test_record_end_only_limit_hits() -> None:
     led = Ledger(None)
     for reason in ("exited", "oom", "timeout", "output_limit", "killed", "signalled"):
