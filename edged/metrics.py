@@ -59,6 +59,17 @@ class Metrics:
             "edged_sandbox_start_fetched_bytes", "Bytes of layers fetched during sandbox starts",
             registry=r,
         )
+        self.start_hit_ratio = Histogram(
+            "edged_sandbox_start_chunk_hit_ratio",
+            "Reads of its layers answered at once from the node cache during a sandbox start "
+            "/ all such reads",
+            buckets=(0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r,
+        )
+        self.start_fetch_wait_seconds = Histogram(
+            "edged_sandbox_start_fetch_wait_seconds",
+            "Seconds reads of its layers waited for chunks during a sandbox start, summed",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.api_errors = Counter("edged_api_errors", "API errors by code", ["code"], registry=r)
 
     def render(self) -> bytes:

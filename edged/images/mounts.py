@@ -23,10 +23,20 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from edged.errors import BackendError, EdgedError, NotFound
 from edged.images.registry import check_digest
+
+
+class LayerCounters(NamedTuple):
+    """What the node's lazy server has done for one layer so far (monotonic counters)."""
+
+    fetched: int  #: bytes fetched from the remote
+    size: int  #: the layer's bytes
+    reads: int = 0  #: reads of its file
+    hits: int = 0  #: reads answered at once from the node cache
+    wait_s: float = 0.0  #: seconds reads spent waiting for chunks, summed
 
 
 @dataclass
@@ -38,8 +48,9 @@ class LayerOps:
     mountpoint)``, ``umount(mountpoint)``, ``is_mounted(mountpoint) -> bool``,
     ``has(digest) -> bool``. ``close()``: stop whatever serves the image files (called when
     the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
-    of the layer source's metrics, if it has any. ``fetched() -> {digest: (bytes fetched,
-    layer size)}``: what the node has fetched so far of each layer it serves lazily.
+    of the layer source's metrics, if it has any. ``fetched() -> {digest:
+    LayerCounters}``: what the node has fetched and served so far of each layer it serves
+    lazily.
     """
 
     image: Callable[[str], str]
@@ -49,7 +60,7 @@ class LayerOps:
     has: Callable[[str], bool]
     close: Callable[[], object] | None = None
     collector: Any = None
-    fetched: Callable[[], dict[str, tuple[int, int]]] | None = None
+    fetched: Callable[[], dict[str, LayerCounters]] | None = None
 
 
 class LayerMounts:
@@ -115,8 +126,10 @@ class LayerMounts:
 
             client.stop(str(cache_dir))  # also a server an earlier daemon started
 
-        def fetched() -> dict[str, tuple[int, int]]:
-            return {d: (int(st["bytes_fetched"]), int(st["size"]))
+        def fetched() -> dict[str, LayerCounters]:
+            return {d: LayerCounters(int(st["bytes_fetched"]), int(st["size"]),
+                                     int(st["reads"]), int(st["hits"]),
+                                     float(st["wait_seconds"]))
                     for d, st in mgr.client.stats()["layers"].items()}
 
         ops = LayerOps(image=image, mount=mount, umount=umount, is_mounted=os.path.ismount,
@@ -177,8 +190,8 @@ class LayerMounts:
                 mp.rmdir()
             raise BackendError(f"layer {digest}: cannot mount at {mp}: {e}") from e
 
-    async def fetched(self, digests: list[str]) -> dict[str, tuple[int, int]] | None:
-        """``{digest: (bytes the node has fetched so far, layer size)}`` for those of
+    async def fetched(self, digests: list[str]) -> dict[str, LayerCounters] | None:
+        """``{digest: LayerCounters}`` (what the node has fetched and served so far) for those of
         ``digests`` that the layer source serves now (a layer not yet registered is
         absent: nothing fetched), or None if it does not load lazily or does not answer."""
         if self.ops.fetched is None:

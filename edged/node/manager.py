@@ -27,7 +27,7 @@ from typing import Any
 from edged.backends.base import Backend, ExecHandle, ExecSpec, Resources, SandboxSpec
 from edged.config import Config
 from edged.errors import BackendError, BadRequest, Conflict, EdgedError, NotFound
-from edged.images.mounts import LayerMounts
+from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry, check_digest
 from edged.metrics import Metrics
 from edged.node.admission import Capacity
@@ -176,9 +176,9 @@ class SandboxManager:
         self.records_dir = Path(config.state_dir) / "sandboxes"
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._execs: dict[str, dict[int, ExecHandle]] = {}
-        #: sandbox -> {layer: (bytes fetched, size)} at create, until its first exec ends
+        #: sandbox -> {layer: counters} at create, until its first exec ends
         #: (see Metrics.start_fetched_fraction)
-        self._starts: dict[str, dict[str, tuple[int, int]]] = {}
+        self._starts: dict[str, dict[str, LayerCounters]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         #: layer -> timer: a reference kept for ``layer_linger_s`` after the last sandbox
         #: using the layer is gone, so that the next create finds it mounted (and its page
@@ -365,7 +365,7 @@ class SandboxManager:
         if self.ledger is not None:
             self.ledger.sandbox_created(rec.id)
         lock = self._lock(rec.id)
-        fetching: asyncio.Future[dict[str, tuple[int, int]] | None] | None = None
+        fetching: asyncio.Future[dict[str, LayerCounters] | None] | None = None
         try:
             async with lock:
                 # The start's baseline, read in a thread alongside the create; before it
@@ -586,14 +586,23 @@ class SandboxManager:
                 self._background(self._observe_start(rec, start))
 
     async def _observe_start(self, rec: SandboxRecord,
-                             start: dict[str, tuple[int, int]]) -> None:
+                             start: dict[str, LayerCounters]) -> None:
         now = await self.layers.fetched(rec.layers)
-        size = sum(n for _, n in (now or {}).values())
+        size = sum(c.size for c in (now or {}).values())
         if not now or size <= 0:
             return
-        delta = sum(max(0, f - start.get(d, (0, 0))[0]) for d, (f, _) in now.items())
-        self.metrics.start_fetched_bytes.inc(delta)
-        self.metrics.start_fetched_fraction.observe(delta / size)
+        zero = LayerCounters(0, 0)
+
+        def delta(field: str) -> float:
+            return float(sum(max(0, getattr(c, field) - getattr(start.get(d, zero), field))
+                             for d, c in now.items()))
+
+        fetched, reads = delta("fetched"), delta("reads")
+        self.metrics.start_fetched_bytes.inc(fetched)
+        self.metrics.start_fetched_fraction.observe(fetched / size)
+        self.metrics.start_fetch_wait_seconds.observe(delta("wait_s"))
+        if reads:
+            self.metrics.start_hit_ratio.observe(delta("hits") / reads)
 
     async def signal(self, sandbox_id: str, body: object) -> dict[str, Any]:
         """Send ``{"signal": int | "SIGTERM", "exec_id": optional}`` to one exec or to every

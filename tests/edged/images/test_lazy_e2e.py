@@ -110,3 +110,9 @@ def test_sandbox_from_a_remote_only_layer_fetches_a_fraction(
     assert m and float(m.group(1)) == fetched
     m = re.search(r"^edged_sandbox_start_fetched_fraction_sum (\S+)$", text, re.M)
     assert m and float(m.group(1)) == pytest.approx(fetched / size)
+    # a cold start: some reads waited for chunks, and not every read was a hit
+    m = re.search(r"^edged_sandbox_start_fetch_wait_seconds_sum (\S+)$", text, re.M)
+    assert m and float(m.group(1)) > 0
+    m = re.search(r"^edged_sandbox_start_chunk_hit_ratio_sum (\S+)$", text, re.M)
+    assert m and 0 <= float(m.group(1)) < 1
+    assert "edged_sandbox_start_chunk_hit_ratio_count 1.0" in text
