@@ -291,7 +291,7 @@ class LazyServer:
         idx = ffi.new("uint32_t *")
         while (kind := lib.lfs_lazy_next_fetch(self.lz, slot, idx)) > 0:
             layer = self.by_slot.get(int(slot[0]))
-            if layer is None:
+            if layer is None or idx[0] >= len(layer.manifest.chunks):
                 lib.lfs_lazy_chunk_failed(self.lz, slot[0], idx[0], errno.EIO)
                 continue
             if kind == 2:  # speculative: on-demand ones were popped first

@@ -354,3 +354,44 @@ def test_an_unregistered_layers_slot_is_reused_once_the_kernel_forgets_it(
         a2 = c.register(layer.digest, layer.remote.url)
         assert a2["slot"] == b["slot"]
         assert _read(a2["file"]) == layer.image.read_bytes()
+
+
+def test_unregister_while_a_read_waits_fails_it_and_leaves_no_stale_fetch(
+        layer: Layer, tmp_path: pathlib.Path) -> None:
+    layer.remote.delay = 1.0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "f").write_text("other\n")
+    res = build_layer(str(other), kind="workspace", store=layer.store, chunk_size=CHUNK)
+    with lazy_node(tmp_path / "cache", fetch_timeout=20) as c:
+        info = c.register(layer.digest, layer.remote.url)
+        got: dict[str, object] = {}
+
+        def read() -> None:
+            try:
+                with open(info["file"], "rb") as f:
+                    f.seek(3 << 20)
+                    got["data"] = f.read(4096)
+            except OSError as exc:
+                got["error"] = exc
+
+        t = threading.Thread(target=read)
+        t.start()
+        time.sleep(0.3)  # parked on the slow remote
+        assert t.is_alive()
+        c.unregister(layer.digest)
+        t.join(10)
+        assert not t.is_alive() and isinstance(got.get("error"), OSError), got
+        assert got["error"].errno == errno.EIO  # type: ignore[attr-defined]
+        layer.remote.delay = 0
+        # the slot comes back once the kernel forgets the file; the old layer's fetch
+        # (still in flight when it was removed) must not land in the new one
+        assert _wait_slots(c, held=0, reusable=1)["reusable"] == 1
+        b = c.register(res.manifest.digest, layer.remote.url)
+        assert b["slot"] == info["slot"]
+        time.sleep(1.2)  # the old fetch completes meanwhile
+        with mounted(b["file"], tmp_path / "b") as mp:
+            assert _read(os.path.join(mp, "f")) == b"other\n"
+        st = _stats(c, res.manifest.digest)
+        assert st["errors"] == 0 and st["corrupt"] == 0, st
+        assert c.alive()
