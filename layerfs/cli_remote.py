@@ -210,7 +210,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     lines = [f"cache {st['cache']['root']}: {human_bytes(st['cache']['bytes'])}"
              + (f" of {human_bytes(st['cache']['limit'])}" if st["cache"]["limit"] else ""),
              f"layer slots: {slots.get('live', 0)} registered, {slots.get('held', 0)} "
-             f"removed but held by the kernel, {slots.get('pinned', 0)} pinned, of "
+             f"removed but held by the kernel, {slots.get('reusable', 0)} reusable, "
+             f"{slots.get('pinned', 0)} pinned (used before a restart), of "
              f"{slots.get('max', 0)}",
              f"{'LAYER':<20} {'SIZE':>10} {'FETCHED':>10} {'READ%':>6} {'HIT%':>6} "
              f"{'CHUNKS':>13} {'INFLIGHT':>8}"]

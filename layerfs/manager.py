@@ -84,8 +84,14 @@ class LayerManager:
         self._lock = threading.Lock()
         self._layers: dict[str, _Mounted] = {}
         self._roots: dict[str, Rootfs] = {}
-        # Layers this manager unmounted and the lazy server still has, oldest first.
+        # Layers the lazy server has and nothing mounts (that this manager knows of),
+        # oldest first: those it unmounted, and at start those an earlier manager left.
         self._unmounted: collections.OrderedDict[str, None] = collections.OrderedDict()
+        with contextlib.suppress(LayerfsError, OSError):
+            mounted = self._files_mounted()
+            for d in sorted(self.client.stats()["layers"]):
+                if d[7:] + ".erofs" not in mounted:
+                    self._unmounted[d] = None
 
     # -- layers -------------------------------------------------------------------------
 
@@ -152,13 +158,37 @@ class LayerManager:
                 del self._layers[d]
                 gone.append(d)
                 self._unmounted[d] = None
-            while len(self._unmounted) > self.keep_registered:
-                # Its file leaves the lazy server, which reuses the slot; its cached
-                # chunks stay (first to go under pressure) for a later registration.
-                old, _ = self._unmounted.popitem(last=False)
-                with contextlib.suppress(LayerfsError):
-                    self.client.unregister(old)
+            if len(self._unmounted) > self.keep_registered:
+                self._trim()
         return gone
+
+    def _files_mounted(self) -> set[str]:
+        """Names of the lazy server's layer files that EROFS mounts on this node use as
+        their source (ours, an earlier daemon's, an operator's ``layerfs mount``)."""
+        fuse = os.path.join(self.client.cache, "fuse") + "/"
+        names = set()
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.partition(" - ")[2].split()
+                if len(fields) >= 2 and fields[0] == "erofs" and fields[1].startswith(fuse):
+                    names.add(fields[1][len(fuse):])
+        return names
+
+    def _trim(self) -> None:
+        """Unregister the oldest unmounted layers beyond ``keep_registered``; one that
+        something mounts after all is left registered (and forgotten here)."""
+        try:
+            mounted = self._files_mounted()
+        except OSError:
+            return
+        while len(self._unmounted) > self.keep_registered:
+            old, _ = self._unmounted.popitem(last=False)
+            if old[7:] + ".erofs" in mounted:
+                continue
+            # Its file leaves the lazy server, which reuses the slot; its cached chunks
+            # stay (first to go under pressure) for a later registration.
+            with contextlib.suppress(LayerfsError):
+                self.client.unregister(old)
 
     def mounted(self) -> dict[str, int]:
         """Mounted layers and their reference counts."""

@@ -71,7 +71,8 @@ int lfs_lazy_stopped(struct lfs_lazy *lz);
 int lfs_lazy_take_slot(struct lfs_lazy *lz);
 
 /* Slots by state: registered layers, removed ones the kernel (or a READ) still holds,
- * removed ones ready for reuse, and pinned ones (see lfs_lazy_pin_slot). */
+ * removed ones ready for reuse, and pinned ones without a registered layer (see
+ * lfs_lazy_pin_slot). */
 struct lfs_lazy_slots {
 	uint32_t live;
 	uint32_t held;

@@ -843,14 +843,13 @@ void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out)
 	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
 		struct lazy_layer *l = atomic_load(&lz->layers[s]);
 
-		if (lz->pinned[s])
-			out->pinned++;
-		if (!l)
-			continue;
-		if (!l->removed)
+		if (l && !l->removed)
 			out->live++;
-		else if (lz->pinned[s] || atomic_load(&lz->nlookup[s]) ||
-			 atomic_load(&l->active))
+		else if (lz->pinned[s])
+			out->pinned++;
+		else if (!l)
+			continue;
+		else if (atomic_load(&lz->nlookup[s]) || atomic_load(&l->active))
 			out->held++;
 		else
 			out->reusable++;
@@ -985,6 +984,9 @@ static void lazy_mark_present(struct lfs_lazy *lz, uint32_t slot, struct lazy_la
 	pthread_mutex_lock(&l->lock);
 	c = &l->chunks[index];
 	if (c->state != LFS_LAZY_PRESENT) {
+		/* Just arrived: the most recently used, last in line for eviction (a read
+		 * parked on it has not read it yet). */
+		c->atime = atomic_fetch_add(&lz->tick, 1) + 1;
 		if (c->state == LFS_LAZY_FETCHING)
 			l->st.inflight--;
 		c->state = LFS_LAZY_PRESENT;

@@ -9,6 +9,8 @@ Layout (version 2)::
                               chunk at its own offset, chunks not cached are holes
     ROOT/data/<hex>.present   which chunks of it are present and verified (see below)
     ROOT/layers/<hex>.json    registered layers: {"slot", "remote", "manifest"}
+    ROOT/slots.json           {"high": N}: every layer slot the FUSE connection may have
+                              handed out is below N (see layerfs.lazy.server)
     ROOT/traces/<hex>.json    access traces (chunk indexes in first-read order)
     ROOT/tmp/                 small files being written
     ROOT/fuse/                the FUSE mount exposing <hex>.erofs files
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import struct
@@ -44,6 +47,8 @@ from typing import Any
 from layerfs.errors import StoreError
 from layerfs.fsutil import atomic_write
 from layerfs.manifest import check_digest
+
+log = logging.getLogger("layerfs.lazy")
 
 LAYOUT = "layerfs-lazy-cache 2\n"
 _DIRS = ("data", "layers", "traces", "tmp", "fuse")
@@ -194,13 +199,35 @@ class ChunkCache:
             os.unlink(self.path("layers", check_digest(digest)[7:] + ".json"))
 
     def layers(self) -> dict[str, dict[str, Any]]:
-        """Registered layers: digest -> record (``slot``, ``remote``, ``manifest``)."""
+        """Registered layers: digest -> record (``slot``, ``remote``, ``manifest``; or
+        ``slot`` and ``removed``). A record that cannot be read is left out (logged)."""
         out = {}
         for name in sorted(os.listdir(self.path("layers"))):
-            if name.endswith(".json"):
+            if not name.endswith(".json"):
+                continue
+            try:
                 with open(self.path("layers", name), "rb") as f:
-                    out["sha256:" + name[:-5]] = json.loads(f.read())
+                    rec = json.loads(f.read())
+                if not isinstance(rec, dict) or not isinstance(rec.get("slot"), int):
+                    raise ValueError("no slot")
+                out["sha256:" + check_digest("sha256:" + name[:-5])[7:]] = rec
+            except (OSError, ValueError) as exc:
+                log.warning("cache %s: layer record %s is unreadable (%s); ignored",
+                            self.root, name, exc)
         return out
+
+    def slots_high(self) -> int | None:
+        """The persisted slot high-water mark (``None`` if none was saved)."""
+        try:
+            with open(self.path("slots.json"), "rb") as f:
+                high = json.loads(f.read())["high"]
+            return high if isinstance(high, int) and high >= 0 else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save_slots_high(self, high: int) -> None:
+        """Persist the slot high-water mark (durably: a restarted server relies on it)."""
+        self._atomic_write(self.root, "slots.json", json.dumps({"high": high}).encode())
 
     def save_trace(self, digest: str, chunks: list[int]) -> None:
         self._atomic_write(self.path("traces"), check_digest(digest)[7:] + ".json",

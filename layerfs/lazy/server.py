@@ -135,6 +135,7 @@ class LazyServer:
         self._dirty: set[str] = set()
         self._flush_handle: asyncio.TimerHandle | None = None
         self._holder_maps: dict[str, dict[str, list[int]]] = {}
+        self._slots_high = 0  # every slot handed out on this connection is below it
         self.lz: Any = None
 
     # -- start-up -----------------------------------------------------------------------
@@ -150,15 +151,36 @@ class LazyServer:
             check(-1, err, "lazy server")
         self.lz = lz
         lib.lfs_lazy_set_speculate(lz, self.speculate)
-        for digest, rec in self.cache.layers().items():
-            if self.resumed:
-                # The kernel may hold inodes of these slots, looked up through the
-                # previous server: never give them to another layer in this one.
-                lib.lfs_lazy_pin_slot(lz, int(rec["slot"]))
+        records = self.cache.layers()
+        high = self.cache.slots_high()
+        if high is None:  # a cache from before the mark was kept
+            high = max((int(r["slot"]) + 1 for r in records.values()), default=0)
+        if self.resumed:
+            # The kernel may hold inodes of any slot the dead server handed out (all
+            # below the mark), with lookup counts this server never saw: never give
+            # those slots to another layer in this one.
+            for s in range(min(high, lib.LFS_LAZY_MAX_LAYERS)):
+                lib.lfs_lazy_pin_slot(lz, s)
+        else:  # a fresh connection: the kernel holds nothing
+            high = 0
+        for digest, rec in records.items():
             if rec.get("removed"):
                 continue
-            m = Manifest.from_json(rec["manifest"].encode(), where=f"cache layer {digest}")
-            self._add(Layer(digest, int(rec["slot"]), rec["remote"], m))
+            try:
+                m = Manifest.from_json(str(rec["manifest"]).encode(),
+                                       where=f"cache layer {digest}")
+                self._add(Layer(digest, int(rec["slot"]), str(rec["remote"]), m))
+            except (LayerfsError, KeyError, ValueError) as exc:
+                # Never a reason not to start (the server would restart into it for
+                # ever): the layer is registered again when next asked for.
+                log.error("layer %s: cannot restore its registration (%s); dropped",
+                          digest, exc)
+                with contextlib.suppress(OSError, LayerfsError):
+                    self.cache.drop_layer(digest)
+                continue
+            high = max(high, int(rec["slot"]) + 1)
+        self._slots_high = high
+        self.cache.save_slots_high(high)
         for digest in self.cache.cached_layers():
             if digest not in self.layers:
                 # Unregistered layers' files: the first to go when space is needed.
@@ -178,14 +200,23 @@ class LazyServer:
               err, f"layer {layer.digest}")
         self.layers[layer.digest] = layer
         self.by_slot[layer.slot] = layer
-        self._cache_bytes -= self._orphans.pop(layer.digest, 0)
-        bits = self.cache.load_present(layer.digest, m.size, m.chunk_size, len(m.chunks))
-        for i in range(len(m.chunks)):
-            if bits[i >> 3] >> (i & 7) & 1 and \
-                    lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
-                check(lib.lfs_lazy_chunk_ready(self.lz, layer.slot, i, err), err,
-                      f"layer {layer.digest}")
-                self._cache_bytes += m.chunk_length(i)
+        orphan = self._orphans.pop(layer.digest, None)
+        if orphan is not None:
+            self._cache_bytes -= orphan
+        try:
+            bits = self.cache.load_present(layer.digest, m.size, m.chunk_size, len(m.chunks))
+            for i in range(len(m.chunks)):
+                if bits[i >> 3] >> (i & 7) & 1 and \
+                        lib.lfs_lazy_chunk_claim(self.lz, layer.slot, i) == 1:
+                    check(lib.lfs_lazy_chunk_ready(self.lz, layer.slot, i, err), err,
+                          f"layer {layer.digest}")
+                    self._cache_bytes += m.chunk_length(i)
+        except BaseException:
+            self._remove(layer)
+            if orphan is not None:
+                self._orphans[layer.digest] = orphan
+                self._cache_bytes += orphan
+            raise
 
     def _remote(self, url: str) -> Remote:
         r = self._remotes.get(url)
@@ -207,31 +238,46 @@ class LazyServer:
         if slot < 0:
             raise LayerfsError(f"layer {digest}: every one of the {lib.LFS_LAZY_MAX_LAYERS} "
                                "layer slots is in use (unregister unused layers)")
+        if slot >= self._slots_high:
+            # Durable before the kernel can see the slot: a restarted server pins
+            # every slot below the mark.
+            self.cache.save_slots_high(slot + 1)
+            self._slots_high = slot + 1
         layer = Layer(digest, slot, remote, m)
-        self.cache.save_layer(digest, {"slot": layer.slot, "remote": remote,
-                                       "manifest": m.to_json().decode()})
-        self._add(layer)
+        self._add(layer)  # a failure leaves the slot free and nothing recorded
+        try:
+            self.cache.save_layer(digest, {"slot": layer.slot, "remote": remote,
+                                           "manifest": m.to_json().decode()})
+        except BaseException:
+            self._remove(layer)
+            raise
         log.info("registered layer %s (%d bytes, %d chunks) from %s in slot %d",
                  digest, m.size, len(m.chunks), remote, layer.slot)
         return layer
 
     def unregister(self, digest: str) -> None:
-        layer = self.layers.pop(digest, None)
+        layer = self.layers.get(digest)
         if layer is None:
             raise NotFoundError(f"layer {digest} is not registered")
-        del self.by_slot[layer.slot]
-        self._flush_present(layer)
-        self._dirty.discard(digest)
-        err = new_error()
-        lib.lfs_lazy_remove_layer(self.lz, layer.slot, err)
+        with contextlib.suppress(LayerfsError):
+            self._flush_present(layer)
+        self._remove(layer)
         # The slot is reused once the kernel has forgotten the file (lfs_lazy_take_slot);
         # the cache file stays for a later registration, first in line for eviction.
         self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
+        self._orphans[digest] = self.cache.data_bytes(digest)
+        self._cache_bytes += self._orphans[digest]
+
+    def _remove(self, layer: Layer) -> None:
+        """Take ``layer`` out of the C server and of the cache's accounting."""
+        # Its present chunks, counted while C still has them (removal forgets them).
         self._cache_bytes -= sum(layer.manifest.chunk_length(i)
                                  for i in range(len(layer.manifest.chunks))
                                  if self._present(layer, i))
-        self._orphans[digest] = self.cache.data_bytes(digest)
-        self._cache_bytes += self._orphans[digest]
+        del self.layers[layer.digest]
+        del self.by_slot[layer.slot]
+        self._dirty.discard(layer.digest)
+        lib.lfs_lazy_remove_layer(self.lz, layer.slot, new_error())
 
     def _live(self, layer: Layer) -> bool:
         """Whether ``layer`` is still registered. A fetch started for a layer that was
@@ -557,8 +603,9 @@ class LazyServer:
 
     def slots(self) -> dict[str, int]:
         """Layer slots (inode numbers) by state: ``live`` (registered), ``held`` (removed,
-        the kernel still has the file's inode), ``reusable``, ``pinned`` (never reused
-        by this server: looked up through its predecessor), and the ``max``."""
+        the kernel still has the file's inode), ``reusable``, ``pinned`` (not registered
+        and never reused by this server: its predecessor may have handed them out), and
+        the ``max``."""
         out = ffi.new("struct lfs_lazy_slots *")
         lib.lfs_lazy_slot_counts(self.lz, out)
         return {"live": int(out.live), "held": int(out.held),

@@ -80,6 +80,32 @@ def test_unmounted_layers_beyond_the_bound_are_unregistered(
     mgr.release(digests[:1])
 
 
+
+def test_a_new_manager_trims_what_an_earlier_one_left_registered_but_not_what_is_mounted(
+        setup: tuple[LayerManager, list[str], RemoteThread], tmp_path: pathlib.Path) -> None:
+    # Review findings: layers an earlier manager kept registered were never unregistered
+    # by the next one (a node restarting its daemon ran out of slots), and a layer that
+    # someone else had mounted from the same cache was unregistered under them (EIO).
+    from layerfs.mount import mounted_erofs
+
+    mgr, digests, remote = setup
+    mgr.acquire(digests)
+    mgr.release(digests)
+    assert sorted(mgr.reap(0)) == sorted(digests)
+    assert sorted(mgr.client.stats()["layers"]) == sorted(digests)  # kept (256)
+    base_file = os.path.join(mgr.client.cache, "fuse", digests[0][7:] + ".erofs")
+    with mounted_erofs(base_file) as mp:  # an operator's mount of the base
+        later = LayerManager(mgr.client.cache, remote.url, str(tmp_path / "layers2"),
+                             idle_seconds=3600, keep_registered=0)
+        try:
+            later.reap(0)  # nothing of its own: trims what it found at start
+            assert list(later.client.stats()["layers"]) == [digests[0]]
+            with open(os.path.join(mp, "etc/hostname")) as f:
+                assert f.read() == "node\n"  # the operator's mount still reads
+        finally:
+            later.close()
+
+
 def test_compose_overlay_root_with_disk_limit(
         setup: tuple[LayerManager, list[str], RemoteThread], tmp_path: pathlib.Path) -> None:
     mgr, digests, _ = setup
