@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     from layerfs.lazy.client import default_cache
 
     s = sub.add_parser("serve", parents=[common], help="serve the store to nodes (HTTP)")
-    s.add_argument("--listen", required=True, metavar="HOST:PORT|unix:PATH")
+    s.add_argument("--listen", required=True, type=_listen_arg, metavar="HOST:PORT|unix:PATH")
 
     p = sub.add_parser("push", parents=[common], help="copy a layer to a remote")
     p.add_argument("digest", metavar="DIGEST")
@@ -62,6 +63,18 @@ def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
                    help="record the chunks read so far as the layer's prefetch list instead")
 
 
+def _listen_arg(text: str) -> str:
+    """``unix:PATH`` or ``HOST:PORT`` (port 0-65535; 0 picks a free one)."""
+    if text.startswith("unix:"):
+        if len(text) > 5:
+            return text
+    else:
+        host, _, port = text.rpartition(":")
+        if host and port.isascii() and port.isdigit() and int(port) <= 65535:
+            return text
+    raise argparse.ArgumentTypeError(f"{text!r}: want HOST:PORT (port 0-65535) or unix:PATH")
+
+
 def _emit(args: argparse.Namespace, obj: dict[str, Any], human: str) -> None:
     if args.json:
         sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
@@ -86,7 +99,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    except OSError as exc:  # bind: in use, no such directory, not permitted
+        raise OSError(exc.errno, f"listen {args.listen}: {exc.strerror or exc}") from None
     return 0
 
 
@@ -119,6 +135,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from layerfs.mount import mount_erofs, umount
 
     digest = check_digest(args.digest)
+    if not os.path.isdir(args.mountpoint):
+        raise NotADirectoryError(errno.ENOTDIR, f"{args.mountpoint}: not a directory")
+    if os.path.ismount(args.mountpoint):
+        raise LayerfsError(f"{args.mountpoint}: something is mounted there already")
     proc = client.start(args.cache, fetch_timeout=args.fetch_timeout,
                         cache_limit=args.cache_limit)
     c = client.LazyClient(args.cache)

@@ -74,6 +74,10 @@ class LazyClient:
             conn.request(method, path, body=payload, headers=headers)
             resp = conn.getresponse()
             data = resp.read()
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise LazyServerError(exc.errno or 0, f"no lazy server is running for the cache "
+                                                  f"{self.cache} (it starts with `layerfs "
+                                                  f"mount` or the node daemon)") from None
         except OSError as exc:
             raise LazyServerError(exc.errno or 0, f"lazy server of {self.cache}: {method} "
                                                   f"{path}: {exc}") from None

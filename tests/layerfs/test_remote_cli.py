@@ -51,6 +51,11 @@ def test_serve_push_mount_stats_umount(tmp_path: pathlib.Path) -> None:
             layer = st["layers"][digest]  # type: ignore[index]
             assert 0 < layer["bytes_fetched"] < m["size"]  # type: ignore[operator]
             assert st["slots"]["live"] == 1  # type: ignore[index]
+            # a second mount on the same mountpoint is refused, not stacked
+            twice = subprocess.run([*LAYERFS, "mount", digest, str(mp), "--remote",
+                                    f"unix:{sock}", "--cache", str(cache)],
+                                   capture_output=True, text=True, timeout=60)
+            assert twice.returncode == 1 and "mounted there already" in twice.stderr
         finally:
             _run("umount", str(mp))
         assert not os.path.ismount(mp)
@@ -64,3 +69,26 @@ def test_serve_push_mount_stats_umount(tmp_path: pathlib.Path) -> None:
         if serve.stdout is not None:
             serve.stdout.close()
     assert serve.returncode == 0
+
+
+def _fails(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*LAYERFS, *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", "unix:", ":80"])
+def test_serve_bad_listen_address_is_a_usage_error(tmp_path: pathlib.Path,
+                                                   listen: str) -> None:
+    # Review finding: these printed Python tracebacks (exit 1).
+    r = _fails("--store", str(tmp_path / "s"), "serve", "--listen", listen)
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_on_a_socket_in_a_missing_directory_names_it(tmp_path: pathlib.Path) -> None:
+    sock = tmp_path / "no" / "such" / "dir" / "s.sock"
+    r = _fails("--store", str(tmp_path / "s"), "serve", "--listen", f"unix:{sock}")
+    assert r.returncode == 1 and str(sock) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_stats_without_a_server_says_so(tmp_path: pathlib.Path) -> None:
+    r = _fails("stats", "--cache", str(tmp_path / "cache"))
+    assert r.returncode == 1 and "no lazy server is running" in r.stderr, r.stderr
