@@ -118,6 +118,13 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     target = tk / "opt" / "toolkit"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile",
                     "--target", str(target), "pytest", *test_deps], check=True)
+    # .pyc compiled here, so that no sandbox compiles pytest again: checked-hash ones
+    # (PEP 552: valid whatever the clamped mtimes) naming their sources by the paths they
+    # have in the sandbox (pip's would name this temporary directory, so that no two
+    # rollouts would give the same layer).
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-d", "/opt/toolkit",
+                    "--invalidation-mode", "checked-hash", str(target)],
+                   check=False, stdout=subprocess.DEVNULL)
     t0 = time.monotonic()
     digests["toolkit"] = build_layer(str(tk), kind="toolkit", store=store,
                                      clamp_mtime=True).digest
