@@ -33,6 +33,7 @@
 #define LAZY_ROOT_MODE (S_IFDIR | 0555)
 #define LAZY_FILE_MODE (S_IFREG | 0444)
 #define LAZY_READAHEAD (1 << 20)
+#define LAZY_MAX_READ (1 << 20)  /* the mount's max_read (lfs_lazy_mount) */
 #define LAZY_SEQ_TICKS 32 /* reads (node-wide) since the previous chunk was read */
 
 /* A READ waiting for a chunk.  It re-runs from the start when the chunk arrives (it may
@@ -220,6 +221,68 @@ static void lazy_speculate(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer
 	}
 }
 
+/* Each thread's reply buffer, kept for its life: libfuse's own path (fuse_reply_data from
+ * an fd) mallocs one per reply, and at 256 KiB that is an mmap whose pages fault in and
+ * are zeroed every time (glibc's mmap threshold), which halved warm sequential reads. */
+struct lazy_buf {
+	size_t cap;
+	uint8_t data[];
+};
+
+static pthread_key_t lazy_buf_key;
+static pthread_once_t lazy_buf_once = PTHREAD_ONCE_INIT;
+
+static void lazy_buf_key_init(void)
+{
+	(void)pthread_key_create(&lazy_buf_key, free);
+}
+
+static uint8_t *lazy_thread_buf(size_t n)
+{
+	struct lazy_buf *b;
+
+	pthread_once(&lazy_buf_once, lazy_buf_key_init);
+	b = pthread_getspecific(lazy_buf_key);
+	if (!b || b->cap < n) {
+		size_t cap = n > LAZY_MAX_READ ? n : LAZY_MAX_READ;
+		struct lazy_buf *nb = malloc(sizeof(*nb) + cap);
+
+		if (!nb)
+			return NULL;
+		free(b);
+		nb->cap = cap;
+		if (pthread_setspecific(lazy_buf_key, nb) != 0) {
+			free(nb);
+			return NULL;
+		}
+		b = nb;
+	}
+	return b->data;
+}
+
+/* Answer `req` with `len` bytes of `fd` at `off` (fewer at its end).  Returns 0, or a
+ * positive errno (nothing was sent). */
+static int lazy_pread_reply(fuse_req_t req, int fd, uint64_t off, size_t len)
+{
+	uint8_t *buf = lazy_thread_buf(len);
+	size_t got = 0;
+
+	if (!buf)
+		return ENOMEM;
+	while (got < len) {
+		ssize_t k = pread(fd, buf + got, len - got, (off_t)(off + got));
+
+		if (k < 0 && errno == EINTR)
+			continue;
+		if (k < 0)
+			return errno;
+		if (k == 0)
+			break;
+		got += (size_t)k;
+	}
+	return -fuse_reply_buf(req, (const char *)buf, got);
+}
+
 /* Advise the cache file's readahead for a sequential reader entering offset `enter`:
  * the window [enter, enter + LAZY_READAHEAD) at the start of a run, then the next
  * window once the reader is within half a window of the advised end.  Only new pages
@@ -248,7 +311,6 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 {
 	uint64_t end, off = w->off;
 	uint32_t first, last, i, park = UINT32_MAX, queued = UINT32_MAX;
-	struct fuse_bufvec bv;
 	uint64_t now, enter;
 	int rc, seq;
 
@@ -262,7 +324,6 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		end = l->size;
 	first = (uint32_t)(off / l->chunk_size);
 	last = (uint32_t)((end - 1) / l->chunk_size);
-	bv = (struct fuse_bufvec)FUSE_BUFVEC_INIT(end - off);
 
 	now = atomic_fetch_add(&lz->tick, 1) + 1;
 	pthread_mutex_lock(&l->lock);
@@ -340,11 +401,8 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		lazy_readahead(l, enter);
 
 	/* Present chunks sit at their own offset in the layer's cache file, so the read
-	 * is one pread there (by libfuse), whatever chunks it spans. */
-	bv.buf[0].flags = FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY;
-	bv.buf[0].fd = l->fd;
-	bv.buf[0].pos = (off_t)off;
-	rc = -fuse_reply_data(w->req, &bv, FUSE_BUF_NO_SPLICE);
+	 * is one pread there, whatever chunks it spans, into this thread's buffer. */
+	rc = lazy_pread_reply(w->req, l->fd, off, (size_t)(end - off));
 	if (rc == 0) {
 		__atomic_add_fetch(&l->st.read_bytes, end - off, __ATOMIC_RELAXED);
 		w->req = NULL;
@@ -354,8 +412,8 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 		l->chunks[i].readers--;
 	pthread_mutex_unlock(&l->lock);
 	if (w->req) {
-		/* fuse_reply_data fails only if the reply could not be written or built (a
-		 * short cache file); tell the reader rather than leave it waiting. */
+		/* The cache file could not be read or the reply not be written: tell the
+		 * reader rather than leave it waiting. */
 		__atomic_add_fetch(&l->st.errors, 1, __ATOMIC_RELAXED);
 		fuse_reply_err(w->req, rc > 0 ? rc : EIO);
 	}
