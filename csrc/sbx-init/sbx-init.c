@@ -105,6 +105,7 @@ struct exec {
 	pid_t pid;
 	int out_fd, err_fd, in_fd, errpipe;
 	int notif;        /* seccomp listener of the exec's filter, -1 if none */
+	uint32_t ev_dropped; /* its denials not sent since the last one sent */
 	int pty;          /* out_fd is the pty master; stdin goes there too */
 	int started, failed, reaped, orphan;
 	int status;
@@ -133,15 +134,15 @@ static int ll_ruleset = -1;     /* prepared Landlock ruleset, -1: none */
 static uint32_t ll_flags;
 static uint8_t *sc_prog;        /* seccomp program, NULL: none */
 static size_t sc_len;
-static uint32_t ev_dropped;     /* events not queued since the last one sent */
 static uint64_t ev_tat;         /* GCRA theoretical arrival time of the next event, ns */
 
 /* Denied syscalls sent to the daemon one by one: at most EV_RATE per second after a
- * burst of EV_BURST (the daemon's ledger keeps 200 a second per sandbox).  A workload
+ * burst of EV_BURST, per sandbox (half the 200 a second the daemon's ledger keeps, which
+ * leaves room for its other events).  A workload
  * that loops on a denied syscall costs the daemon nothing beyond that: the rest are only
  * counted here (and reported as `dropped`), their syscalls denied all the same. */
-#define EV_RATE 200u
-#define EV_BURST 200u
+#define EV_RATE 100u
+#define EV_BURST 100u
 #define EV_INTERVAL_NS (1000000000ull / EV_RATE)
 static const char *aa_profile;  /* AppArmor profile for execs, NULL: none */
 static int pristine_fd = -1;    /* the lowers-only tree for grader views, -1: none */
@@ -617,12 +618,12 @@ static void exec_finish(struct exec *e)
 		end.reason = WIFEXITED(e->status) ? SBX_EXITED : SBX_SIGNALLED;
 	end.duration_ns = e->t_end - e->t0;
 	end.peak_memory = peak;
-	if (ev_dropped && client_fd >= 0) {
+	if (e->ev_dropped && client_fd >= 0) {
 		/* the denials not reported one by one, before the exec's end */
-		struct sbx_event ev = {.kind = SBX_EV_DROPPED, .dropped = ev_dropped};
+		struct sbx_event ev = {.kind = SBX_EV_DROPPED, .dropped = e->ev_dropped};
 
 		send_frame(SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
-		ev_dropped = 0;
+		e->ev_dropped = 0;
 	}
 	send_frame(SBX_END, e->id, &end, sizeof(end), NULL, 0);
 	exec_free(e);
@@ -1318,7 +1319,7 @@ static void on_notif(struct exec *e, uint32_t events)
 	}
 	if (client_fd < 0 || outq_pending() >= OUTQ_HIGH || !ev_admit(now_ns())) {
 		lfs_seccomp_notif_deny(e->notif, sev.id, EPERM, &err);
-		ev_dropped++;
+		e->ev_dropped++;
 		return;
 	}
 	memset(&ev, 0, sizeof(ev));
@@ -1340,8 +1341,8 @@ static void on_notif(struct exec *e, uint32_t events)
 		close(fd);
 	}
 	lfs_seccomp_notif_deny(e->notif, sev.id, EPERM, &err);
-	ev.dropped = ev_dropped;
-	ev_dropped = 0;
+	ev.dropped = e->ev_dropped;
+	e->ev_dropped = 0;
 	send_frame(SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
 }
 

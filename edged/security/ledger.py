@@ -8,11 +8,13 @@ to any number of asyncio subscribers (one sandbox or node-wide), each with a bou
 that drops its oldest events when the reader is too slow (the count is reported).
 
 Bounds: ``rate_per_s`` events per sandbox per second (the excess is counted and reported on the
-next kept event as ``detail["suppressed"]``, so a workload looping on a denied syscall cannot
-fill the disk); ``max_bytes`` on disk (when passed, the ledger compacts: rewrites the newest
-retained events that fit in half of it into one new segment and deletes the rest; older ones
-count as ``truncated``); events of a sandbox are dropped
-``retention_s`` seconds after :meth:`Ledger.sandbox_gone`.
+next kept event as ``detail["suppressed"]``, with the ``dropped_before`` counts they carried
+as ``detail["suppressed_dropped"]``, so a workload looping on a denied syscall cannot fill the
+disk and no denial goes uncounted; summaries, ``detail["summary"]``, are never suppressed);
+``max_bytes`` on disk (when passed, the ledger compacts: rewrites the newest retained events
+that fit in half of it into one new segment and deletes the rest; older ones count as
+``truncated``); events of a sandbox are dropped ``retention_s`` seconds after
+:meth:`Ledger.sandbox_gone`.
 
 Crash safety: appends are whole lines with O_APPEND; a torn last line is skipped on load;
 compaction writes a new segment and renames it into place before deleting old ones, so a crash
@@ -160,6 +162,7 @@ class _Sandbox:
     window: int = 0  # second of the rate window
     in_window: int = 0
     suppressed: int = 0
+    suppressed_dropped: int = 0  # ``dropped_before`` counts the suppressed events carried
 
 
 class Ledger:
@@ -342,13 +345,22 @@ class Ledger:
         if sec != sb.window:
             sb.window, sb.in_window = sec, 0
         sb.in_window += 1
-        if sb.in_window > self.rate_per_s and kind != "sandbox_gone":
+        # A summary (counts of what was not reported one by one) is never suppressed.
+        summary = kind == "sandbox_gone" or bool(detail and detail.get("summary"))
+        if sb.in_window > self.rate_per_s and not summary:
             sb.suppressed += 1
+            # what a suppressed event stood for beyond itself (sbx-init's dropped denials)
+            extra = (detail or {}).get("dropped_before")
+            if isinstance(extra, int) and extra > 0:
+                sb.suppressed_dropped += extra
             return None
         d = dict(detail or {})
         if sb.suppressed:
             d["suppressed"] = sb.suppressed  # events dropped by the rate limit before this one
             sb.suppressed = 0
+        if sb.suppressed_dropped:
+            d["suppressed_dropped"] = sb.suppressed_dropped  # their dropped_before, summed
+            sb.suppressed_dropped = 0
         self._seq += 1
         ev = SecurityEvent(self._seq, t, sandbox_id, kind, pid, _clip(process), _clip(syscall),
                            _clip(path), _clip(address), d)

@@ -38,6 +38,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import struct
 import zlib
@@ -49,6 +50,7 @@ from layerfs.fsutil import atomic_write
 from layerfs.manifest import check_digest
 
 log = logging.getLogger("layerfs.lazy")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 LAYOUT = "layerfs-lazy-cache 2\n"
 _DIRS = ("data", "layers", "traces", "tmp", "fuse")
@@ -182,7 +184,7 @@ class ChunkCache:
     def cached_layers(self) -> list[str]:
         """Digests of the layers that have a cache file."""
         return sorted("sha256:" + n[:-4] for n in os.listdir(self.path("data"))
-                      if n.endswith(".img"))
+                      if n.endswith(".img") and _HEX64.fullmatch(n[:-4]))
 
     def usage(self) -> CacheUsage:
         digests = self.cached_layers()
@@ -208,8 +210,10 @@ class ChunkCache:
             try:
                 with open(self.path("layers", name), "rb") as f:
                     rec = json.loads(f.read())
-                if not isinstance(rec, dict) or not isinstance(rec.get("slot"), int):
-                    raise ValueError("no slot")
+                slot = rec.get("slot") if isinstance(rec, dict) else None
+                if not isinstance(slot, int) or isinstance(slot, bool) or \
+                        not 0 <= slot < (1 << 31):
+                    raise ValueError(f"slot {slot!r}")
                 out["sha256:" + check_digest("sha256:" + name[:-5])[7:]] = rec
             except (OSError, ValueError) as exc:
                 log.warning("cache %s: layer record %s is unreadable (%s); ignored",

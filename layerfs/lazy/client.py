@@ -187,9 +187,21 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
         if proc.poll() is not None:
             break
         time.sleep(0.05)
+    # The supervisor unmounts its FUSE mount on SIGTERM; a stale one would fail every
+    # later start.
     with contextlib.suppress(ProcessLookupError):
+        proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
         proc.kill()
-    proc.wait()
+        proc.wait()
+    fuse = os.path.join(client.cache, "fuse")
+    if os.path.ismount(fuse):
+        from layerfs.mount import umount
+
+        with contextlib.suppress(OSError):
+            umount(fuse, lazy=True)
     raise LazyServerError(0, f"lazy server of {client.cache} did not start: "
                              f"{_log_tail(client.cache)}")
 

@@ -170,7 +170,7 @@ class LazyServer:
                 m = Manifest.from_json(str(rec["manifest"]).encode(),
                                        where=f"cache layer {digest}")
                 self._add(Layer(digest, int(rec["slot"]), str(rec["remote"]), m))
-            except (LayerfsError, KeyError, ValueError) as exc:
+            except (LayerfsError, KeyError, ValueError, TypeError, OverflowError) as exc:
                 # Never a reason not to start (the server would restart into it for
                 # ever): the layer is registered again when next asked for.
                 log.error("layer %s: cannot restore its registration (%s); dropped",
@@ -180,7 +180,12 @@ class LazyServer:
                 continue
             high = max(high, int(rec["slot"]) + 1)
         self._slots_high = high
-        self.cache.save_slots_high(high)
+        try:
+            self.cache.save_slots_high(high)
+        except (OSError, LayerfsError) as exc:
+            # Start anyway (mounts depend on this server); a registration that needs a
+            # higher mark fails until it can be saved.
+            log.warning("cache %s: cannot save the slot mark (%s)", self.cache.root, exc)
         for digest in self.cache.cached_layers():
             if digest not in self.layers:
                 # Unregistered layers' files: the first to go when space is needed.
@@ -256,15 +261,19 @@ class LazyServer:
         return layer
 
     def unregister(self, digest: str) -> None:
+        """Remove layer ``digest``'s file (reads of it fail with EIO from now on). Raises
+        NotFoundError, or OSError/LayerfsError if its record cannot be updated (it then
+        stays registered)."""
         layer = self.layers.get(digest)
         if layer is None:
             raise NotFoundError(f"layer {digest} is not registered")
         with contextlib.suppress(LayerfsError):
             self._flush_present(layer)
+        # Recorded first: a layer whose record cannot change stays registered as is.
+        self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
         self._remove(layer)
         # The slot is reused once the kernel has forgotten the file (lfs_lazy_take_slot);
         # the cache file stays for a later registration, first in line for eviction.
-        self.cache.save_layer(digest, {"slot": layer.slot, "removed": True})
         self._orphans[digest] = self.cache.data_bytes(digest)
         self._cache_bytes += self._orphans[digest]
 
@@ -663,6 +672,8 @@ class LazyServer:
                 self.unregister(request.match_info["digest"])
             except NotFoundError as exc:
                 return fail(404, exc)
+            except (OSError, LayerfsError) as exc:
+                return fail(507 if getattr(exc, "errno", None) == errno.ENOSPC else 500, exc)
             return web.json_response({"ok": True})
 
         @routes.post("/v1/prefetch")

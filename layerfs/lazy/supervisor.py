@@ -67,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--resumed")
             child = subprocess.Popen(cmd, pass_fds=(fd,), stdin=subprocess.DEVNULL,
                                      stdout=log, stderr=log)
-            with open(cache.path("server.pid"), "w") as f:
+            # A full disk must not end the supervisor: it holds every lazy mount.
+            with contextlib.suppress(OSError), open(cache.path("server.pid"), "w") as f:
                 f.write(f"{child.pid}\n")
             rc = child.wait()
             if stopping or rc == 0:
                 break
-            log.write(f"supervisor: server pid {child.pid} ended with status {rc}; "
-                      f"restarting\n".encode())
+            with contextlib.suppress(OSError):
+                log.write(f"supervisor: server pid {child.pid} ended with status {rc}; "
+                          f"restarting\n".encode())
             resumed = True
     finally:
         if child is not None and child.poll() is None:

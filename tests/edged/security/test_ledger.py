@@ -137,3 +137,21 @@ def test_http_routes() -> None:
             node.close()
 
     asyncio.run(main())
+
+
+def test_suppressed_events_keep_their_dropped_counts_and_summaries_pass() -> None:
+    # Review finding: the rate limit counted a suppressed event as one, losing the denials
+    # sbx-init had folded into it (dropped_before), and suppressed its summaries.
+    led = Ledger(None, rate_per_s=2)
+    for _ in range(5):
+        led.record("a", "seccomp_denied", syscall="mount", detail={"dropped_before": 10},
+                   now=7.0)
+    summary = led.record("a", "seccomp_denied", detail={"dropped_before": 4, "summary": True},
+                         now=7.0)
+    assert summary is not None  # not suppressed
+    assert summary.detail["suppressed"] == 3 and summary.detail["suppressed_dropped"] == 30
+    evs = led.events("a")
+    total = sum(1 + e.detail.get("suppressed", 0) + e.detail.get("suppressed_dropped", 0) +
+                e.detail["dropped_before"] for e in evs) - 1  # the summary is no denial
+    assert total == 5 * 11 + 4
+    led.close()
