@@ -122,9 +122,11 @@ def build_layers(store_dir: str | None, rootfs: str, requirement: str, test_deps
     # (PEP 552: valid whatever the clamped mtimes) naming their sources by the paths they
     # have in the sandbox (pip's would name this temporary directory, so that no two
     # rollouts would give the same layer).
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-d", "/opt/toolkit",
-                    "--invalidation-mode", "checked-hash", str(target)],
-                   check=False, stdout=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-d", "/opt/toolkit",
+                           "--invalidation-mode", "checked-hash", str(target)],
+                          check=False, stdout=subprocess.DEVNULL)
+    if done.returncode != 0:  # a file that does not compile: Python compiles it on import
+        _log("toolkit: some .py files did not compile ahead of time")
     t0 = time.monotonic()
     digests["toolkit"] = build_layer(str(tk), kind="toolkit", store=store,
                                      clamp_mtime=True).digest

@@ -70,9 +70,12 @@ def _listen_arg(text: str) -> str:
             return text
     else:
         host, _, port = text.rpartition(":")
-        if host and port.isascii() and port.isdigit() and int(port) <= 65535:
+        v6 = host.startswith("[") and host.endswith("]") and len(host) > 2
+        if host and (v6 or ":" not in host) and port.isascii() and port.isdigit() and \
+                int(port) <= 65535:
             return text
-    raise argparse.ArgumentTypeError(f"{text!r}: want HOST:PORT (port 0-65535) or unix:PATH")
+    raise argparse.ArgumentTypeError(f"{text!r}: want HOST:PORT (port 0-65535; [IPv6]:PORT) "
+                                     "or unix:PATH")
 
 
 def _emit(args: argparse.Namespace, obj: dict[str, Any], human: str) -> None:
@@ -135,9 +138,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
     from layerfs.mount import mount_erofs, umount
 
     digest = check_digest(args.digest)
+    if not os.path.exists(args.mountpoint):
+        raise FileNotFoundError(errno.ENOENT, f"{args.mountpoint}: no such directory")
     if not os.path.isdir(args.mountpoint):
         raise NotADirectoryError(errno.ENOTDIR, f"{args.mountpoint}: not a directory")
-    if os.path.ismount(args.mountpoint):
+    if os.path.ismount(os.path.realpath(args.mountpoint)):
         raise LayerfsError(f"{args.mountpoint}: something is mounted there already")
     proc = client.start(args.cache, fetch_timeout=args.fetch_timeout,
                         cache_limit=args.cache_limit)

@@ -26,7 +26,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -79,6 +81,7 @@ class LayerManager:
         self.prefetch = prefetch
         self.keep_registered = max(0, keep_registered)
         os.makedirs(self.mount_root, exist_ok=True)
+        self._fetch_timeout, self._cache_limit = fetch_timeout, cache_limit
         self._proc = client.start(cache, fetch_timeout=fetch_timeout, cache_limit=cache_limit)
         self.client = client.LazyClient(cache)
         self._lock = threading.Lock()
@@ -115,7 +118,21 @@ class LayerManager:
             raise
 
     def _mount(self, digest: str, remote: str) -> _Mounted:
-        info = self.client.register(digest, remote)
+        try:
+            info = self.client.register(digest, remote)
+        except client.LazyServerError:
+            if self.client.alive():
+                raise
+            # Stopped under us (an operator's `layerfs umount` of the last mount of a
+            # shared cache): start it again; it restores every registration.
+            if self._proc is not None:  # ours, stopping or stopped: reap it
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._proc.wait(10)
+            proc = client.start(self.client.cache, fetch_timeout=self._fetch_timeout,
+                                cache_limit=self._cache_limit)
+            if proc is not None:  # ours now (whoever started the one that stopped)
+                self._proc = proc
+            info = self.client.register(digest, remote)
         self._unmounted.pop(digest, None)
         mp = os.path.join(self.mount_root, digest[7:])
         os.makedirs(mp, exist_ok=True)
@@ -165,13 +182,18 @@ class LayerManager:
     def _files_mounted(self) -> set[str]:
         """Names of the lazy server's layer files that EROFS mounts on this node use as
         their source (ours, an earlier daemon's, an operator's ``layerfs mount``)."""
-        fuse = os.path.join(self.client.cache, "fuse") + "/"
+        fuse = os.path.realpath(os.path.join(self.client.cache, "fuse"))
         names = set()
         with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 fields = line.partition(" - ")[2].split()
-                if len(fields) >= 2 and fields[0] == "erofs" and fields[1].startswith(fuse):
-                    names.add(fields[1][len(fuse):])
+                if len(fields) < 2 or fields[0] != "erofs":
+                    continue
+                # octal escapes (proc_pid_mountinfo(5)); the source may name the cache
+                # through a symlink
+                src = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+                if os.path.realpath(os.path.dirname(src)) == fuse:
+                    names.add(os.path.basename(src))
         return names
 
     def _trim(self) -> None:

@@ -81,8 +81,9 @@ struct lfs_lazy_slots {
 };
 void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out);
 
-/* Never reuse `slot` in this server: the kernel's lookups of its inode were counted by
- * an earlier server (a resumed connection).  Returns -1 for a slot out of range. */
+/* Do not reuse `slot` in this server until the kernel FORGETs its inode: its lookups
+ * were counted by an earlier server (a resumed connection).  Returns -1 for a slot out
+ * of range. */
 int lfs_lazy_pin_slot(struct lfs_lazy *lz, uint32_t slot);
 
 /* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot` (from

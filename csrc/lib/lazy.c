@@ -43,6 +43,7 @@ struct lazy_wait {
 	uint64_t off;
 	size_t size;
 	int waited;              /* parked at least once (a miss, not a hit) */
+	int pinned;              /* holds a reader count on each chunk it covers */
 	uint64_t parked;         /* CLOCK_MONOTONIC ns when it first parked */
 	struct lazy_wait *next;
 };
@@ -304,6 +305,29 @@ static void lazy_readahead(struct lazy_layer *l, uint64_t enter)
 	posix_fadvise(l->fd, (off_t)from, LAZY_READAHEAD, POSIX_FADV_WILLNEED);
 }
 
+/* A parked read pins the chunks it covers (a reader count each), so that eviction
+ * cannot take the ones already present while it waits for the others: a read spanning
+ * more chunks than the cache limit allows would otherwise refetch for ever.  Called with
+ * the layer lock held. */
+static void lazy_pin(struct lazy_layer *l, struct lazy_wait *w, int pin)
+{
+	uint64_t end;
+	uint32_t first, last;
+
+	if (!!w->pinned == !!pin || w->off >= l->size || w->size == 0)
+		return;
+	end = w->off + w->size < l->size ? w->off + w->size : l->size;
+	first = (uint32_t)(w->off / l->chunk_size);
+	last = (uint32_t)((end - 1) / l->chunk_size);
+	for (uint32_t i = first; i <= last; i++) {
+		if (pin)
+			l->chunks[i].readers++;
+		else
+			l->chunks[i].readers--;
+	}
+	w->pinned = pin;
+}
+
 /* Answer `w` if every chunk it covers is present, else queue each missing one (once)
  * and park `w` on the first one not present.  Takes ownership of `w`. */
 static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
@@ -327,6 +351,7 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 
 	now = atomic_fetch_add(&lz->tick, 1) + 1;
 	pthread_mutex_lock(&l->lock);
+	lazy_pin(l, w, 0); /* re-run from the start */
 	if (l->removed) {
 		/* Removed since this read looked it up: queue nothing for it (the removal
 		 * has dropped its queued fetches and answered its parked reads). */
@@ -376,6 +401,7 @@ static void lazy_serve(struct lfs_lazy *lz, uint32_t slot, struct lazy_layer *l,
 			w->parked = lazy_now_ns();
 		}
 		w->waited = 1;
+		lazy_pin(l, w, 1);
 		w->next = c->waiters;
 		c->waiters = w;
 		pthread_mutex_unlock(&l->lock);
@@ -462,7 +488,7 @@ static void lazy_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 }
 
 /* The kernel dropped `n` lookups of inode `ino` (saturating: a resumed server never saw
- * the lookups of its predecessor; those slots are pinned anyway). */
+ * the lookups of its predecessor; those slots are pinned until the kernel forgets them). */
 static void lazy_forget_one(struct lfs_lazy *lz, fuse_ino_t ino, uint64_t n)
 {
 	uint64_t cur, next;
@@ -473,6 +499,14 @@ static void lazy_forget_one(struct lfs_lazy *lz, fuse_ino_t ino, uint64_t n)
 	do {
 		next = cur > n ? cur - n : 0;
 	} while (!atomic_compare_exchange_weak(&lz->nlookup[ino - 2], &cur, next));
+	/* The kernel sends its whole count when it evicts an inode (fuse_evict_inode): a
+	 * slot pinned for lookups counted by a dead predecessor is safe again after it, and
+	 * later lookups are counted here. */
+	if (__atomic_load_n(&lz->pinned[ino - 2], __ATOMIC_RELAXED)) {
+		pthread_rwlock_wrlock(&lz->slots_lock);
+		lz->pinned[ino - 2] = 0;
+		pthread_rwlock_unlock(&lz->slots_lock);
+	}
 }
 
 static void lazy_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
@@ -830,12 +864,15 @@ int lfs_lazy_remove_layer(struct lfs_lazy *lz, uint32_t slot, struct lfs_error *
 		while (w) {
 			struct lazy_wait *next = w->next;
 
+			lazy_pin(l, w, 0);
 			fuse_reply_err(w->req, EIO);
 			free(w);
 			w = next;
 		}
-		busy += c->readers;
-		c->state = LFS_LAZY_MISSING;
+	}
+	for (uint32_t i = 0; i < l->nchunks; i++) {
+		busy += l->chunks[i].readers;
+		l->chunks[i].state = LFS_LAZY_MISSING;
 	}
 	/* A read still answering from the file keeps it open (one fd, until exit). */
 	if (!busy && l->fd >= 0) {
@@ -1016,8 +1053,8 @@ int lfs_lazy_chunk_claim(struct lfs_lazy *lz, uint32_t slot, uint32_t index)
 	return rc;
 }
 
-/* Take the waiters of a chunk; called with the layer lock held. */
-static struct lazy_wait *lazy_take_waiters(struct lazy_chunk *c)
+/* Take the waiters of a chunk, unpinned; called with the layer lock held. */
+static struct lazy_wait *lazy_take_waiters(struct lazy_layer *l, struct lazy_chunk *c)
 {
 	struct lazy_wait *w = c->waiters, *rev = NULL;
 
@@ -1025,6 +1062,7 @@ static struct lazy_wait *lazy_take_waiters(struct lazy_chunk *c)
 	while (w) { /* oldest first */
 		struct lazy_wait *next = w->next;
 
+		lazy_pin(l, w, 0);
 		w->next = rev;
 		rev = w;
 		w = next;
@@ -1051,7 +1089,7 @@ static void lazy_mark_present(struct lfs_lazy *lz, uint32_t slot, struct lazy_la
 		l->st.present++;
 		l->st.ready++;
 	}
-	w = lazy_take_waiters(c);
+	w = lazy_take_waiters(l, c);
 	pthread_mutex_unlock(&l->lock);
 	while (w) {
 		struct lazy_wait *next = w->next;
@@ -1159,7 +1197,7 @@ int lfs_lazy_chunk_failed(struct lfs_lazy *lz, uint32_t slot, uint32_t index, in
 		l->st.inflight--;
 		l->st.failed++;
 	}
-	w = lazy_take_waiters(c);
+	w = lazy_take_waiters(l, c);
 	pthread_mutex_unlock(&l->lock);
 	while (w) {
 		struct lazy_wait *next = w->next;

@@ -192,6 +192,46 @@ def test_disk_full_is_a_clear_error_and_marks_nothing(small_tmpfs: pathlib.Path,
 @pytest.mark.root
 @pytest.mark.fuse
 @pytest.mark.mount
+def test_server_killed_on_a_full_disk_comes_back(small_tmpfs: pathlib.Path,
+                                                 tmp_path: pathlib.Path) -> None:
+    # Review finding: a restarted server could not save its slot mark on a full disk and
+    # crash-looped; the supervisor then died on its own log write and detached the FUSE
+    # mount, taking every lazy mount of the node with it.
+    import signal
+
+    store, digest, image = _build(tmp_path)
+    remote = RemoteThread(store)
+    remote.start()
+    cache = small_tmpfs / "c"
+    try:
+        with lazy_node(cache, fetch_timeout=2.0) as c:
+            f = c.register(digest, remote.url)["file"]
+            assert _pread(f, 4096, 0) == image[:4096]
+            (cache / "slots.json").unlink()  # so that the restart must write it again
+            ballast = small_tmpfs / "ballast"
+            fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                with pytest.raises(OSError):
+                    while True:
+                        os.write(fd, b"\1" * 4096)
+            finally:
+                os.close(fd)
+            first = c.server_pid()
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            deadline = time.monotonic() + 20
+            while not (c.server_pid() not in (None, first) and c.alive()):
+                assert time.monotonic() < deadline, (cache / "server.log").read_text()[-800:]
+                time.sleep(0.05)
+            assert _pread(f, 4096, 0) == image[:4096]  # the mount survived, still served
+            ballast.unlink()
+    finally:
+        remote.close()
+
+
+@pytest.mark.root
+@pytest.mark.fuse
+@pytest.mark.mount
 def test_cache_limit_evicts_and_reads_stay_right(tmp_path: pathlib.Path) -> None:
     tree = make_tree(tmp_path / "tree")
     store = Store(tmp_path / "server-store", chunk_size=CHUNK)
@@ -257,3 +297,34 @@ def test_start_while_the_server_restarts_makes_no_second_supervisor(
         assert int((cache / "supervisor.pid").read_text()) == first
         with open("/proc/mounts") as f:
             assert f.read().count(str(cache / "fuse") + " ") == 1
+
+
+@pytest.mark.root
+@pytest.mark.fuse
+@pytest.mark.mount
+def test_a_read_spanning_more_than_the_cache_limit_completes(tmp_path: pathlib.Path) -> None:
+    # Review finding: with a limit of 3 chunks, a 16-chunk read never finished: each
+    # arriving chunk evicted the ones it had already waited for (24k fetches in 30 s).
+    import mmap
+
+    store, digest, image = _build(tmp_path)
+    remote = RemoteThread(store)
+    remote.start()
+    span = 16 * CHUNK
+    try:
+        with lazy_node(tmp_path / "cache", cache_limit=3 * CHUNK, fetch_timeout=10) as c:
+            info = c.register(digest, remote.url)
+            fd = os.open(info["file"], os.O_RDONLY | os.O_DIRECT)
+            buf = mmap.mmap(-1, span)
+            try:
+                assert os.preadv(fd, [buf], 0) == span
+            finally:
+                os.close(fd)
+            assert buf[:span] == image[:span]
+            buf.close()
+            st = c.stats()["layers"][digest]
+            assert st["chunks_fetched"] <= 16 + 2, st  # each once (and one speculative)
+            # the limit holds again once the read is answered
+            assert c.stats()["cache"]["bytes"] <= 3 * CHUNK + CHUNK
+    finally:
+        remote.close()

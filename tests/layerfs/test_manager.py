@@ -93,8 +93,11 @@ def test_a_new_manager_trims_what_an_earlier_one_left_registered_but_not_what_is
     mgr.release(digests)
     assert sorted(mgr.reap(0)) == sorted(digests)
     assert sorted(mgr.client.stats()["layers"]) == sorted(digests)  # kept (256)
-    base_file = os.path.join(mgr.client.cache, "fuse", digests[0][7:] + ".erofs")
-    with mounted_erofs(base_file) as mp:  # an operator's mount of the base
+    # an operator's mount of the base, through a symlink to the cache with a space in it
+    link = tmp_path / "the cache"
+    link.symlink_to(mgr.client.cache)
+    base_file = os.path.join(link, "fuse", digests[0][7:] + ".erofs")
+    with mounted_erofs(base_file) as mp:
         later = LayerManager(mgr.client.cache, remote.url, str(tmp_path / "layers2"),
                              idle_seconds=3600, keep_registered=0)
         try:
@@ -152,4 +155,22 @@ def test_release_records_trace_and_next_mount_prefetches(
             break
         time.sleep(0.05)
     assert st["present_chunks"] >= len(saved)
+    mgr.release(digests[:1])
+
+
+def test_a_server_stopped_under_the_manager_is_started_again(
+        setup: tuple[LayerManager, list[str], RemoteThread]) -> None:
+    # Review finding: an operator's `layerfs umount` of the last mount of a shared cache
+    # stops its lazy server, and the manager's next acquire failed for good.
+    from layerfs.lazy import client
+
+    mgr, digests, _ = setup
+    mgr.acquire(digests[:1])
+    mgr.release(digests[:1])
+    mgr.reap(0)
+    client.stop(mgr.client.cache)
+    assert not mgr.client.alive()
+    (mp,) = mgr.acquire(digests[:1])
+    with open(os.path.join(mp, "etc/hostname")) as f:
+        assert f.read() == "node\n"
     mgr.release(digests[:1])

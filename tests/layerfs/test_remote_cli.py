@@ -75,7 +75,7 @@ def _fails(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*LAYERFS, *args], capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", "unix:", ":80"])
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1:99999", "unix:", ":80", "::1"])
 def test_serve_bad_listen_address_is_a_usage_error(tmp_path: pathlib.Path,
                                                    listen: str) -> None:
     # Review finding: these printed Python tracebacks (exit 1).
