@@ -149,6 +149,20 @@ def small_tmpfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
         umount(mp)
 
 
+def _fill(fs: pathlib.Path) -> pathlib.Path:
+    """Fill the filesystem at ``fs`` with a ballast file (returned) until ENOSPC."""
+    ballast = fs / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with pytest.raises(OSError) as full:
+            while True:
+                os.write(fd, b"\1" * 4096)
+    finally:
+        os.close(fd)
+    assert full.value.errno == errno.ENOSPC
+    return ballast
+
+
 @pytest.mark.root
 @pytest.mark.fuse
 @pytest.mark.mount
@@ -163,15 +177,7 @@ def test_disk_full_is_a_clear_error_and_marks_nothing(small_tmpfs: pathlib.Path,
         with lazy_node(cache, fetch_timeout=2.0) as c:
             f = c.register(digest, remote.url)["file"]
             assert _pread(f, 4096, 0) == image[:4096]
-            ballast = small_tmpfs / "ballast"
-            fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                with pytest.raises(OSError) as full:
-                    while True:
-                        os.write(fd, b"\1" * 4096)
-            finally:
-                os.close(fd)
-            assert full.value.errno == errno.ENOSPC
+            ballast = _fill(small_tmpfs)
             # a whole chunk does not fit even after evicting chunk 0
             with pytest.raises(OSError) as ei:
                 _pread(f, 4096, 9 * CHUNK)
@@ -208,14 +214,7 @@ def test_server_killed_on_a_full_disk_comes_back(small_tmpfs: pathlib.Path,
             f = c.register(digest, remote.url)["file"]
             assert _pread(f, 4096, 0) == image[:4096]
             (cache / "slots.json").unlink()  # so that the restart must write it again
-            ballast = small_tmpfs / "ballast"
-            fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                with pytest.raises(OSError):
-                    while True:
-                        os.write(fd, b"\1" * 4096)
-            finally:
-                os.close(fd)
+            ballast = _fill(small_tmpfs)
             first = c.server_pid()
             assert first is not None
             os.kill(first, signal.SIGKILL)
