@@ -28,7 +28,6 @@ import contextlib
 import os
 import re
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -125,9 +124,9 @@ class LayerManager:
                 raise
             # Stopped under us (an operator's `layerfs umount` of the last mount of a
             # shared cache): start it again; it restores every registration.
-            if self._proc is not None:  # ours, stopping or stopped: reap it
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._proc.wait(10)
+            if self._proc is not None:
+                self._proc.poll()  # reap ours if it has ended (client.start waits for it
+                # if it is still stopping or restarting its server)
             proc = client.start(self.client.cache, fetch_timeout=self._fetch_timeout,
                                 cache_limit=self._cache_limit)
             if proc is not None:  # ours now (whoever started the one that stopped)

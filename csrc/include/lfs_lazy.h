@@ -86,6 +86,12 @@ void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out);
  * of range. */
 int lfs_lazy_pin_slot(struct lfs_lazy *lz, uint32_t slot);
 
+/* Unpin every pinned slot whose inode the kernel does not have (it forgot it before the
+ * restart, or never looked it up): asked with FUSE_NOTIFY_INVAL_INODE, which answers
+ * ENOENT for an inode the kernel does not hold.  Call after lfs_lazy_start(), not from a
+ * FUSE handler.  Returns how many were unpinned. */
+int lfs_lazy_unpin_forgotten(struct lfs_lazy *lz);
+
 /* Register layer `name` (the file name, e.g. "<hex>.erofs") in `slot` (from
  * lfs_lazy_take_slot(), or restored by the caller), cached in the file `data_path`
  * (created, or sized to `size`, if needed); every chunk starts missing. */

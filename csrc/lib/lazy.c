@@ -952,6 +952,28 @@ void lfs_lazy_slot_counts(struct lfs_lazy *lz, struct lfs_lazy_slots *out)
 	pthread_rwlock_unlock(&lz->slots_lock);
 }
 
+int lfs_lazy_unpin_forgotten(struct lfs_lazy *lz)
+{
+	int n = 0;
+
+	if (!lz->started)
+		return 0;
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
+		if (!__atomic_load_n(&lz->pinned[s], __ATOMIC_RELAXED))
+			continue;
+		/* Attributes only (offset < 0): no page is touched, so no page lock is
+		 * waited on.  ENOENT: the kernel has no inode with this number. */
+		if (fuse_lowlevel_notify_inval_inode(lz->se, (fuse_ino_t)s + 2, -1, 0) ==
+		    -ENOENT) {
+			pthread_rwlock_wrlock(&lz->slots_lock);
+			lz->pinned[s] = 0;
+			pthread_rwlock_unlock(&lz->slots_lock);
+			n++;
+		}
+	}
+	return n;
+}
+
 int lfs_lazy_pin_slot(struct lfs_lazy *lz, uint32_t slot)
 {
 	if (slot >= LFS_LAZY_MAX_LAYERS)

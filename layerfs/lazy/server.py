@@ -192,6 +192,12 @@ class LazyServer:
                 self._orphans[digest] = self.cache.data_bytes(digest)
         self._cache_bytes += sum(self._orphans.values())
         check(lib.lfs_lazy_start(self.lz, self.max_threads, err), err, "lazy server start")
+        if self.resumed:
+            # Pinned slots whose inodes the kernel no longer has are free at once (a
+            # FORGET would never come for them).
+            freed = lib.lfs_lazy_unpin_forgotten(self.lz)
+            if freed:
+                log.info("%d slot(s) of the previous server are free again", freed)
         asyncio.get_running_loop().add_reader(lib.lfs_lazy_event_fd(self.lz), self._on_event)
         log.info("lazy server pid %d: %d layer(s), %d bytes cached%s", os.getpid(),
                  len(self.layers), self._cache_bytes, ", resumed" if self.resumed else "")

@@ -490,10 +490,29 @@ def test_after_a_resumed_restart_no_slot_the_kernel_may_hold_is_reused(
             b = c.register(other, layer.remote.url)
             assert b["slot"] not in (a["slot"], a2["slot"])
             assert _read(b["file"]) == other_bytes
-            assert os.stat(b["file"]).st_ino != os.fstat(held.fileno()).st_ino
+            assert os.stat(b["file"]).st_ino == b["slot"] + 2 != a["slot"] + 2
             assert c.stats()["slots"]["pinned"] == 1  # the held one
         finally:
             held.close()
         # Closed: the kernel forgets the old inode and the slot is unpinned (review
         # finding: each restart pinned every slot for the connection's life).
         assert _wait_slots(c, pinned=0)["pinned"] == 0
+
+
+def test_after_a_restart_slots_the_kernel_had_forgotten_are_free(
+        layer: Layer, tmp_path: pathlib.Path) -> None:
+    # Review finding: a resumed server pinned every slot below the mark, and one whose
+    # inode the kernel had forgotten before the crash never got a FORGET to unpin it.
+    other, other_bytes = _other_layer(layer, tmp_path)
+    with lazy_node(tmp_path / "cache") as c:
+        a = c.register(layer.digest, layer.remote.url)
+        assert _read(a["file"]) == layer.image.read_bytes()  # looked up by the kernel
+        c.unregister(layer.digest)
+        assert _wait_slots(c, reusable=1)["reusable"] == 1  # and forgotten
+        first = c.server_pid()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        _wait_restarted(c, first)
+        assert c.stats()["slots"]["pinned"] == 0
+        b = c.register(other, layer.remote.url)
+        assert b["slot"] == a["slot"] and _read(b["file"]) == other_bytes
