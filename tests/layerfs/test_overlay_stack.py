@@ -9,12 +9,13 @@ import contextlib
 import dataclasses
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from layerfs.mount import mounted_erofs, mounted_overlay
-from layerfs.sources.oci import load_oci
+from layerfs.sources.oci import OciLayer, load_oci
 from layerfs.writer import write_image
 from tests.layerfs.test_oci import TAR, TGZ, TZST, Spec, make_layout, make_tar
 from tests.layerfs.treecmp import Snapshot, assert_same, snapshot_dir, snapshot_tree
@@ -87,24 +88,30 @@ def _comparable(snap: Snapshot) -> Snapshot:
     }
 
 
-@pytest.mark.mount
-def test_three_layer_overlay_equals_docker_application(tmp_path: Path,
-                                                       scratch: Path) -> None:
-    layout = tmp_path / "img"
-    make_layout(layout, [(make_tar(BASE, uid=100000), TAR), (make_tar(MID), TGZ),
-                         (make_tar(TOP, mtime=1_800_000_000.5), TZST)])
+@contextlib.contextmanager
+def _stacked(layout: Path, scratch: Path) -> Iterator[tuple[str, OciLayer]]:
+    """The OCI layout's layers written as images, mounted and stacked with overlayfs:
+    yields (the merged mountpoint, the flattened layer of the same layout)."""
     work = scratch / "work"
     work.mkdir()
-    layers = load_oci(layout, "v1", workdir=work)
     images = []
-    for layer in layers:
+    for layer in load_oci(layout, "v1", workdir=work):
         image = scratch / f"layer{layer.index}.erofs"
         write_image(layer.tree, image)
         images.append(image)
     (flat,) = load_oci(layout, "v1", workdir=work, flatten=True)
     with contextlib.ExitStack() as stack:
         mounts = [stack.enter_context(mounted_erofs(img)) for img in images]
-        merged = stack.enter_context(mounted_overlay(list(reversed(mounts))))
+        yield stack.enter_context(mounted_overlay(list(reversed(mounts)))), flat
+
+
+@pytest.mark.mount
+def test_three_layer_overlay_equals_docker_application(tmp_path: Path,
+                                                       scratch: Path) -> None:
+    layout = tmp_path / "img"
+    make_layout(layout, [(make_tar(BASE, uid=100000), TAR), (make_tar(MID), TGZ),
+                         (make_tar(TOP, mtime=1_800_000_000.5), TZST)])
+    with _stacked(layout, scratch) as (merged, flat):
         assert _as_expected(Path(merged)) == EXPECTED
         actual = _comparable(snapshot_dir(merged))
     expected = _comparable(snapshot_tree(flat.tree))
@@ -159,18 +166,7 @@ def test_layer_without_parent_entries_keeps_lower_directory_metadata(
     layout = tmp_path / "img"
     make_layout(layout, [(_tar_with_modes(LOWER_MODES), TAR),
                          (_tar_with_modes(UPPER_NO_PARENTS), TGZ)])
-    work = scratch / "work"
-    work.mkdir()
-    layers = load_oci(layout, "v1", workdir=work)
-    images = []
-    for layer in layers:
-        image = scratch / f"layer{layer.index}.erofs"
-        write_image(layer.tree, image)
-        images.append(image)
-    (flat,) = load_oci(layout, "v1", workdir=work, flatten=True)
-    with contextlib.ExitStack() as stack:
-        mounts = [stack.enter_context(mounted_erofs(img)) for img in images]
-        merged = stack.enter_context(mounted_overlay(list(reversed(mounts))))
+    with _stacked(layout, scratch) as (merged, flat):
         actual = _comparable(snapshot_dir(merged))
     expected = _comparable(snapshot_tree(flat.tree))
     assert_same(actual, expected)
