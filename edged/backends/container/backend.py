@@ -46,6 +46,9 @@ from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import confinement, files, scratch
 from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import POOL_PREFIX, CgroupManager, SandboxCgroup
+from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
+from edged.backends.container.uidslots import UidSlots
+from edged.backends.container.uidslots import starttime as _starttime
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
 from edged.security import apparmor, landlock
 
@@ -57,20 +60,6 @@ CREDIT_BATCH = 32 << 10
 CONNECT_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5.0
 _EXEC_USER_ERRNOS = {2, 13, 20, 21, 7, 8, 22, 36, 40}  # ENOENT EACCES ENOTDIR EISDIR E2BIG ...
-
-
-def _starttime(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks since boot), or None if gone or a zombie:
-    with the pid it identifies a live process across pid reuse."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode()
-    except OSError:
-        return None
-    fields = data[data.rindex(")") + 2 :].split()
-    if fields[0] in ("Z", "X"):
-        return None
-    return int(fields[19])
 
 
 class ContainerExec:
@@ -295,7 +284,9 @@ class ContainerBackend:
     ``state_dir``: host directory for per-sandbox state (default ``/run/edged``; a
     non-default one also gets its own cgroup subtree, so several instances can coexist).
     ``uid_base``/``id_count``: sandbox slot ``n`` maps its ids 0..id_count-1 to host ids
-    ``uid_base + n*id_count ...``; sandbox root is never host root.
+    ``uid_base + n*id_count ...``; sandbox root is never host root. Slots are claimed
+    host-wide in ``uid_slots_dir`` (see :mod:`.uidslots`), so that daemons sharing the host
+    never map the same host ids.
     ``bin_dir``: where ``edged-spawner`` and ``sbx-init`` are (default: ``edged/_bin``).
     ``scratch_dir``: a host directory (e.g. an XFS filesystem of the node's scratch storage)
     in which each sandbox's overlay upper lives (``<scratch_dir>/<id>/``), size-limited by
@@ -314,7 +305,8 @@ class ContainerBackend:
                  bin_dir: str | os.PathLike[str] | None = None,
                  scratch_dir: str | os.PathLike[str] | None = None,
                  on_event: confinement.EventSink | None = None,
-                 spawner_pool: int = 0) -> None:
+                 spawner_pool: int = 0,
+                 uid_slots_dir: str | os.PathLike[str] = UID_SLOTS_DIR) -> None:
         self.state_dir = Path(state_dir)
         self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.on_event = on_event
@@ -322,6 +314,8 @@ class ContainerBackend:
         self.uid_base = uid_base
         self.id_count = id_count
         self.max_slots = ((1 << 32) - 2 - uid_base) // id_count
+        self.uid_slots = UidSlots(self.state_dir, uid_base=uid_base, id_count=id_count,
+                                  max_slots=self.max_slots, directory=uid_slots_dir)
         self.bin_dir = Path(bin_dir) if bin_dir else BIN_DIR
         subdir = "edged"
         if self.state_dir.resolve() != Path("/run/edged"):
@@ -333,7 +327,6 @@ class ContainerBackend:
         self._busy: set[str] = set()
         self._slots: set[int] = set()
         self._slots_loaded = False
-        self._next_slot = 0
         self.spawner_pool = max(0, spawner_pool)
         self._pool: list[_Pooled] = []
         # pid -> (pidfd, what to do once it is reaped) of spawners being reaped
@@ -349,19 +342,22 @@ class ContainerBackend:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
         return sbx
 
-    def _alloc_slot(self) -> int:
+    def _alloc_slot(self, sandbox: str | None = None) -> int:
+        """A uid slot claimed host-wide for ``sandbox`` (None: a pooled spawner)."""
         if not self._slots_loaded:  # ranges held by sandboxes of an earlier daemon
             for meta in self._metas().values():
                 self._slots.add(int(meta.get("slot", -1)))
             self._slots_loaded = True
-        n = self._next_slot
-        for _ in range(self.max_slots):
-            if n not in self._slots:
-                self._slots.add(n)
-                self._next_slot = (n + 1) % self.max_slots
-                return n
-            n = (n + 1) % self.max_slots
-        raise BackendError("no free uid range for another sandbox")
+        slot = self.uid_slots.claim(self._slots, sandbox)
+        self._slots.add(slot)
+        return slot
+
+    def _free_slot(self, slot: int) -> None:
+        self._slots.discard(slot)
+        try:
+            self.uid_slots.release(slot)
+        except OSError as exc:  # the claim goes stale with us; another daemon takes it over
+            log.warning("uid slot %d: cannot release its claim: %s", slot, exc)
 
     def _meta(self, sandbox_id: str) -> dict[str, Any] | None:
         try:
@@ -490,7 +486,7 @@ class ContainerBackend:
             try:
                 cg = self.cgroups.create_pooled(str(slot), uid_base)
             except BackendError as exc:
-                self._slots.discard(slot)
+                self._free_slot(slot)
                 log.warning("spawner pool: %s", exc)
                 return
             spawner = str(self.bin_dir / "edged-spawner")
@@ -507,7 +503,7 @@ class ContainerBackend:
             except OSError as exc:
                 for fd in (r_in, w_in, r_st):
                     os.close(fd)
-                self._slots.discard(slot)
+                self._free_slot(slot)
                 if cg is not None:
                     with contextlib.suppress(BackendError):
                         cg.remove()
@@ -543,7 +539,7 @@ class ContainerBackend:
                 os.close(fd)
         if not p.ready.done():
             p.ready.cancel()
-        self._slots.discard(p.slot)
+        self._free_slot(p.slot)
         cg = p.cg
         # its child dies before it exits: the cgroups are empty then
         self._reap(p.pid, None if cg is None else functools.partial(_remove_quietly, cg))
@@ -634,7 +630,7 @@ class ContainerBackend:
                 log.warning("sandbox %s: %s", sandbox_id, exc)
         shutil.rmtree(d, ignore_errors=True)
         if meta and "slot" in meta:
-            self._slots.discard(int(meta["slot"]))
+            self._free_slot(int(meta["slot"]))
 
     # ---- Backend ------------------------------------------------------
 
@@ -678,7 +674,7 @@ class ContainerBackend:
         pid = 0
         pooled = self._take_pooled()
         try:
-            slot = pooled.slot if pooled is not None else self._alloc_slot()
+            slot = pooled.slot if pooled is not None else self._alloc_slot(sid)
             uid_base = self.uid_base + slot * self.id_count
             meta.update(slot=slot, uid_base=uid_base, task_profile=spec.task_profile,
                         seccomp_profile=spec.seccomp_profile, lowers=list(spec.lowers))
@@ -726,6 +722,7 @@ class ContainerBackend:
             pid = await self._spawn(argv, p)
             meta.update(pid=pid, starttime=_starttime(pid))
             self._write_meta(d, meta)
+            self.uid_slots.bind(slot, sid, pid)  # the claim now outlives this daemon
             sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg, policy=policy,
                            limits=confinement.LimitWatch(cg, fresh=True))
             try:
@@ -928,6 +925,11 @@ class ContainerBackend:
             os.close(pidfd)
             raise
         self._slots.add(sbx.slot)
+        try:
+            self.uid_slots.bind(sbx.slot, sandbox_id, pid)  # names this daemon from now on
+        except OSError as exc:  # BackendError too: the sandbox runs; its claim names its init
+            log.warning("sandbox %s: uid slot %d: cannot update its claim: %s", sandbox_id,
+                        sbx.slot, exc)
         self._sandboxes[sandbox_id] = sbx
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
