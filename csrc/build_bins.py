@@ -22,9 +22,11 @@ CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE", f"-I{CSRC / 
 # libc-only confinement code (Landlock, capabilities, seccomp) shared with the cffi module
 CONFINE = ["lib/confine.c", "lib/error.c"]
 
+SBX_INIT = sorted(str(p.relative_to(CSRC)) for p in (CSRC / "sbx-init").glob("*.c"))
+
 BINARIES = {
     # name: (sources, prefer musl)
-    "sbx-init": (["sbx-init/sbx-init.c", *CONFINE], True),
+    "sbx-init": ([*SBX_INIT, *CONFINE], True),
     "edged-spawner": (["spawner/spawner.c", *CONFINE], False),
 }
 

@@ -18,7 +18,7 @@ struct lfs_error {
 	char msg[LFS_ERROR_MSG_MAX]; /* NUL-terminated human message */
 };
 
-/* Record an error (errno value `code`, printf-style message); returns -1. */
+/* Record an error (errno value `code`, EIO when 0; printf-style message); returns -1. */
 int lfs_error_set(struct lfs_error *err, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 

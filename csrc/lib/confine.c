@@ -11,6 +11,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "lfs_cleanup.h"
 #include "lfs_confine.h"
 
 #ifndef PR_CAP_AMBIENT
@@ -40,14 +41,6 @@ struct ll_net_port_attr {
 	uint64_t allowed_access;
 	uint64_t port;
 };
-
-static void close_fd(int *fd)
-{
-	if (*fd >= 0)
-		close(*fd);
-}
-
-#define cleanup_close __attribute__((cleanup(close_fd)))
 
 int lfs_landlock_abi(void)
 {
@@ -166,7 +159,7 @@ int lfs_landlock_prepare(const void *blob, size_t len, struct lfs_error *err)
 	cleanup_close int ruleset = -1;
 	size_t attr_size, off = sizeof(h);
 	char path[LFS_LL_MAX_PATH + 1];
-	int abi, out;
+	int abi;
 
 	if (lfs_landlock_check(blob, len, err) < 0)
 		return -1;
@@ -204,9 +197,7 @@ int lfs_landlock_prepare(const void *blob, size_t len, struct lfs_error *err)
 		}
 		off += rule_size(&r);
 	}
-	out = ruleset;
-	ruleset = -1;
-	return out;
+	return steal_fd(&ruleset);
 }
 
 int lfs_landlock_enforce(int ruleset, uint32_t restrict_flags, struct lfs_error *err)

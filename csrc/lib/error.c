@@ -1,3 +1,4 @@
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -10,7 +11,7 @@ int lfs_error_set(struct lfs_error *err, int code, const char *fmt, ...)
 
 	if (!err)
 		return -1;
-	err->code = code;
+	err->code = code ? code : EIO; /* a failure always carries an errno value */
 	va_start(ap, fmt);
 	vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
 	va_end(ap);

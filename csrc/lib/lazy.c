@@ -19,6 +19,7 @@
 
 #include <fuse_lowlevel.h>
 
+#include "lfs_cleanup.h"
 #include "lfs_error.h"
 #include "lfs_lazy.h"
 
@@ -766,7 +767,7 @@ int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uin
 	struct lazy_layer *l;
 	struct stat st;
 	uint64_t n;
-	int fd;
+	cleanup_close int fd = -1;
 
 	if (slot >= LFS_LAZY_MAX_LAYERS)
 		return lfs_error_set(err, EINVAL, "layer slot %u out of range (max %u)", slot,
@@ -795,28 +796,22 @@ int lfs_lazy_add_layer(struct lfs_lazy *lz, uint32_t slot, const char *name, uin
 				     strerror(errno));
 	/* The file has the layer's size from the start; chunks not yet written are holes. */
 	if (fstat(fd, &st) < 0 || ((uint64_t)st.st_size != size && ftruncate(fd, (off_t)size) < 0)) {
-		int e = errno;
-
-		close(fd);
-		return lfs_error_set(err, e, "layer `%s`: sizing `%s`: %s", name, data_path,
-				     strerror(e));
+		return lfs_error_set(err, errno, "layer `%s`: sizing `%s`: %s", name, data_path,
+				     strerror(errno));
 	}
 	l = calloc(1, sizeof(*l));
-	if (!l) {
-		close(fd);
+	if (!l)
 		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating", name);
-	}
 	l->chunks = calloc(n ? n : 1, sizeof(*l->chunks));
 	l->trace = calloc(n ? n : 1, sizeof(*l->trace));
 	if (!l->chunks || !l->trace) {
 		free(l->chunks);
 		free(l->trace);
 		free(l);
-		close(fd);
 		return lfs_error_set(err, ENOMEM, "layer `%s`: allocating %lu chunk states",
 				     name, (unsigned long)n);
 	}
-	l->fd = fd;
+	l->fd = steal_fd(&fd);
 	snprintf(l->name, sizeof(l->name), "%s", name);
 	l->size = size;
 	l->chunk_size = chunk_size;
@@ -1348,7 +1343,7 @@ int lfs_lazy_trace(struct lfs_lazy *lz, uint32_t slot, uint32_t *out, uint32_t m
 int lfs_lazy_mount(const char *mountpoint, struct lfs_error *err)
 {
 	char opts[128];
-	int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
+	cleanup_close int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
 
 	if (fd < 0)
 		return lfs_error_set(err, errno, "open `/dev/fuse`: %s", strerror(errno));
@@ -1356,13 +1351,10 @@ int lfs_lazy_mount(const char *mountpoint, struct lfs_error *err)
 		 "fd=%d,rootmode=%o,user_id=0,group_id=0,allow_other,default_permissions,"
 		 "max_read=1048576", fd, LAZY_ROOT_MODE);
 	if (mount("layerfs-lazy", mountpoint, "fuse.layerfs",
-		  MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0) {
-		int e = errno;
-
-		close(fd);
-		return lfs_error_set(err, e, "mount fuse on `%s`: %s", mountpoint, strerror(e));
-	}
-	return fd;
+		  MS_RDONLY | MS_NOSUID | MS_NODEV, opts) < 0)
+		return lfs_error_set(err, errno, "mount fuse on `%s`: %s", mountpoint,
+				     strerror(errno));
+	return steal_fd(&fd);
 }
 
 int lfs_lazy_umount(const char *mountpoint, int detach, struct lfs_error *err)

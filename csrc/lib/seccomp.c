@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "lfs_cleanup.h"
 #include "lfs_seccomp.h"
 
 int lfs_seccomp_resolve(const char *name, struct lfs_error *err)
@@ -43,18 +44,12 @@ static void release_ctx(scmp_filter_ctx *ctx)
 		seccomp_release(*ctx);
 }
 
-static void close_fd(int *fd)
-{
-	if (*fd >= 0)
-		close(*fd);
-}
-
 int lfs_seccomp_compile(const struct lfs_scmp_rule *rules, size_t nrules,
 			uint32_t default_action, uint32_t deny_mode, int32_t deny_errno,
 			uint8_t **out, size_t *out_len, struct lfs_error *err)
 {
 	__attribute__((cleanup(release_ctx))) scmp_filter_ctx ctx = NULL;
-	__attribute__((cleanup(close_fd))) int fd = -1;
+	cleanup_close int fd = -1;
 	uint32_t deny = scmp_action(LFS_SCMP_DENY, 0, deny_mode, deny_errno);
 	uint32_t def;
 	off_t size;

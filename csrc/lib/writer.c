@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "erofs_fs.h"
+#include "lfs_cleanup.h"
 #include "lfs_error.h"
 #include "lfs_writer.h"
 
@@ -32,10 +33,6 @@
 #define WR_DIRECT_MIN (64u << 10) /* copy_file_range(2) from this size up */
 #define WR_SYMLINK_MAX 4095  /* PATH_MAX - 1: what readlink(2) can return */
 
-static inline void wr_freep(void *p) { free(*(void **)p); }
-static inline void wr_closep(int *fd) { if (*fd >= 0) close(*fd); }
-#define cleanup_free __attribute__((cleanup(wr_freep)))
-#define cleanup_close __attribute__((cleanup(wr_closep)))
 
 struct wr_ent {                 /* one directory entry, "." and ".." included */
 	const uint8_t *name;

@@ -75,7 +75,6 @@
  * sandbox's user namespace for this (permitted and effective, never in the
  * bounding set, dropped from its inheritable set at start, so no exec gets it).
  */
-#define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -107,7 +106,9 @@
 #define MAX_SETUP (128 << 10) /* bytes of options in the setup message */
 #define SANDBOX_NOFILE 4096 /* sbx-init needs ~6 per exec, at most 256 execs */
 
+#include "lfs_cleanup.h"
 #include "lfs_confine.h"
+#include "lfs_error.h"
 
 struct opts {
 	int status_fd, pool, joined;
@@ -128,47 +129,19 @@ struct opts {
 	unsigned long long caps;
 };
 
-struct err {
-	int code;
-	char msg[512];
-};
-
-static int fail(struct err *e, int code, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-
-static int fail(struct err *e, int code, const char *fmt, ...)
-{
-	va_list ap;
-	int n;
-
-	e->code = code ? code : EIO;
-	va_start(ap, fmt);
-	n = vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
-	va_end(ap);
-	(void)n;
-	return -1;
-}
-
-static void closep(int *fd)
-{
-	if (*fd >= 0)
-		close(*fd);
-}
-#define cleanup_close __attribute__((cleanup(closep)))
-
-static int write_file(const char *path, const char *text, struct err *e)
+static int write_file(const char *path, const char *text, struct lfs_error *e)
 {
 	cleanup_close int fd = open(path, O_WRONLY | O_CLOEXEC);
 
 	if (fd < 0)
-		return fail(e, errno, "open `%s`", path);
+		return lfs_error_set(e, errno, "open `%s`", path);
 	if (write(fd, text, strlen(text)) != (ssize_t)strlen(text))
-		return fail(e, errno, "write `%s`", path);
+		return lfs_error_set(e, errno, "write `%s`", path);
 	return 0;
 }
 
 /* The kernel explains fsconfig failures in the fs context's log. */
-static int fs_fail(struct err *e, int fsfd, int code, const char *what)
+static int fs_fail(struct lfs_error *e, int fsfd, int code, const char *what)
 {
 	char log[256];
 	ssize_t n = read(fsfd, log, sizeof(log) - 1);
@@ -177,9 +150,9 @@ static int fs_fail(struct err *e, int fsfd, int code, const char *what)
 		log[n] = 0;
 		if (log[n - 1] == '\n')
 			log[n - 1] = 0;
-		return fail(e, code, "%s: %s (%s)", what, strerror(code), log);
+		return lfs_error_set(e, code, "%s: %s (%s)", what, strerror(code), log);
 	}
-	return fail(e, code, "%s: %s", what, strerror(code));
+	return lfs_error_set(e, code, "%s: %s", what, strerror(code));
 }
 
 /* The setup message: a u32 mask of which of the SETUP_* fds follow (in that
@@ -277,7 +250,7 @@ static int split_args(char *args, size_t len, char **argv)
 	return argc;
 }
 
-static int parse_args(int argc, char **argv, struct opts *o, struct err *e);
+static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e);
 
 /* ---- the child: runs inside the new namespaces ------------------------- */
 
@@ -293,7 +266,7 @@ struct child_fds {
 	int pristine;    /* the detached lowers-only overlay, or -1 */
 };
 
-static int bind_dev(const char *name, struct err *e)
+static int bind_dev(const char *name, struct lfs_error *e)
 {
 	char host[64], target[64];
 	cleanup_close int fd = -1;
@@ -302,29 +275,29 @@ static int bind_dev(const char *name, struct err *e)
 	snprintf(target, sizeof(target), "dev/%s", name);
 	fd = open(target, O_CREAT | O_WRONLY | O_CLOEXEC | O_NOFOLLOW, 0666);
 	if (fd < 0)
-		return fail(e, errno, "create `%s`", target);
+		return lfs_error_set(e, errno, "create `%s`", target);
 	if (mount(host, target, NULL, MS_BIND, NULL) < 0)
-		return fail(e, errno, "bind `%s` on `%s`", host, target);
+		return lfs_error_set(e, errno, "bind `%s` on `%s`", host, target);
 	return 0;
 }
 
-static int ensure_dir(const char *path, mode_t mode, struct err *e)
+static int ensure_dir(const char *path, mode_t mode, struct lfs_error *e)
 {
 	struct stat st;
 
 	if (lstat(path, &st) == 0) {
 		if (S_ISDIR(st.st_mode))
 			return 0;
-		return fail(e, ENOTDIR, "rootfs `/%s` is not a directory", path);
+		return lfs_error_set(e, ENOTDIR, "rootfs `/%s` is not a directory", path);
 	}
 	if (mkdir(path, mode) < 0 && errno != EEXIST)
-		return fail(e, errno, "mkdir `/%s`", path);
+		return lfs_error_set(e, errno, "mkdir `/%s`", path);
 	if (mode & 07000)
 		chmod(path, mode);
 	return 0;
 }
 
-static int make_dev(struct err *e)
+static int make_dev(struct lfs_error *e)
 {
 	static const char *const nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
 	static const char *const links[][2] = {
@@ -335,38 +308,38 @@ static int make_dev(struct err *e)
 	size_t i;
 
 	if (mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64") < 0)
-		return fail(e, errno, "mount tmpfs on `/dev`");
+		return lfs_error_set(e, errno, "mount tmpfs on `/dev`");
 	for (i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++)
 		if (bind_dev(nodes[i], e) < 0)
 			return -1;
 	if (mkdir("dev/pts", 0755) < 0 || mkdir("dev/shm", 01777) < 0)
-		return fail(e, errno, "mkdir in `/dev`");
+		return lfs_error_set(e, errno, "mkdir in `/dev`");
 	chmod("dev/shm", 01777);
 	if (mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
 		  "newinstance,ptmxmode=0666,mode=0620") < 0)
-		return fail(e, errno, "mount devpts on `/dev/pts`");
+		return lfs_error_set(e, errno, "mount devpts on `/dev/pts`");
 	if (mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m") < 0)
-		return fail(e, errno, "mount tmpfs on `/dev/shm`");
+		return lfs_error_set(e, errno, "mount tmpfs on `/dev/shm`");
 	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++)
 		if (symlink(links[i][0], links[i][1]) < 0)
-			return fail(e, errno, "symlink `%s`", links[i][1]);
+			return lfs_error_set(e, errno, "symlink `%s`", links[i][1]);
 	return 0;
 }
 
-static int loopback_up(struct err *e)
+static int loopback_up(struct lfs_error *e)
 {
 	struct ifreq ifr;
 	cleanup_close int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
 
 	if (s < 0)
-		return fail(e, errno, "socket for `lo`");
+		return lfs_error_set(e, errno, "socket for `lo`");
 	memset(&ifr, 0, sizeof(ifr));
 	strcpy(ifr.ifr_name, "lo");
 	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
-		return fail(e, errno, "SIOCGIFFLAGS `lo`");
+		return lfs_error_set(e, errno, "SIOCGIFFLAGS `lo`");
 	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
 	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
-		return fail(e, errno, "SIOCSIFFLAGS `lo`");
+		return lfs_error_set(e, errno, "SIOCSIFFLAGS `lo`");
 	return 0;
 }
 
@@ -374,7 +347,7 @@ static int loopback_up(struct err *e)
  * after pivot_root, so a symlink in the image resolves inside the sandbox.  A
  * path that is itself a symlink (merged-/usr /bin) is left to Landlock: its
  * target is protected when listed too. */
-static int protect_paths(const struct opts *o, struct err *e)
+static int protect_paths(const struct opts *o, struct lfs_error *e)
 {
 	struct mount_attr attr = {.attr_set = MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID |
 					      MOUNT_ATTR_NODEV};
@@ -388,68 +361,68 @@ static int protect_paths(const struct opts *o, struct err *e)
 		if (fstatat(AT_FDCWD, p, &st, AT_SYMLINK_NOFOLLOW) < 0) {
 			if (errno == ENOENT || errno == ENOTDIR)
 				continue;
-			return fail(e, errno, "protect `%s`", p);
+			return lfs_error_set(e, errno, "protect `%s`", p);
 		}
 		if (S_ISLNK(st.st_mode))
 			continue;
 		t = open_tree(AT_FDCWD, p, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE |
 					      AT_SYMLINK_NOFOLLOW);
 		if (t < 0)
-			return fail(e, errno, "protect `%s`: open_tree", p);
+			return lfs_error_set(e, errno, "protect `%s`: open_tree", p);
 		if (mount_setattr(t, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof(attr)) < 0)
-			return fail(e, errno, "protect `%s`: read-only", p);
+			return lfs_error_set(e, errno, "protect `%s`: read-only", p);
 		if (move_mount(t, "", AT_FDCWD, p, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-			return fail(e, errno, "protect `%s`: attach", p);
+			return lfs_error_set(e, errno, "protect `%s`: attach", p);
 	}
 	return 0;
 }
 
-static int child_setup(const struct opts *o, struct child_fds *f, struct err *e)
+static int child_setup(const struct opts *o, struct child_fds *f, struct lfs_error *e)
 {
 	cleanup_close int rootmnt = f->rootmnt;
 
 	f->rootmnt = -1;
 	if (rootmnt < 0 || f->scratch < 0 || f->listen < 0 || f->init_exe < 0 || f->log < 0)
-		return fail(e, EPROTO, "setup message without the rootfs, scratch, socket or log");
+		return lfs_error_set(e, EPROTO, "setup message without the rootfs, scratch, socket or log");
 	/* Moved into the sandbox's cgroups by the parent before the setup
 	 * message: the cgroup namespace is rooted there. */
 	if (unshare(CLONE_NEWCGROUP) < 0)
-		return fail(e, errno, "unshare the cgroup namespace");
+		return lfs_error_set(e, errno, "unshare the cgroup namespace");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
-		return fail(e, errno, "make `/` private");
+		return lfs_error_set(e, errno, "make `/` private");
 	/* Attached on top of this namespace's "/", not on --root: this child runs
 	 * as the sandbox's host uid, which cannot search the 0700 state dir.  The
 	 * old root underneath is detached after pivot_root all the same. */
 	if (move_mount(rootmnt, "", AT_FDCWD, "/", MOVE_MOUNT_F_EMPTY_PATH) < 0)
-		return fail(e, errno, "attach the rootfs");
+		return lfs_error_set(e, errno, "attach the rootfs");
 	if (fchdir(rootmnt) < 0)
-		return fail(e, errno, "chdir into the rootfs");
+		return lfs_error_set(e, errno, "chdir into the rootfs");
 	/* The maps are written now: become root of the new user namespace. */
 	if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
-		return fail(e, errno, "setresuid(0) in the user namespace");
+		return lfs_error_set(e, errno, "setresuid(0) in the user namespace");
 	if (setgroups(0, NULL) < 0)
-		return fail(e, errno, "setgroups");
+		return lfs_error_set(e, errno, "setgroups");
 	if (ensure_dir("proc", 0555, e) || ensure_dir("dev", 0755, e) || ensure_dir("sys", 0555, e) ||
 	    ensure_dir("tmp", 01777, e))
 		return -1;
 	if (mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
-		return fail(e, errno, "mount proc on `/proc`");
+		return lfs_error_set(e, errno, "mount proc on `/proc`");
 	if (make_dev(e) < 0)
 		return -1;
 	if (mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
-		return fail(e, errno, "mount sysfs on `/sys`");
+		return lfs_error_set(e, errno, "mount sysfs on `/sys`");
 	if (sethostname(o->hostname, strlen(o->hostname)) < 0)
-		return fail(e, errno, "sethostname `%s`", o->hostname);
+		return lfs_error_set(e, errno, "sethostname `%s`", o->hostname);
 	if (loopback_up(e) < 0)
 		return -1;
 	/* pivot_root(".", ".") stacks the old root under the new one; detaching
 	 * it leaves no path to the host's filesystem. */
 	if (syscall(SYS_pivot_root, ".", ".") < 0)
-		return fail(e, errno, "pivot_root into `%s`", o->root);
+		return lfs_error_set(e, errno, "pivot_root into `%s`", o->root);
 	if (umount2(".", MNT_DETACH) < 0)
-		return fail(e, errno, "detach the old root");
+		return lfs_error_set(e, errno, "detach the old root");
 	if (chdir("/") < 0)
-		return fail(e, errno, "chdir `/`");
+		return lfs_error_set(e, errno, "chdir `/`");
 	return protect_paths(o, e);
 }
 
@@ -468,7 +441,7 @@ static void child_main(int sync)
 	static struct opts opts;
 	const struct opts *o = &opts;
 	struct child_fds fds, *f = &fds;
-	struct err e = {0};
+	struct lfs_error e = {0};
 	char *argv[24];
 	char *envp[] = {"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", NULL};
 	int argc = 0, hi = 100, nul, got[SETUP_NFDS], oargc;
@@ -490,7 +463,7 @@ static void child_main(int sync)
 	f->pristine = got[SETUP_PRISTINE];
 	oargc = split_args(args, (size_t)len, oargv);
 	if (oargc < 0) {
-		fail(&e, E2BIG, "too many options");
+		lfs_error_set(&e, E2BIG, "too many options");
 		goto out;
 	}
 	if (parse_args(oargc, oargv, &opts, &e) < 0 || child_setup(o, f, &e) < 0)
@@ -507,20 +480,16 @@ static void child_main(int sync)
 		struct rlimit rl = {.rlim_cur = SANDBOX_NOFILE, .rlim_max = SANDBOX_NOFILE};
 
 		if (setrlimit(RLIMIT_NOFILE, &rl) < 0) {
-			fail(&e, errno, "setrlimit(RLIMIT_NOFILE, %d)", SANDBOX_NOFILE);
+			lfs_error_set(&e, errno, "setrlimit(RLIMIT_NOFILE, %d)", SANDBOX_NOFILE);
 			goto out;
 		}
 	}
 	if (o->has_caps) {
-		struct lfs_error le = {0};
-
 		/* CAP_SYS_ADMIN is sbx-init's own when it makes grader views */
 		uint64_t held = f->pristine >= 0 ? 1ULL << CAP_SYS_ADMIN : 0;
 
-		if (lfs_caps_restrict_held(o->caps, held & ~o->caps, &le) < 0) {
-			fail(&e, le.code, "%s", le.msg);
+		if (lfs_caps_restrict_held(o->caps, held & ~o->caps, &e) < 0)
 			goto out;
-		}
 	}
 
 	/* Move the fds sbx-init keeps to 3..6 (via high numbers, so no dup
@@ -540,7 +509,7 @@ static void child_main(int sync)
 				continue;
 			*src[i] = fcntl(*src[i], F_DUPFD_CLOEXEC, hi++);
 			if (*src[i] < 0) {
-				fail(&e, errno, "dup");
+				lfs_error_set(&e, errno, "dup");
 				goto out;
 			}
 		}
@@ -548,14 +517,14 @@ static void child_main(int sync)
 			if (*src[i] < 0)
 				continue;
 			if (place_fd(*src[i], 3 + n) < 0) {
-				fail(&e, errno, "dup");
+				lfs_error_set(&e, errno, "dup");
 				goto out;
 			}
 			*src[i] = 3 + n++;
 		}
 		nul = open("/dev/null", O_RDWR | O_CLOEXEC);
 		if (nul < 0 || dup3(nul, 0, 0) < 0 || dup3(nul, 1, 0) < 0 || dup3(f->log, 2, 0) < 0) {
-			fail(&e, errno, "stdio for sbx-init");
+			lfs_error_set(&e, errno, "stdio for sbx-init");
 			goto out;
 		}
 		fcntl(f->init_exe, F_SETFD, FD_CLOEXEC);
@@ -617,7 +586,7 @@ static void child_main(int sync)
 		argv[argc] = NULL;
 	}
 	syscall(SYS_execveat, f->init_exe, "", argv, envp, AT_EMPTY_PATH);
-	fail(&e, errno, "exec sbx-init");
+	lfs_error_set(&e, errno, "exec sbx-init");
 out:
 	{
 		char line[600];
@@ -630,7 +599,7 @@ out:
 
 /* ---- the parent: host root ------------------------------------------- */
 
-static int write_maps(pid_t pid, const struct opts *o, struct err *e)
+static int write_maps(pid_t pid, const struct opts *o, struct lfs_error *e)
 {
 	char path[64], map[64];
 
@@ -643,7 +612,7 @@ static int write_maps(pid_t pid, const struct opts *o, struct err *e)
 }
 
 /* An id-mapped, read-only, detached clone of one lower layer. */
-static int idmapped_lower(const char *path, int userns, struct err *e)
+static int idmapped_lower(const char *path, int userns, struct lfs_error *e)
 {
 	struct mount_attr attr = {
 		.attr_set = MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV,
@@ -652,12 +621,12 @@ static int idmapped_lower(const char *path, int userns, struct err *e)
 	int fd = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
 
 	if (fd < 0)
-		return fail(e, errno, "open_tree lower `%s`", path);
+		return lfs_error_set(e, errno, "open_tree lower `%s`", path);
 	if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
 		int saved = errno;
 
 		close(fd);
-		return fail(e, saved, "id-map lower `%s` (filesystem without idmapped mounts?)", path);
+		return lfs_error_set(e, saved, "id-map lower `%s` (filesystem without idmapped mounts?)", path);
 	}
 	return fd;
 }
@@ -667,23 +636,23 @@ static int idmapped_lower(const char *path, int userns, struct err *e)
  * bottom.  Made with fsmount, so that sbx-init's children, in mount namespaces
  * of their own, may clone parts of it (open_tree refuses detached trees that
  * open_tree made in another namespace). */
-static int pristine_tree(const struct opts *o, const int *lowers, struct err *e)
+static int pristine_tree(const struct opts *o, const int *lowers, struct lfs_error *e)
 {
 	cleanup_close int tfs = -1, empty = -1, ovl = -1;
 	int i, mnt;
 
 	tfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
 	if (tfs < 0)
-		return fail(e, errno, "fsopen tmpfs (grader view)");
+		return lfs_error_set(e, errno, "fsopen tmpfs (grader view)");
 	if (fsconfig(tfs, FSCONFIG_SET_STRING, "size", "4k", 0) < 0 ||
 	    fsconfig(tfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
 		return fs_fail(e, tfs, errno, "empty tmpfs (grader view)");
 	empty = fsmount(tfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_RDONLY);
 	if (empty < 0)
-		return fail(e, errno, "fsmount empty tmpfs (grader view)");
+		return lfs_error_set(e, errno, "fsmount empty tmpfs (grader view)");
 	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
 	if (ovl < 0)
-		return fail(e, errno, "fsopen overlay (grader view)");
+		return lfs_error_set(e, errno, "fsopen overlay (grader view)");
 	for (i = o->n_lowers - 1; i >= 0; i--)
 		if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, lowers[i]) < 0)
 			return fs_fail(e, ovl, errno, "overlay lowerdir+ (grader view)");
@@ -693,12 +662,12 @@ static int pristine_tree(const struct opts *o, const int *lowers, struct err *e)
 	mnt = fsmount(ovl, FSMOUNT_CLOEXEC,
 		      MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
 	if (mnt < 0)
-		return fail(e, errno, "fsmount overlay (grader view)");
+		return lfs_error_set(e, errno, "fsmount overlay (grader view)");
 	return mnt;
 }
 
 static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int *pristine_out,
-			struct err *e)
+			struct lfs_error *e)
 {
 	char path[64], num[32];
 	cleanup_close int userns = -1;
@@ -711,7 +680,7 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 	snprintf(path, sizeof(path), "/proc/%d/ns/user", child);
 	userns = open(path, O_RDONLY | O_CLOEXEC);
 	if (userns < 0)
-		return fail(e, errno, "open `%s`", path);
+		return lfs_error_set(e, errno, "open `%s`", path);
 	for (i = 0; i < o->n_lowers; i++) {
 		lowers[i] = idmapped_lower(o->lowers[i], userns, e);
 		if (lowers[i] < 0)
@@ -723,13 +692,13 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		 * storage, whose own size limits the upper) */
 		tmpmnt = open(o->upper_dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
 		if (tmpmnt < 0) {
-			fail(e, errno, "open upper dir `%s`", o->upper_dir);
+			lfs_error_set(e, errno, "open upper dir `%s`", o->upper_dir);
 			goto out;
 		}
 	} else {
 		tmpfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
 		if (tmpfs < 0) {
-			fail(e, errno, "fsopen tmpfs");
+			lfs_error_set(e, errno, "fsopen tmpfs");
 			goto out;
 		}
 		snprintf(num, sizeof(num), "%llu", o->disk_bytes);
@@ -741,26 +710,26 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		}
 		tmpmnt = fsmount(tmpfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
 		if (tmpmnt < 0) {
-			fail(e, errno, "fsmount scratch tmpfs");
+			lfs_error_set(e, errno, "fsmount scratch tmpfs");
 			goto out;
 		}
 	}
 	/* upper's root becomes the sandbox's "/": owned by sandbox root */
 	if (mkdirat(tmpmnt, "upper", 0755) < 0 || mkdirat(tmpmnt, "work", 0700) < 0 ||
 	    fchownat(tmpmnt, "upper", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0) {
-		fail(e, errno, "scratch upper/work");
+		lfs_error_set(e, errno, "scratch upper/work");
 		goto out;
 	}
 	upper = openat(tmpmnt, "upper", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	work = openat(tmpmnt, "work", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (upper < 0 || work < 0) {
-		fail(e, errno, "open scratch upper/work");
+		lfs_error_set(e, errno, "open scratch upper/work");
 		goto out;
 	}
 
 	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
 	if (ovl < 0) {
-		fail(e, errno, "fsopen overlay");
+		lfs_error_set(e, errno, "fsopen overlay");
 		goto out;
 	}
 	/* lowerdir+ appends below the layers given so far: top first */
@@ -779,7 +748,7 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 	}
 	mnt = fsmount(ovl, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV);
 	if (mnt < 0) {
-		fail(e, errno, "fsmount overlay");
+		lfs_error_set(e, errno, "fsmount overlay");
 		goto out;
 	}
 	if (o->n_pristine) {
@@ -803,19 +772,19 @@ out:
 	return rc;
 }
 
-static int open_listen(const char *path, struct err *e)
+static int open_listen(const char *path, struct lfs_error *e)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	int fd;
 
 	if (strlen(path) >= sizeof(sa.sun_path))
-		return fail(e, ENAMETOOLONG, "control socket path `%s`", path);
+		return lfs_error_set(e, ENAMETOOLONG, "control socket path `%s`", path);
 	strcpy(sa.sun_path, path);
 	fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	if (fd < 0)
-		return fail(e, errno, "socket");
+		return lfs_error_set(e, errno, "socket");
 	if (unlink(path) < 0 && errno != ENOENT) {
-		fail(e, errno, "unlink `%s`", path);
+		lfs_error_set(e, errno, "unlink `%s`", path);
 		close(fd);
 		return -1;
 	}
@@ -823,7 +792,7 @@ static int open_listen(const char *path, struct err *e)
 	 * sbx-init listens again, which makes it the SO_PEERCRED peer */
 	if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || chmod(path, 0600) < 0 ||
 	    listen(fd, 8) < 0) {
-		fail(e, errno, "bind `%s`", path);
+		lfs_error_set(e, errno, "bind `%s`", path);
 		close(fd);
 		return -1;
 	}
@@ -832,7 +801,7 @@ static int open_listen(const char *path, struct err *e)
 
 /* Enter the sandbox's cgroups: this process (its rootfs work is accounted
  * there too) and the waiting child. */
-static int join_cgroups(const struct opts *o, pid_t child, struct err *e)
+static int join_cgroups(const struct opts *o, pid_t child, struct lfs_error *e)
 {
 	char path[4096], pid[32];
 	int i;
@@ -878,7 +847,7 @@ static void pre_kill(struct pre *p)
 	}
 }
 
-static int prefork(const struct opts *o, struct pre *p, struct err *e)
+static int prefork(const struct opts *o, struct pre *p, struct lfs_error *e)
 {
 	/* CLONE_NEWCGROUP comes later, from the child itself: see child_setup */
 	struct clone_args ca = {
@@ -892,7 +861,7 @@ static int prefork(const struct opts *o, struct pre *p, struct err *e)
 	p->pid = 0;
 	p->sync = -1;
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
-		return fail(e, errno, "socketpair");
+		return lfs_error_set(e, errno, "socketpair");
 	/* The user namespace belongs to the euid that creates it, and per-user
 	 * kernel counters (inotify instances and watches, user namespaces, ...)
 	 * of everything inside are also charged to that owner in the initial
@@ -902,7 +871,7 @@ static int prefork(const struct opts *o, struct pre *p, struct err *e)
 	if (setresuid((uid_t)-1, (uid_t)o->uid_base, (uid_t)-1) < 0) {
 		close(sv[0]);
 		close(sv[1]);
-		return fail(e, errno, "seteuid(%lu) to create the user namespace", o->uid_base);
+		return lfs_error_set(e, errno, "seteuid(%lu) to create the user namespace", o->uid_base);
 	}
 	pid = (pid_t)syscall(SYS_clone3, &ca, sizeof(ca));
 	if (pid == 0) {
@@ -922,11 +891,11 @@ static int prefork(const struct opts *o, struct pre *p, struct err *e)
 		int saved = errno;
 
 		pre_kill(p);
-		return fail(e, saved, "seteuid(0) after clone3");
+		return lfs_error_set(e, saved, "seteuid(0) after clone3");
 	}
 	if (pid < 0) {
 		pre_kill(p);
-		return fail(e, errno, "clone3 with new namespaces");
+		return lfs_error_set(e, errno, "clone3 with new namespaces");
 	}
 	if (write_maps(pid, o, e) < 0) {
 		pre_kill(p);
@@ -938,7 +907,7 @@ static int prefork(const struct opts *o, struct pre *p, struct err *e)
 /* Make the sandbox `o` describes out of the waiting child `p`; `args` are the
  * options as NUL-separated strings (the child parses them too). */
 static int finish(const struct opts *o, struct pre *p, const char *args, size_t len,
-		  pid_t *out_pid, struct err *e)
+		  pid_t *out_pid, struct lfs_error *e)
 {
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
 	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1, pristine = -1;
@@ -948,29 +917,29 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 
 	init_exe = open(o->init, O_RDONLY | O_CLOEXEC);
 	if (init_exe < 0)
-		return fail(e, errno, "open sbx-init `%s`", o->init);
+		return lfs_error_set(e, errno, "open sbx-init `%s`", o->init);
 	log_fd = open(o->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
 	if (log_fd < 0)
-		return fail(e, errno, "open `%s`", o->log);
+		return lfs_error_set(e, errno, "open `%s`", o->log);
 	if (o->cg_v2 || o->cg_freezer) {
 		cg_a = open(o->cg_v2 ? o->cg_v2 : o->cg_freezer, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 		if (cg_a < 0)
-			return fail(e, errno, "open cgroup `%s`", o->cg_v2 ? o->cg_v2 : o->cg_freezer);
+			return lfs_error_set(e, errno, "open cgroup `%s`", o->cg_v2 ? o->cg_v2 : o->cg_freezer);
 	}
 	if (o->cg_memory && !o->cg_v2) {
 		cg_b = open(o->cg_memory, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
 		if (cg_b < 0)
-			return fail(e, errno, "open cgroup `%s`", o->cg_memory);
+			return lfs_error_set(e, errno, "open cgroup `%s`", o->cg_memory);
 	}
 	if (o->landlock) {
 		ll = open(o->landlock, O_RDONLY | O_CLOEXEC);
 		if (ll < 0)
-			return fail(e, errno, "open Landlock ruleset `%s`", o->landlock);
+			return lfs_error_set(e, errno, "open Landlock ruleset `%s`", o->landlock);
 	}
 	if (o->seccomp) {
 		sc = open(o->seccomp, O_RDONLY | O_CLOEXEC);
 		if (sc < 0)
-			return fail(e, errno, "open seccomp program `%s`", o->seccomp);
+			return lfs_error_set(e, errno, "open seccomp program `%s`", o->seccomp);
 	}
 	if (!o->joined && join_cgroups(o, p->pid, e) < 0)
 		return -1;
@@ -987,7 +956,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 				       [SETUP_LL] = ll, [SETUP_SC] = sc, [SETUP_PRISTINE] = pristine};
 
 		if (send_setup(p->sync, args, len, fds) < 0)
-			return fail(e, errno, "send the rootfs to the child");
+			return lfs_error_set(e, errno, "send the rootfs to the child");
 	}
 	n = read(p->sync, reply, sizeof(reply) - 1);
 	if (n > 0) {
@@ -995,18 +964,18 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 
 		reply[n] = 0;
 		sscanf(reply, "%d %n", &code, &off);
-		return fail(e, code, "%s", reply + off);
+		return lfs_error_set(e, code, "%s", reply + off);
 	}
 	if (waitpid(p->pid, &status, WNOHANG) == p->pid) {
 		p->pid = 0;
-		return fail(e, ECHILD, "sandbox child died before exec (status %#x)", status);
+		return lfs_error_set(e, ECHILD, "sandbox child died before exec (status %#x)", status);
 	}
 	*out_pid = p->pid;
 	p->pid = 0; /* sbx-init now: not ours to kill */
 	return 0;
 }
 
-static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
+static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e)
 {
 	int i;
 
@@ -1018,7 +987,7 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 		const char *k = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 
 		if (!v)
-			return fail(e, EINVAL, "option `%s` needs a value", k);
+			return lfs_error_set(e, EINVAL, "option `%s` needs a value", k);
 		i++;
 		if (!strcmp(k, "--status-fd"))
 			o->status_fd = atoi(v);
@@ -1042,11 +1011,11 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 			o->disk_bytes = strtoull(v, NULL, 10);
 		else if (!strcmp(k, "--lower")) {
 			if (o->n_lowers == MAX_LOWERS)
-				return fail(e, EINVAL, "more than %d lowers", MAX_LOWERS);
+				return lfs_error_set(e, EINVAL, "more than %d lowers", MAX_LOWERS);
 			o->lowers[o->n_lowers++] = v;
 		} else if (!strcmp(k, "--join")) {
 			if (o->n_join == MAX_JOIN)
-				return fail(e, EINVAL, "more than %d cgroups to join", MAX_JOIN);
+				return lfs_error_set(e, EINVAL, "more than %d cgroups to join", MAX_JOIN);
 			o->join[o->n_join++] = v;
 		} else if (!strcmp(k, "--cg-freezer"))
 			o->cg_freezer = v;
@@ -1067,39 +1036,39 @@ static int parse_args(int argc, char **argv, struct opts *o, struct err *e)
 
 			o->caps = strtoull(v, &end, 0);
 			if (*end)
-				return fail(e, EINVAL, "--caps `%s` is not a number", v);
+				return lfs_error_set(e, EINVAL, "--caps `%s` is not a number", v);
 			o->has_caps = 1;
 		} else if (!strcmp(k, "--pristine")) {
 			if (o->n_pristine == MAX_PROTECT)
-				return fail(e, EINVAL, "more than %d grader-view paths", MAX_PROTECT);
+				return lfs_error_set(e, EINVAL, "more than %d grader-view paths", MAX_PROTECT);
 			if (v[0] != '/' || strchr(v, ':'))
-				return fail(e, EINVAL, "grader-view path `%s`: absolute, without ':'", v);
+				return lfs_error_set(e, EINVAL, "grader-view path `%s`: absolute, without ':'", v);
 			o->pristine[o->n_pristine++] = v;
 		} else if (!strcmp(k, "--protect")) {
 			if (o->n_protect == MAX_PROTECT)
-				return fail(e, EINVAL, "more than %d protected paths", MAX_PROTECT);
+				return lfs_error_set(e, EINVAL, "more than %d protected paths", MAX_PROTECT);
 			if (v[0] != '/')
-				return fail(e, EINVAL, "protected path `%s` is not absolute", v);
+				return lfs_error_set(e, EINVAL, "protected path `%s` is not absolute", v);
 			o->protect[o->n_protect++] = v;
 		}
 		else
-			return fail(e, EINVAL, "unknown option `%s`", k);
+			return lfs_error_set(e, EINVAL, "unknown option `%s`", k);
 	}
 	if (!o->uid_base || !o->id_count)
-		return fail(e, EINVAL, "--uid-base must be a nonzero host uid (sandbox root is not host root)");
+		return lfs_error_set(e, EINVAL, "--uid-base must be a nonzero host uid (sandbox root is not host root)");
 	if (o->pool)
 		return 0;
 	if (!o->root || !o->ctl || !o->log || !o->init || !o->n_lowers)
-		return fail(e, EINVAL, "--root, --ctl, --log, --init and --lower are required");
+		return lfs_error_set(e, EINVAL, "--root, --ctl, --log, --init and --lower are required");
 	if (!o->disk_bytes)
-		return fail(e, EINVAL, "--disk-bytes must be positive");
+		return lfs_error_set(e, EINVAL, "--disk-bytes must be positive");
 	if (strlen(o->hostname) > 64)
-		return fail(e, EINVAL, "hostname `%s` is longer than 64 bytes", o->hostname);
+		return lfs_error_set(e, EINVAL, "hostname `%s` is longer than 64 bytes", o->hostname);
 	return 0;
 }
 
 /* Read `fd` to EOF into buf (at most cap - 1 bytes); returns the length or -1. */
-static ssize_t read_all(int fd, char *buf, size_t cap, struct err *e)
+static ssize_t read_all(int fd, char *buf, size_t cap, struct lfs_error *e)
 {
 	size_t len = 0;
 
@@ -1109,17 +1078,17 @@ static ssize_t read_all(int fd, char *buf, size_t cap, struct err *e)
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n < 0)
-			return fail(e, errno, "read the options from stdin");
+			return lfs_error_set(e, errno, "read the options from stdin");
 		if (n == 0)
 			return (ssize_t)len;
 		len += (size_t)n;
 		if (len == cap - 1)
-			return fail(e, E2BIG, "options longer than %zu bytes", cap - 2);
+			return lfs_error_set(e, E2BIG, "options longer than %zu bytes", cap - 2);
 	}
 }
 
 /* Options after argv[0] as NUL-separated strings, for the child. */
-static ssize_t join_args(int argc, char **argv, char *buf, size_t cap, struct err *e)
+static ssize_t join_args(int argc, char **argv, char *buf, size_t cap, struct lfs_error *e)
 {
 	size_t len = 0;
 	int i;
@@ -1128,7 +1097,7 @@ static ssize_t join_args(int argc, char **argv, char *buf, size_t cap, struct er
 		size_t n = strlen(argv[i]) + 1;
 
 		if (len + n >= cap)
-			return fail(e, E2BIG, "options longer than %zu bytes", cap - 1);
+			return lfs_error_set(e, E2BIG, "options longer than %zu bytes", cap - 1);
 		memcpy(buf + len, argv[i], n);
 		len += n;
 	}
@@ -1139,7 +1108,7 @@ int main(int argc, char **argv)
 {
 	static char args[MAX_SETUP];
 	static char *pargv[MAX_ARGS + 1];
-	struct err e = {0};
+	struct lfs_error e = {0};
 	struct opts o;
 	struct pre p = {.pid = 0, .sync = -1};
 	char line[700];
@@ -1169,12 +1138,12 @@ int main(int argc, char **argv)
 			rc = len < 0 ? -1 : 0;
 			if (rc == 0) {
 				pargc = split_args(args, (size_t)len, pargv);
-				rc = pargc < 0 ? fail(&e, E2BIG, "too many options")
+				rc = pargc < 0 ? lfs_error_set(&e, E2BIG, "too many options")
 					       : parse_args(pargc, pargv, &o, &e);
 			}
 			o.status_fd = status_fd;
 			if (rc == 0 && (o.pool || o.uid_base != base || o.id_count != count))
-				rc = fail(&e, EINVAL, "options for uid base %lu, count %lu given to the "
+				rc = lfs_error_set(&e, EINVAL, "options for uid base %lu, count %lu given to the "
 					  "spawner made for %lu, %lu", o.uid_base, o.id_count, base, count);
 		}
 	} else if (rc == 0) {

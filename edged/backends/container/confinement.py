@@ -1,7 +1,7 @@
 """Confinement of container sandboxes: the per-sandbox policy files, the security events
 sbx-init and the cgroups report, and the grader's tamper check.
 
-Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/sbx-init.c``):
+Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/child.c``):
 
 - the spawner, as sandbox root before it execs sbx-init: read-only bind mounts of the task
   profile's protected paths, then the capability set :data:`edged.security.confine.

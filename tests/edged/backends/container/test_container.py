@@ -17,7 +17,7 @@ import pytest
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend, ContainerExec
 from edged.backends.container import protocol as P
-from edged.errors import BadRequest, Conflict, InvalidState, NotFound
+from edged.errors import BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
 from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -128,6 +128,28 @@ def test_bad_input(backend: ContainerBackend, busybox_tree: Path, tmp_path: Path
                 await backend.exec("sb1", ExecSpec(argv=("echo", "a\0b"), env=ENV))
             out, _, end = await sh(backend, "sb1", "id -u; id -g", uid=1000, gid=1001)
             assert out.split() == [b"1000", b"1001"] and end.exit_code == 0
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_exec_start_failure_names_the_call(backend: ContainerBackend,
+                                           busybox_tree: Path) -> None:
+    """An exec sbx-init cannot start says which call failed (it said only the errno's text):
+    here fork, at a full pids limit (the first exec took the spare child, so the second
+    forks)."""
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            h = await backend.exec("sb1", ExecSpec(argv=("sleep", "100"), env=ENV))
+            cg = backend.cgroups.path_of("sb1")
+            pids = cg.dirs.get("pids") or cg.dirs["v2"]
+            (pids / "pids.max").write_text((pids / "pids.current").read_text())
+            with pytest.raises(PidsExhausted, match="exec: fork: "):
+                await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+            await h.kill()
+            await collect(h)
         finally:
             await backend.destroy("sb1")
 

@@ -1,0 +1,152 @@
+/* Per-exec cgroups, so that a timeout or a kill takes an exec's whole tree,
+ * daemonized grandchildren included, and its OOM kills and peak memory are its
+ * own.  They are made under the sandbox's cgroups (delegated to the sandbox's
+ * root, passed to sbx-init as directory fds) by one of two implementations,
+ * cgroup-v1.c or cgroup-v2.c; without either, execs get none and a tree is
+ * killed by its session (exec.c). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sbx-init.h"
+
+/* Pick the implementation from the directories given at start-up. */
+void cg_init(struct sbx_cg *cg)
+{
+	cg->mode = SBX_CGROUP_NONE;
+	cg->ops = NULL;
+	if (cg->v2 >= 0) {
+		cg->mode = SBX_CGROUP_V2;
+		cg->ops = &cg_v2_ops;
+	} else if (cg->freezer >= 0) {
+		cg->mode = SBX_CGROUP_V1;
+		cg->ops = &cg_v1_ops;
+	}
+}
+
+/* Make the next exec's cgroup: its name in name[] ("" if none) and in join[]
+ * the fds of the files the child writes "0" into to join it (or -1).  A
+ * failure is logged and leaves the exec without one. */
+void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2])
+{
+	const char *what = "mkdir";
+	int saved;
+
+	join[0] = join[1] = -1;
+	name[0] = 0;
+	if (!cg->ops)
+		return;
+	snprintf(name, CG_NAME_MAX, "e%llu", (unsigned long long)++cg->counter);
+	if (cg->ops->make(cg, name, join, &what) == 0)
+		return;
+	saved = errno;
+	logmsg("sbx-init: cgroup %s: %s: %s (tree kill falls back to the session sweep)", name,
+	       what, strerror(saved));
+	for (int i = 0; i < 2; i++)
+		if (join[i] >= 0)
+			close(join[i]);
+	join[0] = join[1] = -1;
+	cg->ops->remove(cg, name);
+	name[0] = 0;
+}
+
+/* An exec's cgroup may still hold background processes when the exec ends;
+ * remove it once they are gone (cg_retry_pending, after each reap). */
+void cg_release(struct sbx_cg *cg, char name[CG_NAME_MAX])
+{
+	if (!name[0])
+		return;
+	if (cg->ops->remove(cg, name) < 0 && cg->n_pending_rm < MAX_PENDING_RM)
+		memcpy(cg->pending_rm[cg->n_pending_rm++], name, CG_NAME_MAX);
+	name[0] = 0;
+}
+
+void cg_retry_pending(struct sbx_cg *cg)
+{
+	int i = 0;
+
+	while (i < cg->n_pending_rm) {
+		if (cg->ops->remove(cg, cg->pending_rm[i]) == 0) {
+			memcpy(cg->pending_rm[i], cg->pending_rm[--cg->n_pending_rm], CG_NAME_MAX);
+			continue;
+		}
+		i++;
+	}
+}
+
+/* Kill every process of cgroup `name`; -1 if there is none or it failed. */
+int cg_kill(struct sbx_cg *cg, const char *name)
+{
+	if (!name[0] || !cg->ops)
+		return -1;
+	return cg->ops->kill(cg, name);
+}
+
+void cg_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak)
+{
+	*oom = 0;
+	*peak = 0;
+	if (name[0] && cg->ops)
+		cg->ops->stats(cg, name, oom, peak);
+}
+
+/* ---- files of a cgroup, relative to a hierarchy's directory fd ---------- */
+
+int cg_write(int dirfd, const char *cg, const char *file, const char *val)
+{
+	char path[64];
+	int fd, rc = 0;
+
+	snprintf(path, sizeof(path), "%s/%s", cg, file);
+	fd = openat(dirfd, path, O_WRONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (write(fd, val, strlen(val)) < 0)
+		rc = -1;
+	close(fd);
+	return rc;
+}
+
+ssize_t cg_read(int dirfd, const char *cg, const char *file, char *out, size_t size)
+{
+	char path[64];
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "%s/%s", cg, file);
+	fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	n = read(fd, out, size - 1);
+	close(fd);
+	if (n < 0)
+		return -1;
+	out[n] = 0;
+	return n;
+}
+
+/* Value of "key N" in a flat-keyed cgroup file, or 0. */
+uint64_t cg_key(int dirfd, const char *cg, const char *file, const char *key)
+{
+	char text[1024], *p;
+	size_t klen = strlen(key);
+
+	if (cg_read(dirfd, cg, file, text, sizeof(text)) < 0)
+		return 0;
+	for (p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL)
+		if (!strncmp(p, key, klen) && p[klen] == ' ')
+			return strtoull(p + klen + 1, NULL, 10);
+	return 0;
+}
+
+uint64_t cg_u64(int dirfd, const char *cg, const char *file)
+{
+	char text[64];
+
+	if (cg_read(dirfd, cg, file, text, sizeof(text)) < 0)
+		return 0;
+	return strtoull(text, NULL, 10);
+}

@@ -1,0 +1,296 @@
+/* sbx-init: PID 1 of a sandbox.
+ *
+ * Reaps every process that ends up parented to it, and runs commands for edged
+ * over the control socket described in protocol.h.  One thread, one epoll loop;
+ * every fd non-blocking so that no peer (client or workload) can stall it.
+ * Its parts are listed in sbx-init.h.
+ *
+ * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
+ *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
+ *                 [-P PRISTINE_FD -G PATH[:PATH...]]
+ *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
+ *                  SO_PEERCRED on a client's connection names sbx-init);
+ *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
+ *                  sandbox root, under which each exec gets its own cgroup so
+ *                  that a timeout or kill takes its whole tree, daemonized
+ *                  grandchildren included (cgroup.c).
+ *   LANDLOCK_FD    a file holding a Landlock ruleset blob (lfs_confine.h),
+ *                  read and resolved once at start-up, while the rootfs is
+ *                  still exactly what the layers hold;
+ *   SECCOMP_FD     a file holding a classic-BPF seccomp program whose denials
+ *                  are user notifications;
+ *   PROFILE        an AppArmor profile (loaded by the daemon) each exec changes
+ *                  to at execve (aa_change_onexec), on kernels with AppArmor;
+ *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
+ *                  overlay): only kept open, so the daemon can inspect the
+ *                  upper through /proc/<pid>/fd before a grader exec.
+ *   PRISTINE_FD    a detached read-only mount of the lowers alone, and the
+ *                  PATHs a grader exec (SBX_EXEC_GRADER) sees from it
+ *                  (grader.c).
+ * Every inherited fd is made close-on-exec at start-up: no workload process
+ * inherits the control channel or a cgroup directory.  How each exec is
+ * confined is in child.c; the child forked ahead of the next exec in spare.c.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <linux/capability.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "lfs_confine.h"
+#include "sbx-init.h"
+
+/* Read a whole policy file (at most `max` bytes) into a new buffer. */
+static uint8_t *slurp(int fd, size_t max, size_t *len)
+{
+	struct stat st;
+	uint8_t *p;
+	size_t off = 0;
+
+	if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
+	    (size_t)st.st_size > max) {
+		errno = EINVAL;
+		return NULL;
+	}
+	p = malloc((size_t)st.st_size);
+	if (!p)
+		return NULL;
+	while (off < (size_t)st.st_size) {
+		ssize_t n = pread(fd, p + off, (size_t)st.st_size - off, (off_t)off);
+
+		if (n <= 0) {
+			free(p);
+			errno = n < 0 ? errno : EIO;
+			return NULL;
+		}
+		off += (size_t)n;
+	}
+	*len = off;
+	return p;
+}
+
+/* A sandbox asked to be confined is never started unconfined: any failure
+ * here is fatal, and the spawner reports sbx-init's early exit. */
+static int load_policies(struct sbx_policy *pol, int ll_fd, int sc_fd)
+{
+	struct lfs_error err = {0};
+
+	if (ll_fd >= 0) {
+		size_t len;
+		uint8_t *blob = slurp(ll_fd, LFS_LL_MAX_BLOB, &len);
+
+		if (!blob) {
+			logmsg("sbx-init: read the Landlock ruleset: %s", strerror(errno));
+			return -1;
+		}
+		pol->ll_ruleset = lfs_landlock_prepare(blob, len, &err);
+		pol->ll_flags = lfs_landlock_flags(blob, len);
+		free(blob);
+		close(ll_fd);
+		if (pol->ll_ruleset < 0) {
+			logmsg("sbx-init: Landlock: %s", err.msg);
+			return -1;
+		}
+	}
+	if (sc_fd >= 0) {
+		pol->sc_prog = slurp(sc_fd, 4096 * 8, &pol->sc_len);
+		close(sc_fd);
+		if (!pol->sc_prog) {
+			logmsg("sbx-init: read the seccomp program: %s", strerror(errno));
+			return -1;
+		}
+	}
+	return 0;
+}
+
+static int parse_fd(const char *s)
+{
+	char *end;
+	long v = strtol(s, &end, 10);
+
+	if (*end || v < 0 || v > INT_MAX)
+		return -1;
+	fcntl((int)v, F_SETFD, FD_CLOEXEC);
+	return (int)v;
+}
+
+/* The spawner left CAP_SYS_ADMIN inheritable so that this program, exec'd as
+ * root, got it; nothing exec'd from here may. */
+static int drop_inheritable(void)
+{
+	struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+	struct __user_cap_data_struct data[2];
+
+	if (syscall(SYS_capget, &hdr, data) < 0) {
+		logmsg("sbx-init: drop inheritable capabilities: capget: %s", strerror(errno));
+		return -1;
+	}
+	data[0].inheritable = data[1].inheritable = 0;
+	if (syscall(SYS_capset, &hdr, data) < 0) {
+		logmsg("sbx-init: drop inheritable capabilities: capset: %s", strerror(errno));
+		return -1;
+	}
+	return 0;
+}
+
+static void on_sigchld(struct sbx *s)
+{
+	struct signalfd_siginfo si;
+	struct rusage ru;
+	int status;
+	pid_t pid;
+
+	while (read(s->sig_fd, &si, sizeof(si)) == sizeof(si))
+		;
+	while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0)
+		exec_on_reaped(s, pid, status, &ru);
+	if (s->cg.n_pending_rm)
+		cg_retry_pending(&s->cg);
+}
+
+static void update_interest(struct sbx *s)
+{
+	exec_update_interest(s);
+	ctl_update_interest(s);
+	s->interest_dirty = 0;
+}
+
+static void dispatch(struct sbx *s, const struct epoll_event *ev)
+{
+	int kind = (int)(ev->data.u64 & 0xff);
+	struct exec *e = &s->execs[(ev->data.u64 >> 8) % SBX_MAX_EXECS];
+
+	switch (kind) {
+	case K_LISTEN: ctl_on_accept(s); break;
+	case K_SIG: on_sigchld(s); break;
+	case K_CLIENT:
+		if (!ctl_connected(s))
+			break;
+		if (ev->events & (EPOLLIN | EPOLLHUP | EPOLLERR))
+			ctl_on_readable(s);
+		if (ctl_connected(s) && (ev->events & EPOLLOUT))
+			ctl_flush(s);
+		break;
+	case K_ERRPIPE:
+		if (e->used && e->errpipe >= 0)
+			exec_on_errpipe(s, e);
+		break;
+	case K_NOTIF:
+		if (e->used && e->notif >= 0)
+			exec_on_notif(s, e, ev->events);
+		break;
+	case K_OUT:
+		if (!e->used || e->out_fd < 0)
+			break;
+		if (e->pty && (ev->events & EPOLLOUT) && e->in_fd >= 0)
+			exec_on_stdin_writable(s, e);
+		if (e->out_fd >= 0 && (ev->events & (EPOLLIN | EPOLLHUP | EPOLLERR)))
+			exec_on_output(s, e, K_OUT);
+		break;
+	case K_ERR:
+		if (e->used && e->err_fd >= 0)
+			exec_on_output(s, e, K_ERR);
+		break;
+	case K_IN:
+		if (e->used && e->in_fd >= 0)
+			exec_on_stdin_writable(s, e);
+		break;
+	}
+}
+
+int main(int argc, char **argv)
+{
+	static struct sbx sbx;
+	struct sbx *s = &sbx;
+	struct epoll_event evs[64];
+	sigset_t mask;
+	int opt, ll_fd = -1, sc_fd = -1;
+
+	s->ep = s->sig_fd = -1;
+	s->ctl.listen_fd = s->ctl.client_fd = -1;
+	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
+	s->pol.ll_ruleset = s->pol.pristine_fd = -1;
+	s->spare.sock = -1;
+	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:A:P:G:")) != -1) {
+		switch (opt) {
+		case 'l': s->ctl.listen_fd = parse_fd(optarg); break;
+		case 'f': s->cg.freezer = parse_fd(optarg); break;
+		case 'm': s->cg.memory = parse_fd(optarg); break;
+		case 'u': s->cg.v2 = parse_fd(optarg); break;
+		case 'L': ll_fd = parse_fd(optarg); break;
+		case 'S': sc_fd = parse_fd(optarg); break;
+		case 'U': parse_fd(optarg); break; /* kept open, close-on-exec */
+		case 'A': s->pol.aa_profile = optarg; break;
+		case 'P': s->pol.pristine_fd = parse_fd(optarg); break;
+		case 'G': s->pol.grader_paths = optarg; break;
+		default:
+			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
+			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
+			       "[-P PRISTINE_FD -G PATHS]");
+			return 2;
+		}
+	}
+	if (load_policies(&s->pol, ll_fd, sc_fd) < 0)
+		return 1;
+	if (s->pol.pristine_fd >= 0 && drop_inheritable() < 0)
+		return 1; /* fail closed: an exec could inherit CAP_SYS_ADMIN */
+	if (s->ctl.listen_fd < 0) {
+		logmsg("sbx-init: -l LISTEN_FD is required");
+		return 2;
+	}
+	cg_init(&s->cg);
+	/* Not dumpable: /proc/1/{mem,fd,...} need ptrace rights over a
+	 * non-dumpable task, which the workload's capabilities are checked
+	 * against (tightened further by the confinement layer). */
+	prctl(PR_SET_DUMPABLE, 0);
+	signal(SIGPIPE, SIG_IGN);
+	sigemptyset(&mask);
+	sigaddset(&mask, SIGCHLD);
+	sigprocmask(SIG_BLOCK, &mask, NULL);
+	s->sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+	if (s->sig_fd < 0) {
+		logmsg("sbx-init: signalfd: %s", strerror(errno));
+		return 1;
+	}
+	s->ep = epoll_create1(EPOLL_CLOEXEC);
+	if (s->ep < 0) {
+		logmsg("sbx-init: epoll_create1: %s", strerror(errno));
+		return 1;
+	}
+	if (listen(s->ctl.listen_fd, 8) < 0) {
+		logmsg("sbx-init: listen: %s", strerror(errno));
+		return 1;
+	}
+	set_nonblock(s->ctl.listen_fd);
+	exec_init_slots(s);
+	ep_add(s, s->ctl.listen_fd, K_LISTEN, 0, EPOLLIN);
+	ep_add(s, s->sig_fd, K_SIG, 0, EPOLLIN);
+	spare_make(s);
+	for (;;) {
+		int n, k;
+
+		if (s->interest_dirty)
+			update_interest(s);
+		n = epoll_wait(s->ep, evs, 64, exec_next_timeout_ms(s, now_ns()));
+		if (n < 0 && errno != EINTR) {
+			logmsg("sbx-init: epoll_wait: %s", strerror(errno));
+			sleep(1);
+		}
+		for (k = 0; k < n; k++)
+			dispatch(s, &evs[k]);
+		exec_check_deadlines(s, now_ns());
+		if (ctl_pending(s))
+			ctl_flush(s);
+	}
+}

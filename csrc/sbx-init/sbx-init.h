@@ -1,0 +1,201 @@
+/* sbx-init's internals, shared by its subsystems (one file each):
+ *
+ *   main.c       start-up (options, policies, capabilities) and the epoll loop
+ *   io.c         buffers, epoll registrations, logging, the clock
+ *   control.c    the control channel: framing, the outgoing queue, dispatch (protocol.h)
+ *   exec.c       an exec's life: start, output and stdin with flow control, end
+ *   child.c      what an exec's child does between fork and execve, confinement included
+ *   grader.c     a grader exec's view of the layers (SBX_EXEC_GRADER)
+ *   spare.c      the child forked ahead of the next exec
+ *   cgroup.c     per-exec cgroups, over one of:
+ *   cgroup-v1.c  a freezer (+ memory) hierarchy, or
+ *   cgroup-v2.c  the unified hierarchy
+ *
+ * All of sbx-init's state is one `struct sbx`, made by main() and handed to
+ * every function that needs it; the only other static data are buffers too
+ * large for a stack.
+ */
+#ifndef SBX_INIT_H
+#define SBX_INIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/resource.h>
+#include <sys/types.h>
+
+#include "protocol.h"
+
+#define DRAIN_NS       (20 * 1000000ull) /* output grace after the main process ends */
+#define OUTQ_HIGH      (1u << 20)        /* stop reading pipes above this much unsent */
+#define STDIN_MAX      (4u << 20)        /* stdin bytes buffered per exec */
+#define MAX_PENDING_RM 1024
+#define CG_NAME_MAX    24
+
+/* What an epoll event is about: the kind in the low byte, the exec's slot above. */
+enum sbx_kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE, K_NOTIF };
+
+struct sbx_buf {
+	uint8_t *p;
+	size_t off, len, cap; /* unsent data is p[off..len) */
+};
+
+/* One exec, from SBX_EXEC to SBX_END (a slot of sbx.execs). */
+struct exec {
+	int used;
+	uint32_t id;
+	pid_t pid;
+	int out_fd, err_fd, in_fd, errpipe;
+	int notif;           /* seccomp listener of the exec's filter, -1 if none */
+	uint32_t ev_dropped; /* its denials not sent since the last one sent */
+	int pty;             /* out_fd is the pty master; stdin goes there too */
+	int started, failed, reaped, orphan;
+	int status;
+	struct rusage ru;
+	uint64_t t0, t_end, deadline, drain_deadline;
+	uint64_t limit, total;
+	int64_t window;
+	uint32_t reason;     /* forced end reason (timeout, output limit, killed), else 0 */
+	int stdin_wanted, stdin_eof;
+	struct sbx_buf in;
+	char cg[CG_NAME_MAX]; /* per-exec cgroup name, "" if none */
+};
+
+struct sbx_cg;
+
+/* One cgroup hierarchy's way of doing the per-exec cgroup's work. */
+struct cg_ops {
+	/* Make cgroup `name`; fill join[] with fds (close-on-exec) of the files a
+	 * process writes "0" into to join it.  -1 with errno set and `*what`
+	 * naming the call that failed. */
+	int (*make)(struct sbx_cg *cg, const char *name, int join[2], const char **what);
+	/* Remove it; -1 if it still exists (busy). */
+	int (*remove)(struct sbx_cg *cg, const char *name);
+	/* Kill every process in it; -1 if that could not be done. */
+	int (*kill)(struct sbx_cg *cg, const char *name);
+	/* Whether the OOM killer struck in it, and its peak memory (bytes, 0 unknown). */
+	void (*stats)(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak);
+};
+
+struct sbx_cg {
+	int mode;                    /* enum sbx_cgroup_mode */
+	const struct cg_ops *ops;    /* NULL with SBX_CGROUP_NONE */
+	int freezer, memory, v2;     /* the delegated directories (-1: none) */
+	uint64_t counter;            /* names e1, e2, ... */
+	char pending_rm[MAX_PENDING_RM][CG_NAME_MAX]; /* still busy when their exec ended */
+	int n_pending_rm;
+};
+
+/* How each exec is confined (child.c, grader.c): read at start-up. */
+struct sbx_policy {
+	int ll_ruleset;           /* prepared Landlock ruleset, -1: none */
+	uint32_t ll_flags;
+	uint8_t *sc_prog;         /* seccomp program, NULL: none */
+	size_t sc_len;
+	const char *aa_profile;   /* AppArmor profile for execs, NULL: none */
+	int pristine_fd;          /* the lowers-only tree for grader views, -1: none */
+	const char *grader_paths; /* ':'-separated paths a grader view replaces */
+};
+
+/* The child forked ahead of the next exec (spare.c); pid 0: none. */
+struct sbx_spare {
+	pid_t pid;
+	int sock;              /* the request goes here */
+	char cg[CG_NAME_MAX];  /* the cgroups it moved into */
+};
+
+/* The control channel (control.c). */
+struct sbx_ctl {
+	int listen_fd;   /* the inherited listening socket */
+	int client_fd;   /* the one connection, -1 if none */
+	struct sbx_buf outq;
+	uint8_t inbuf[sizeof(struct sbx_hdr) + SBX_MAX_PAYLOAD];
+	size_t inlen;
+};
+
+struct sbx {
+	int ep;              /* the epoll instance */
+	int sig_fd;          /* SIGCHLD */
+	int interest_dirty;  /* epoll interests to recompute (update_interest) */
+	uint64_t ev_tat;     /* GCRA theoretical arrival time of the next event, ns */
+	struct sbx_ctl ctl;
+	struct sbx_cg cg;
+	struct sbx_policy pol;
+	struct sbx_spare spare;
+	struct exec execs[SBX_MAX_EXECS];
+};
+
+/* What an exec's child needs (child.c). */
+struct child_args {
+	const struct sbx_exec *req;
+	const char *cwd;
+	char **argv, **envp;
+	int in_r, out_w, err_w, errpipe_w, join[2];
+	const char *pty_name;
+};
+
+/* io.c */
+uint64_t now_ns(void);
+void logmsg(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+int buf_reserve(struct sbx_buf *b, size_t more);
+void buf_free(struct sbx_buf *b);
+void ep_add(struct sbx *s, int fd, int kind, int slot, uint32_t events);
+void ep_set(struct sbx *s, int fd, int kind, int slot, uint32_t events);
+void ep_close(struct sbx *s, int *fd);
+void set_nonblock(int fd);
+
+/* control.c */
+void ctl_send(struct sbx *s, uint16_t type, uint32_t exec_id, const void *a, size_t alen,
+	      const void *b, size_t blen);
+void ctl_error(struct sbx *s, uint32_t exec_id, int code, const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+size_t ctl_pending(const struct sbx *s);
+int ctl_connected(const struct sbx *s);
+void ctl_on_accept(struct sbx *s);
+void ctl_on_readable(struct sbx *s);
+void ctl_flush(struct sbx *s);
+void ctl_update_interest(struct sbx *s);
+
+/* exec.c */
+void exec_init_slots(struct sbx *s);
+void exec_start(struct sbx *s, uint32_t id, uint8_t *payload, uint32_t len);
+void exec_message(struct sbx *s, const struct sbx_hdr *h, const uint8_t *p);
+unsigned exec_count(const struct sbx *s);
+void exec_orphan_all(struct sbx *s);
+void exec_on_errpipe(struct sbx *s, struct exec *e);
+void exec_on_notif(struct sbx *s, struct exec *e, uint32_t events);
+void exec_on_output(struct sbx *s, struct exec *e, int which);
+void exec_on_stdin_writable(struct sbx *s, struct exec *e);
+void exec_on_reaped(struct sbx *s, pid_t pid, int status, const struct rusage *ru);
+void exec_check_deadlines(struct sbx *s, uint64_t now);
+int exec_next_timeout_ms(const struct sbx *s, uint64_t now);
+void exec_update_interest(struct sbx *s);
+
+/* child.c */
+char **split_strings(char *p, size_t len, uint32_t n, char **out);
+void exec_arrays(const struct sbx_exec *req, char **strs, char ***argv, char ***envp);
+void child_fail(int fd, int code, const char *what, const char *arg) __attribute__((noreturn));
+void child_run(const struct sbx_policy *pol, struct child_args *a) __attribute__((noreturn));
+
+/* grader.c */
+void grader_view(const struct sbx_policy *pol, int errpipe_w, uint32_t uid, uint32_t gid);
+
+/* spare.c */
+void spare_make(struct sbx *s);
+void spare_drop(struct sbx *s, int kill_it);
+pid_t spare_take(struct sbx *s, struct exec *e, const struct child_args *a,
+		 const uint8_t *payload, uint32_t len);
+
+/* cgroup.c */
+void cg_init(struct sbx_cg *cg);
+void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2]);
+void cg_release(struct sbx_cg *cg, char name[CG_NAME_MAX]);
+void cg_retry_pending(struct sbx_cg *cg);
+int cg_kill(struct sbx_cg *cg, const char *name);
+void cg_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak);
+int cg_write(int dirfd, const char *cg, const char *file, const char *val);
+ssize_t cg_read(int dirfd, const char *cg, const char *file, char *out, size_t size);
+uint64_t cg_key(int dirfd, const char *cg, const char *file, const char *key);
+uint64_t cg_u64(int dirfd, const char *cg, const char *file);
+extern const struct cg_ops cg_v1_ops, cg_v2_ops;
+
+#endif
