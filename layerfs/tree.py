@@ -10,8 +10,11 @@ Path rule (documented in the README, applied to every source): a path is split o
 empty components and ``.`` are dropped; ``..`` removes the previous component and is
 ignored at the root, so no path can name anything outside the layer root (``../../etc``
 and ``/etc`` both mean ``etc``). A component containing NUL or longer than 255 bytes is
-rejected. Symlinks are never followed while placing entries: an entry whose parent is a
-symlink, or any other non-directory, is rejected.
+rejected, except that the last one may be an OCI whiteout marker ``.wh.NAME`` of up to
+259 bytes: ``NAME`` itself fits the 255 bytes, docker writes and applies such markers,
+and they never reach an image as names (:mod:`layerfs.sources.whiteout` converts them;
+the writer refuses any name over 255 bytes). Symlinks are never followed while placing
+entries: an entry whose parent is a symlink, or any other non-directory, is rejected.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from layerfs.errors import InvalidSourceError
 
 NAME_MAX = 255  # EROFS_NAME_LEN, linux/limits.h NAME_MAX
+WHITEOUT_PREFIX = b".wh."  # OCI image-spec layer.md, "Whiteouts"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +56,8 @@ class Data:
     a tar source). Without ``extents`` the file's ``size`` bytes are at ``offset`` in it.
     With ``extents`` (sparse files) each ``(file_offset, length, source_offset)`` triple
     places ``length`` bytes; they are sorted, do not overlap, and everything outside them
-    is a hole that reads as zeros.
+    is a hole that reads as zeros; ``extents == ()`` is a file that is all hole, and
+    ``path`` is then never read (it may be ``""``).
 
     ``identity``, if given, is the :class:`SourceId` of ``path`` at scan time; the writer
     then refuses the file if ``path`` is no longer that file. Whatever ``identity``, the
@@ -114,20 +119,26 @@ def split_path(path: str | bytes) -> tuple[bytes, ...]:
     """Normalise ``path`` to its components inside the layer root (see the module rule).
 
     Returns ``()`` for the root itself. Raises :class:`InvalidSourceError` for a NUL
-    byte or a component longer than 255 bytes.
+    byte or a component longer than 255 bytes (a last component ``.wh.NAME``: longer
+    than 259).
     """
     raw = path.encode("utf-8", "surrogateescape") if isinstance(path, str) else bytes(path)
     if b"\0" in raw:
         raise InvalidSourceError(f"path {_text(raw)!r}: contains a NUL byte")
     parts: list[bytes] = []
-    for comp in raw.split(b"/"):
+    comps = raw.split(b"/")
+    while comps and comps[-1] in (b"", b"."):
+        comps.pop()
+    for i, comp in enumerate(comps):
         if comp in (b"", b"."):
             continue
         if comp == b"..":
             if parts:
                 parts.pop()
             continue
-        if len(comp) > NAME_MAX:
+        if len(comp) > NAME_MAX and not (
+                i == len(comps) - 1 and comp.startswith(WHITEOUT_PREFIX)
+                and len(comp) <= NAME_MAX + len(WHITEOUT_PREFIX)):
             raise InvalidSourceError(
                 f"path {_text(raw)!r}: component longer than {NAME_MAX} bytes")
         parts.append(comp)

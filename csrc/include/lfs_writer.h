@@ -16,7 +16,8 @@
 
 #include "lfs_error.h"
 
-#define LFS_WR_SPARSE 0x1u  /* regular file: data placed by extents, rest holes */
+#define LFS_WR_SPARSE 0x1u  /* regular file: data placed by extents, rest holes (no
+			     * extents: all hole, and no source is read) */
 #define LFS_WR_SRC_ID 0x2u  /* regular file: the source must still be the file scanned
 			     * (src_dev/src_ino/src_size/src_mtime_*), else refused */
 

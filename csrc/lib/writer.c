@@ -218,6 +218,13 @@ static int xattr_cmp(const void *pa, const void *pb, void *ctx)
 			w->in->blob + b->name_off, b->name_len);
 }
 
+/* A regular file with bytes to copy: not empty, and not a sparse file that is all
+ * hole (no extents: a preallocated file; its chunks are all holes). */
+static bool file_reads_source(const struct lfs_wr_inode *ino)
+{
+	return ino->size && (!(ino->flags & LFS_WR_SPARSE) || ino->extent_count);
+}
+
 static int validate_inode(struct wr *w, uint32_t i)
 {
 	const struct lfs_wr_input *in = w->in;
@@ -240,7 +247,7 @@ static int validate_inode(struct wr *w, uint32_t i)
 		if (ino->size > LFS_WR_MAX_FILE_SIZE)
 			return wr_fail(w, i, EINVAL, "size %llu too large (maximum %llu)",
 				       (unsigned long long)ino->size, LFS_WR_MAX_FILE_SIZE);
-		if (ino->size && (!ino->str_len || ino->str_len > PATH_MAX ||
+		if (file_reads_source(ino) && (!ino->str_len || ino->str_len > PATH_MAX ||
 				  !blob_ok(w, ino->str_off, ino->str_len) ||
 				  memchr(in->blob + ino->str_off, 0, ino->str_len)))
 			return wr_fail(w, i, EINVAL, "missing or bad data source path");
@@ -977,7 +984,7 @@ static int write_file(struct wr *w, uint32_t i)
 	cleanup_close int fd = -1;
 	uint64_t body;
 
-	if (!n->size)
+	if (!file_reads_source(ino))
 		return 0;
 	memcpy(path, w->in->blob + ino->str_off, ino->str_len);
 	path[ino->str_len] = '\0';

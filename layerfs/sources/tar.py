@@ -49,9 +49,25 @@ symlink targets, xattr names outside the ``user.``/``trusted.``/``security.``/``
 namespaces or longer than 255 bytes, POSIX ACL xattrs (``system.posix_acl_access``,
 ``_default``) the kernel would not read back (not version 2, not 8-byte entries, unknown
 tags, out of ``posix_acl_valid()`` order, missing base or mask entries),
-``trusted.overlay.*``/``user.overlay.*`` xattrs (they would steer overlayfs: whiteouts,
-opaque dirs and redirects come only from OCI markers, see
-:mod:`layerfs.sources.whiteout`), values over 64 KiB, and metadata headers over 8 MiB.
+``security.capability`` values setxattr(2) would refuse (anything but revision 2 in 20
+bytes or revision 3 in 24 bytes with at most the effective flag, or a v3 rootid of -1:
+``cap_convert_nscap()`` in ``security/commoncap.c``; the kernel would fail execve of the
+file with EINVAL),
+``trusted.overlay.*``/``user.overlay.*`` xattrs (they would steer overlayfs: opaque
+dirs and redirects come only from OCI markers, see :mod:`layerfs.sources.whiteout`),
+values over 64 KiB, and metadata headers over 8 MiB.
+
+Whiteouts: ``.wh.`` markers are an OCI convention and are whiteouts only in OCI layers
+(:mod:`layerfs.sources.oci`); in a plain tar they are ordinary files. A character device
+0:0, though, is overlayfs's own whiteout, and it is one in every layer: overlayfs reads a
+0:0 character device in any lower as a whiteout, whatever a source might call it, so
+there is nothing else it could be in a layer; a tar of an overlay upper directory (a
+sandbox's changes) carries its deletions this way; and no real device is lost (Linux
+gives major 0 to no character driver; opening such a node fails with ENXIO). So it is
+kept and marked as OCI whiteouts are: its directory gets the empty overlay origin
+xattrs (:func:`~layerfs.sources.whiteout.mark_whiteout_dirs`), without which a directory
+that only this layer has would list it as a broken entry. Refusing it was the other
+choice; it would make the layer of an upper directory impossible to build.
 """
 
 from __future__ import annotations
@@ -76,6 +92,7 @@ from typing import Any, BinaryIO, Protocol
 import zstandard
 
 from layerfs.errors import InvalidSourceError
+from layerfs.sources.whiteout import mark_whiteout_dirs
 from layerfs.tree import Data, Inode, SourceId, Tree, split_path
 
 BLOCK = 512
@@ -246,6 +263,39 @@ def _check_acl(name: bytes, value: bytes) -> None:
         raise _Fail(f"{where}: named user or group entries need a mask:: entry")
 
 
+# include/uapi/linux/capability.h: a little-endian magic_etc (revision in the top byte,
+# VFS_CAP_FLAGS_EFFECTIVE in bit 0), then per 32 capabilities (permitted, inheritable);
+# revision 3 adds the rootid. setxattr(2) goes through security/commoncap.c
+# cap_convert_nscap(), whose validheader() takes only revision 2 at 20 bytes and
+# revision 3 at 24 bytes, with no flag but EFFECTIVE, and refuses a v3 rootid that maps
+# to no uid (-1). Revision 1 (12 bytes) is refused there too (checked on Linux 6.18).
+_CAP_XATTR = b"security.capability"
+_CAP_FLAGS_EFFECTIVE = 0x000001
+_CAP_SIZES = {0x02000000: 20, 0x03000000: 24}  # VFS_CAP_REVISION_2/3: XATTR_CAPS_SZ_2/3
+_CAP_NO_UID = 0xFFFFFFFF
+
+
+def _check_capability(value: bytes) -> None:
+    """Refuse a ``security.capability`` value that setxattr(2) would refuse: stored as
+    given, it makes execve fail on the mounted layer ("Invalid argument reading file
+    caps")."""
+    where = f"xattr {_h(_CAP_XATTR)}"
+    if len(value) < 4:
+        raise _Fail(f"{where}: {len(value)} bytes is no capability set (v2 is 20 bytes, "
+                    "v3 24)")
+    magic = int.from_bytes(value[:4], "little")
+    revision = magic & ~_CAP_FLAGS_EFFECTIVE
+    want = _CAP_SIZES.get(revision)
+    if want is None:
+        raise _Fail(f"{where}: magic {magic:#010x} is not revision 2 or 3 with only the "
+                    "effective flag")
+    if len(value) != want:
+        raise _Fail(f"{where}: revision {revision >> 24} needs {want} bytes, not "
+                    f"{len(value)}")
+    if want == 24 and int.from_bytes(value[20:24], "little") == _CAP_NO_UID:
+        raise _Fail(f"{where}: rootid {_CAP_NO_UID:#x} is no uid")
+
+
 def _check_xattr(name: bytes, value: bytes) -> None:
     if not name or b"\0" in name or len(name) > XATTR_NAME_MAX:
         raise _Fail(f"bad xattr name {_h(name)!r}")
@@ -258,6 +308,8 @@ def _check_xattr(name: bytes, value: bytes) -> None:
         raise _Fail(f"xattr {_h(name)}: value of {len(value)} bytes exceeds {XATTR_SIZE_MAX}")
     if name in _ACL_XATTRS:
         _check_acl(name, value)
+    elif name == _CAP_XATTR:
+        _check_capability(value)
 
 
 def _b64decode(value: bytes) -> bytes:
@@ -489,6 +541,20 @@ def _parse_gnu_sparse(block: bytes, start: int, count: int) -> list[tuple[int, i
     return out
 
 
+# An empty value reverts a keyword to the header field (POSIX pax), but GNU tar and
+# Python's tarfile take an empty path= as an empty name, so scanners built on them and
+# the layer would disagree on the entry: refused, like the trailing-'/' file.
+_NAME_KEYWORDS = (b"path", b"linkpath")
+
+
+def _check_names(records: list[tuple[bytes, bytes]]) -> None:
+    for key, value in records:
+        if key in _NAME_KEYWORDS and not value:
+            raise _Fail(f"an empty pax {key.decode()}= record is ambiguous (an empty name "
+                        "to GNU tar and Python's tarfile, the header's name to POSIX); "
+                        "refused")
+
+
 def _checksum_ok(block: bytes) -> bool:
     stored = parse_number(block[148:156], "checksum")
     masked = block[:148] + b" " * 8 + block[156:]
@@ -555,12 +621,15 @@ def _read_entries(inp: _Input) -> Iterator[_Entry]:
                 pad = _round_up(entry.size) - entry.size
                 if pad:
                     inp.read(pad)
+                if typeflag in (_PAX_LOCAL, _PAX_GLOBAL):
+                    pax_records = parse_pax_records(payload)
+                    _check_names(pax_records)
                 if typeflag == _PAX_LOCAL:
-                    pending_records = (pending_records or []) + parse_pax_records(payload)
+                    pending_records = (pending_records or []) + pax_records
                     if sum(len(k) + len(v) for k, v in pending_records) > MAX_META:
                         raise _Fail(f"pax headers of one entry exceed {MAX_META} bytes")
                 elif typeflag == _PAX_GLOBAL:
-                    for key, value in parse_pax_records(payload):
+                    for key, value in pax_records:
                         # An empty value deletes the keyword (POSIX pax).
                         if value:
                             global_records[key] = value
@@ -628,7 +697,8 @@ def _extents(entry: _Entry, inp: _Input, spool: _Spool,
         raise _Fail(f"sparse map covers {total} bytes but the entry stores {stored}")
     base = _place(inp, spool, stored, what)
     if not extents:
-        return realsize, None
+        # All hole (a preallocated file such as lastlog): nothing to read.
+        return realsize, Data(path="", extents=())
     placed = tuple((off, length, base + rel) for off, length, rel in extents)
     assert spool.path is not None or inp.in_place is not None
     src = inp.in_place if inp.in_place is not None else spool.path
@@ -883,8 +953,10 @@ def load_tar(src: str | os.PathLike[str] | BinaryIO, *, workdir: str | os.PathLi
         try:
             inp = _open_input(stream, path)
             tree = Tree()
+            whiteouts = False
             for entry in _read_entries(inp):
                 _apply(tree, entry, inp, spool)
+                whiteouts |= entry.typeflag == _CHR and entry.devmajor == entry.devminor == 0
             if inp.compressed:
                 # A compressed stream is read to its end so that corruption or truncation
                 # after the end-of-archive blocks (a bad CRC, a cut frame) is noticed.
@@ -893,6 +965,8 @@ def load_tar(src: str | os.PathLike[str] | BinaryIO, *, workdir: str | os.PathLi
         except _Fail as exc:
             raise InvalidSourceError(f"tar {label}: {exc}") from None
         spool.close()
+        if whiteouts:
+            mark_whiteout_dirs(tree)
         return tree
     except BaseException:
         spool.discard()

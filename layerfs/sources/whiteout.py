@@ -47,7 +47,9 @@ Odd shapes, and the rule for each (tests hold every one):
   show through, so the directory becomes opaque;
 - a character device 0:0 present in the layer as such is already an overlayfs whiteout:
   kept per layer (its directory gets the origin xattrs), and in a flattened conversion it
-  deletes the lower entry and disappears, so both conversions show the same tree.
+  deletes the lower entry and disappears (with the origin xattrs), so both conversions
+  show the same tree. The tar source treats it the same way in any layer, OCI or not
+  (:func:`mark_whiteout_dirs`; :mod:`layerfs.sources.tar` says why).
 
 Every error is an :class:`~layerfs.errors.InvalidSourceError` naming the layer and the
 entry; the tree is checked completely before it is changed, so a refused layer leaves
@@ -61,9 +63,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from layerfs.errors import InvalidSourceError
-from layerfs.tree import Inode, Tree, display, new_dir
+from layerfs.tree import WHITEOUT_PREFIX, Inode, Tree, display, new_dir
 
-WHITEOUT_PREFIX = b".wh."
 OPAQUE_MARKER = b".wh..wh..opq"
 AUFS_META_PREFIX = b".wh..wh."
 OPAQUE_XATTRS = (b"trusted.overlay.opaque", b"user.overlay.opaque")
@@ -126,6 +127,27 @@ def _scan(tree: Tree, label: str) -> list[_DirMarks]:
         if marks.markers or marks.devices:
             found.append(marks)
     return found
+
+
+def mark_whiteout_dirs(tree: Tree) -> None:
+    """Give every directory of ``tree`` that holds an overlayfs whiteout (a 0:0
+    character device) the empty ``trusted.overlay.origin`` and ``user.overlay.origin``
+    xattrs, in place, as :func:`convert_layer` does for OCI whiteouts: overlayfs hides
+    the lower entry either way, but in a directory that only this layer has, an
+    unmarked whiteout shows up as a broken entry (``c?????????``; checked on Linux 6.18).
+    """
+    stack = [tree.root]
+    while stack:
+        node = stack.pop()
+        assert node.children is not None
+        marked = False
+        for child in node.children.values():
+            if child.is_dir:
+                stack.append(child)
+            elif not marked and child.is_whiteout:
+                for key in ORIGIN_XATTRS:
+                    node.xattrs[key] = b""
+                marked = True
 
 
 def convert_layer(tree: Tree, *, label: str = "layer") -> Tree:
@@ -244,6 +266,9 @@ def apply_layer(lower: Tree, layer: Tree, *, label: str = "layer") -> None:
         assert children is not None
         for name in marks.markers + marks.devices:
             del children[name]
+        if marks.devices:  # marked by the tar source (mark_whiteout_dirs); none remain
+            for key in ORIGIN_XATTRS:
+                marks.node.xattrs.pop(key, None)
         base = lower.get(marks.parts)
         if base is None or not base.is_dir:
             continue

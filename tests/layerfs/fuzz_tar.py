@@ -51,7 +51,8 @@ def check_one(data: bytes, workdir: str) -> str:
     spool_size = os.path.getsize(os.path.join(workdir, left[0])) if left else 0
     for _, node in tree.walk():
         if node.data is not None:
-            extents = node.data.extents or ((0, node.size, node.data.offset),)
+            extents = (node.data.extents if node.data.extents is not None
+                       else ((0, node.size, node.data.offset),))
             for off, length, src in extents:
                 if src < 0 or src + length > spool_size or off + length > node.size:
                     raise AssertionError(f"data reference out of bounds: {node.data}")
@@ -60,14 +61,15 @@ def check_one(data: bytes, workdir: str) -> str:
     return "ok"
 
 
-def _gnu_tar_sparse(fmt: list[str]) -> bytes:
+def _gnu_tar_sparse(fmt: list[str], *, all_hole: bool = False) -> bytes:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "sp"
         with open(src, "wb") as f:
-            f.seek(5000)
-            f.write(b"data")
-            f.seek(300000)
-            f.write(b"more")
+            if not all_hole:
+                f.seek(5000)
+                f.write(b"data")
+                f.seek(300000)
+                f.write(b"more")
             f.truncate(400000)
         out = Path(d) / "a.tar"
         subprocess.run(["tar", "--sparse", *fmt, "-C", d, "-cf", out, "sp"], check=True)
@@ -114,6 +116,16 @@ def corpus_items() -> dict[str, tuple[bytes, str]]:
         "absurd-base256.tar": (header(b"f", size=1 << 94) + END, err),
         "dotdot-names.tar": (regular(b"../../etc/passwd", b"p") + regular(b"/abs", b"a")
                              + END, ok),
+        # A 3-byte security.capability: setxattr(2) refuses it, execve would fail on it.
+        "bad-capability.tar": (pax([(b"SCHILY.xattr.security.capability", b"\x01\x02\x03")])
+                               + regular(b"bin/t", b"x") + END, err),
+        # GNU tar and tarfile read an empty name, POSIX the ustar one: ambiguous.
+        "empty-pax-path.tar": (pax([(b"path", b"")]) + regular(b"ustar-name", b"x") + END,
+                               err),
+        # A whiteout marker of a 255-byte name is 259 bytes (docker writes them).
+        "long-whiteout.tar": (pax([(b"path", b"d/.wh." + b"n" * 255)])
+                              + regular(b"d/wh", b"") + END, ok),
+        "device-whiteout.tar": (member(header(b"d/gone", typeflag=b"3", mode=0)) + END, ok),
     }
     if shutil.which("tar"):
         items["gnu-sparse.tar"] = (_gnu_tar_sparse(["--format=gnu"]), ok)
@@ -123,6 +135,11 @@ def corpus_items() -> dict[str, tuple[bytes, str]]:
                                                         "--sparse-version=0.1"]), ok)
         items["pax-sparse-1.0.tar"] = (_gnu_tar_sparse(["--format=pax",
                                                         "--sparse-version=1.0"]), ok)
+        # All hole (a preallocated file): once an unbuildable file without data.
+        items["gnu-sparse-all-hole.tar"] = (_gnu_tar_sparse(["--format=gnu"], all_hole=True),
+                                            ok)
+        items["pax-sparse-1.0-all-hole.tar"] = (
+            _gnu_tar_sparse(["--format=pax", "--sparse-version=1.0"], all_hole=True), ok)
     return items
 
 

@@ -15,8 +15,11 @@ from typing import Any
 import pytest
 import zstandard
 
-from layerfs.errors import InvalidSourceError
+from layerfs.errors import ImageFormatError, InvalidSourceError
 from layerfs.sources.oci import load_oci
+from layerfs.sources.tar import load_tar
+from layerfs.writer import write_image
+from tests.layerfs.conftest import fsck_erofs
 
 OCI = "application/vnd.oci.image"
 TAR, TGZ, TZST = f"{OCI}.layer.v1.tar", f"{OCI}.layer.v1.tar+gzip", f"{OCI}.layer.v1.tar+zstd"
@@ -147,6 +150,35 @@ def test_flatten(tmp_path: Path, workdir: Path) -> None:
     assert paths == {"", "etc", "etc/passwd", "bin", "bin/bash", "sh"}
     for _, node in merged.tree.walk():
         assert not node.is_whiteout and not node.xattrs
+
+
+def test_whiteout_of_a_255_byte_name(tmp_path: Path, workdir: Path, scratch: Path) -> None:
+    # Its marker is 259 bytes (".wh." + 255); docker writes and applies such markers, and
+    # they were once refused as "component longer than 255 bytes".
+    name = "n" * 255
+    layout = tmp_path / "img"
+    make_layout(layout, [(make_tar([("d", None), (f"d/{name}", "x"), ("d/keep", "k")]), TAR),
+                         (make_tar([("d", None), (f"d/.wh.{name}", "")]), TGZ)])
+    _, upper = load_oci(layout, "v1", workdir=workdir)
+    ghost = upper.tree.get(f"d/{name}")
+    assert ghost is not None and ghost.is_whiteout
+    assert upper.tree.get("d").children.keys() == {name.encode()}  # type: ignore[union-attr]
+    write_image(upper.tree, scratch / "upper.erofs")
+    fsck_erofs(scratch / "upper.erofs")
+    (flat,) = load_oci(layout, "v1", workdir=workdir, flatten=True)
+    assert flat.tree.get("d").children.keys() == {b"keep"}  # type: ignore[union-attr]
+
+
+def test_long_marker_outside_an_oci_layer_is_refused_at_write(workdir: Path,
+                                                              scratch: Path) -> None:
+    # A plain tar's ".wh." files are ordinary names: one over 255 bytes cannot be stored.
+    tree = load_tar(io.BytesIO(make_tar([(".wh." + "n" * 255, "")])), workdir=workdir)
+    with pytest.raises(ImageFormatError, match="name length 259 not in 1..255"):
+        write_image(tree, scratch / "img.erofs")
+    with pytest.raises(InvalidSourceError, match="longer than 255"):
+        load_tar(io.BytesIO(make_tar([(".wh." + "n" * 256, "")])), workdir=workdir)
+    with pytest.raises(InvalidSourceError, match="longer than 255"):
+        load_tar(io.BytesIO(make_tar([(".wh." + "n" * 255 + "/x", "")])), workdir=workdir)
 
 
 def test_nested_index_picks_linux_amd64(tmp_path: Path, workdir: Path) -> None:

@@ -22,8 +22,11 @@ import pytest
 import zstandard
 
 from layerfs.errors import InvalidSourceError
+from layerfs.mount import mounted_erofs, mounted_overlay
 from layerfs.sources.tar import load_tar, parse_number, parse_pax_time
 from layerfs.tree import Inode, Tree
+from layerfs.writer import write_image
+from tests.layerfs.conftest import fsck_erofs
 
 BLOCK = 512
 END = b"\0" * 1024
@@ -93,11 +96,12 @@ def load_bytes(data: bytes, workdir: Path) -> Tree:
 
 def read_data(inode: Inode) -> bytes:
     """File contents as the writer would stream them (holes as zeros)."""
-    if inode.data is None:
+    if inode.data is None or inode.data.extents == ():
         return b"\0" * inode.size
     out = bytearray(inode.size)
     with open(inode.data.path, "rb") as f:
-        extents = inode.data.extents or ((0, inode.size, inode.data.offset),)
+        extents = (inode.data.extents if inode.data.extents is not None
+                   else ((0, inode.size, inode.data.offset),))
         for off, length, src in extents:
             f.seek(src)
             out[off:off + length] = f.read(length)
@@ -611,6 +615,12 @@ def test_workdir_must_exist(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- sparse files
 
 
+SPARSE_FORMATS = [
+    ["--format=gnu"], ["--format=pax", "--sparse-version=0.0"],
+    ["--format=pax", "--sparse-version=0.1"], ["--format=pax", "--sparse-version=1.0"],
+]
+
+
 def _sparse_source(tmp_path: Path) -> tuple[Path, bytes]:
     src = tmp_path / "src"
     src.mkdir(exist_ok=True)
@@ -627,10 +637,7 @@ def _sparse_source(tmp_path: Path) -> tuple[Path, bytes]:
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
-@pytest.mark.parametrize("fmt", [
-    ["--format=gnu"], ["--format=pax", "--sparse-version=0.0"],
-    ["--format=pax", "--sparse-version=0.1"], ["--format=pax", "--sparse-version=1.0"],
-], ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS, ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
 def test_gnu_tar_sparse_formats(tmp_path: Path, workdir: Path, fmt: list[str]) -> None:
     src, content = _sparse_source(tmp_path)
     arc = tmp_path / "sp.tar"
@@ -645,6 +652,37 @@ def test_gnu_tar_sparse_formats(tmp_path: Path, workdir: Path, fmt: list[str]) -
         assert sum(n for _, n, _ in sp.data.extents) < len(content) // 4
         assert read_data(sp) == content
         assert read_data(tree.get("after")) == b"after"  # type: ignore[arg-type]
+
+
+@pytest.mark.mount
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
+@pytest.mark.parametrize("fmt", SPARSE_FORMATS, ids=["gnu", "pax-0.0", "pax-0.1", "pax-1.0"])
+def test_all_hole_sparse_file_becomes_a_hole(tmp_path: Path, workdir: Path, scratch: Path,
+                                             fmt: list[str]) -> None:
+    # A preallocated file (lastlog-style) that is all hole once failed the whole build:
+    # "regular file of 10485760 bytes without data".
+    src = tmp_path / "h"
+    src.mkdir()
+    with open(src / "allhole", "wb") as f:
+        f.truncate(10 << 20)
+    (src / "after").write_bytes(b"after")
+    arc = tmp_path / "h.tar"
+    subprocess.run(["tar", "--sparse", *fmt, "-C", src, "-cf", arc, "allhole", "after"],
+                   check=True)
+    tree = load_tar(arc, workdir=workdir)
+    node = tree.get("allhole")
+    assert node is not None and node.size == 10 << 20
+    assert node.data is not None and node.data.extents == ()
+    img = scratch / "h.erofs"
+    write_image(tree, img)
+    assert img.stat().st_size <= 16 << 10  # the 10 MiB stay a hole: one hole chunk
+    fsck_erofs(img)
+    with mounted_erofs(img) as mp:
+        st = os.stat(os.path.join(mp, "allhole"))
+        assert st.st_size == 10 << 20
+        with open(os.path.join(mp, "allhole"), "rb") as f:
+            assert f.read() == bytes(10 << 20)
+        assert Path(mp, "after").read_bytes() == b"after"
 
 
 def test_sparse_map_past_real_size_rejected(workdir: Path) -> None:
@@ -757,3 +795,129 @@ def test_valid_posix_acl_is_kept(workdir: Path) -> None:
            + member(header(b"d/", typeflag=b"5")) + END)
     node = load_bytes(arc, workdir).get("d")
     assert node is not None and node.xattrs[b"system.posix_acl_default"] == GOOD_ACL
+
+
+# ----------------------------------------------------------------- file capabilities
+
+def _cap(magic: int, *words: int) -> bytes:
+    return b"".join(w.to_bytes(4, "little") for w in (magic, *words))
+
+
+def _tarfile_with_xattr(name: str, value: bytes) -> bytes:
+    """A PAX archive from Python's tarfile whose member ``bin/t`` carries the xattr."""
+    buf = io.BytesIO()
+    info = tarfile.TarInfo("bin/t")
+    info.size = 4
+    info.mode = 0o755
+    # tarfile writes str values; surrogateescape carries arbitrary bytes through.
+    info.pax_headers = {f"SCHILY.xattr.{name}": value.decode("utf-8", "surrogateescape")}
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(info, io.BytesIO(b"\x7fELF"))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("value", "needle"), [
+    (b"\x01\x02\x03", "3 bytes"),                                  # truncated
+    (_cap(0x01000000, 1 << 13, 0), "not revision 2 or 3"),         # v1: setxattr refuses
+    (_cap(0x04000001, 1 << 13, 0, 0, 0, 0), "not revision 2 or 3"),  # unknown revision
+    (_cap(0x02000002, 1 << 13, 0, 0, 0), "not revision 2 or 3"),   # unknown flag
+    (_cap(0x02000001, 1 << 13, 0, 0, 0, 0), "needs 20 bytes"),     # v2 of v3's size
+    (_cap(0x03000001, 1 << 13, 0, 0, 0), "needs 24 bytes"),        # v3 without rootid
+    (_cap(0x03000001, 1 << 13, 0, 0, 0, 0xFFFFFFFF), "rootid"),    # rootid -1
+], ids=["3-bytes", "v1", "v4", "bad-flag", "v2-long", "v3-short", "v3-rootid-1"])
+def test_malformed_file_capability_is_refused(workdir: Path, value: bytes,
+                                              needle: str) -> None:
+    # Stored as given, such a value made the binary unrunnable in every sandbox
+    # ("Invalid argument reading file caps"); setxattr(2) refuses each of them.
+    arc = _tarfile_with_xattr("security.capability", value)
+    with pytest.raises(InvalidSourceError,
+                       match=r"entry 'bin/t'.*security\.capability") as ei:
+        load_bytes(arc, workdir)
+    assert needle in str(ei.value)
+
+
+@pytest.mark.root
+@pytest.mark.skipif(shutil.which("setcap") is None, reason="needs setcap (libcap2-bin)")
+def test_file_capabilities_from_setcap_are_kept(tmp_path: Path, workdir: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("setcap needs root")
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, extra in (("v2", []), ("v3", ["-n", "1000"])):  # -n: a v3 set with a rootid
+        (src / name).write_bytes(b"\x7fELF")
+        subprocess.run(["setcap", *extra, "cap_net_raw+ep", src / name], check=True)
+    arc = tmp_path / "caps.tar"
+    subprocess.run(["tar", "--xattrs", "--xattrs-include=security.capability",
+                    "--format=pax", "-C", src, "-cf", arc, "v2", "v3"], check=True)
+    tree = load_tar(arc, workdir=workdir)
+    for name in ("v2", "v3"):
+        node = tree.get(name)
+        assert node is not None
+        assert node.xattrs[b"security.capability"] == os.getxattr(src / name,
+                                                                  "security.capability")
+    assert len(tree.get("v3").xattrs[b"security.capability"]) == 24  # type: ignore[union-attr]
+
+
+# ----------------------------------------------------------------- empty pax names
+
+def _tarfile_member(name: str, pax_headers: dict[str, str], *, kind: bytes = tarfile.REGTYPE,
+                    linkname: str = "") -> bytes:
+    buf = io.BytesIO()
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, linkname
+    info.pax_headers = pax_headers
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(info, io.BytesIO(b""))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("arc", "keyword"), [
+    (_tarfile_member("ustar-name", {"path": ""}), "path"),
+    (_tarfile_member("ln", {"linkpath": ""}, kind=tarfile.SYMTYPE, linkname="target"),
+     "linkpath"),
+    (pax([(b"path", b"")], typeflag=b"g") + regular(b"ustar-name", b"x") + END, "path"),
+], ids=["path", "linkpath", "global-path"])
+def test_empty_pax_name_record_is_refused(workdir: Path, arc: bytes, keyword: str) -> None:
+    # POSIX reverts an empty record to the header field, which layerfs once did, while
+    # GNU tar and Python's tarfile read an empty name: the layer and a scanner would
+    # disagree on the entry.
+    if keyword == "path" and arc[156:157] == b"x":
+        with tarfile.open(fileobj=io.BytesIO(arc)) as tf:
+            assert tf.getnames() == [""]  # what a tarfile-based scanner sees
+    with pytest.raises(InvalidSourceError, match=f"empty pax {keyword}= record"):
+        load_bytes(arc, workdir)
+
+
+# ----------------------------------------------------------------- 0:0 devices
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.skipif(shutil.which("tar") is None, reason="needs GNU tar")
+def test_plain_tar_0_0_device_is_a_whiteout_and_never_a_broken_entry(
+        tmp_path: Path, workdir: Path, scratch: Path) -> None:
+    # The rule (module docstring): a 0:0 character device is a whiteout in any layer.
+    # Stacked, it hides the lower entry; in a directory only its layer has it once
+    # listed as a broken entry ("c?????????"), since nothing marked that directory.
+    lower_src, upper_src = tmp_path / "lower", tmp_path / "upper"
+    (lower_src / "etc").mkdir(parents=True)
+    (lower_src / "etc" / "gone").write_bytes(b"lower")
+    (lower_src / "etc" / "kept").write_bytes(b"kept")
+    (upper_src / "etc").mkdir(parents=True)
+    (upper_src / "solo").mkdir()
+    for path in (upper_src / "etc" / "gone", upper_src / "solo" / "ghost"):
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(0, 0))
+    (upper_src / "solo" / "x").write_bytes(b"x")
+    images = []
+    for src in (lower_src, upper_src):
+        arc = tmp_path / f"{src.name}.tar"
+        subprocess.run(["tar", "--numeric-owner", "-C", src, "-cf", arc, "."], check=True)
+        tree = load_tar(arc, workdir=workdir)
+        images.append(scratch / f"{src.name}.erofs")
+        write_image(tree, images[-1])
+        fsck_erofs(images[-1])
+    with mounted_erofs(images[0]) as lo, mounted_erofs(images[1]) as up, \
+            mounted_overlay([up, lo]) as merged:
+        assert sorted(os.listdir(Path(merged) / "etc")) == ["kept"]
+        assert sorted(os.listdir(Path(merged) / "solo")) == ["x"]
+        assert not os.path.lexists(Path(merged) / "solo" / "ghost")

@@ -10,6 +10,7 @@ compared as groups: the set of paths sharing an inode.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import stat
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ def _tree_digest(node: Inode) -> str:
     extents = node.data.extents
     if extents is None:
         extents = ((0, node.size, node.data.offset),)
-    with open(node.data.path, "rb") as f:
+    with open(node.data.path, "rb") if extents else io.BytesIO() as f:
         pos = 0
         for off, length, src in extents:
             zeros = off - pos
