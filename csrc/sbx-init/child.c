@@ -111,8 +111,12 @@ void child_run(const struct sbx_policy *pol, struct child_args *a)
 			child_fail(a->errpipe_w, errno, "join cgroup", "cgroup.procs");
 	if (setsid() < 0)
 		child_fail(a->errpipe_w, errno, "setsid", "");
-	if (a->req->flags & SBX_EXEC_GRADER)
-		grader_view(pol, a->errpipe_w, a->req->uid, a->req->gid);
+	if (a->req->flags & SBX_EXEC_GRADER) {
+		struct sbx_fail f;
+
+		if (grader_view(pol, a->req->uid, a->req->gid, &f) < 0)
+			child_fail(a->errpipe_w, f.code, f.what, f.arg);
+	}
 	if (a->pty_name) {
 		int s = open(a->pty_name, O_RDWR);
 

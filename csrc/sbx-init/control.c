@@ -1,8 +1,19 @@
-/* The control channel to edged (protocol.h): one client at a time over an
- * inherited listening unix socket, framed messages both ways, an outgoing
- * queue the loop flushes as the socket takes it.  Nothing a client sends can
- * make sbx-init exit or block: a bad frame is answered with SBX_ERROR, a
- * header announcing too much is answered and the connection dropped. */
+/* The control channel to edged (protocol.h): one client at a time, framed
+ * messages both ways, an outgoing queue the loop flushes as the client takes
+ * it.  Nothing a client sends can make sbx-init exit or block: a header
+ * announcing too much is answered with SBX_ERROR and the connection dropped;
+ * what a frame means is for the on_frame callback (main.c) to judge.
+ *
+ * The transport is pluggable: any byte stream, one fd both ways (a unix or
+ * vsock connection, a virtio-serial port) or a pair (pipes).  Where clients
+ * come from is the transport's open():
+ *   listen   -l FD: a listening socket (unix, vsock); each accepted connection
+ *            replaces the client (how a restarted daemon re-acquires a live
+ *            sandbox);
+ *   stream   -c FD or -c RFD:WFD: one client, given at start; once it is gone
+ *            there is none (a pipe pair, a socketpair);
+ * and a transport of its own may be set up by other start-up code (a guest's
+ * port, which is re-opened while the host side is away: retry_ms). */
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -22,7 +33,7 @@ void ctl_send(struct sbx *s, uint16_t type, uint32_t exec_id, const void *a, siz
 	struct sbx_hdr h = {.len = (uint32_t)(alen + blen), .type = type, .exec_id = exec_id};
 	struct sbx_buf *q = &s->ctl.outq;
 
-	if (s->ctl.client_fd < 0)
+	if (s->ctl.rfd < 0)
 		return;
 	if (buf_reserve(q, sizeof(h) + alen + blen) < 0) {
 		logmsg("sbx-init: out of memory queueing a frame; dropping the client");
@@ -62,35 +73,21 @@ size_t ctl_pending(const struct sbx *s)
 
 int ctl_connected(const struct sbx *s)
 {
-	return s->ctl.client_fd >= 0;
+	return s->ctl.rfd >= 0;
 }
 
 /* The client is gone: every exec it started is killed (protocol.h). */
 static void drop_client(struct sbx *s)
 {
-	ep_close(s, &s->ctl.client_fd);
-	s->ctl.outq.off = s->ctl.outq.len = 0;
-	s->ctl.inlen = 0;
-	exec_orphan_all(s);
-}
+	struct sbx_ctl *c = &s->ctl;
 
-static void handle_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
-{
-	if (h->type == SBX_HELLO) {
-		struct sbx_hello hello = {.version = SBX_PROTO_VERSION,
-					  .cgroup_mode = (uint32_t)s->cg.mode,
-					  .execs = exec_count(s)};
-
-		ctl_send(s, SBX_HELLO_OK, 0, &hello, sizeof(hello), NULL, 0);
-		return;
-	}
-	if (h->type == SBX_EXEC) {
-		exec_start(s, h->exec_id, p, h->len);
-		return;
-	}
-	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)
-		return ctl_error(s, h->exec_id, EINVAL, "unknown message type %u", h->type);
-	exec_message(s, h, p);
+	if (c->wfd != c->rfd)
+		ep_close(s, &c->wfd);
+	c->wfd = -1;
+	ep_close(s, &c->rfd);
+	c->outq.off = c->outq.len = 0;
+	c->inlen = 0;
+	c->on_drop(s);
 }
 
 void ctl_on_readable(struct sbx *s)
@@ -99,7 +96,7 @@ void ctl_on_readable(struct sbx *s)
 
 	for (;;) {
 		size_t off = 0;
-		ssize_t n = read(c->client_fd, c->inbuf + c->inlen, sizeof(c->inbuf) - c->inlen);
+		ssize_t n = read(c->rfd, c->inbuf + c->inlen, sizeof(c->inbuf) - c->inlen);
 
 		if (n < 0 && errno == EINTR)
 			continue;
@@ -123,9 +120,9 @@ void ctl_on_readable(struct sbx *s)
 			}
 			if (c->inlen - off < sizeof(h) + h.len)
 				break;
-			handle_frame(s, &h, c->inbuf + off + sizeof(h));
+			c->on_frame(s, &h, c->inbuf + off + sizeof(h));
 			off += sizeof(h) + h.len;
-			if (c->client_fd < 0)
+			if (c->rfd < 0)
 				return;
 		}
 		memmove(c->inbuf, c->inbuf + off, c->inlen - off);
@@ -137,8 +134,10 @@ void ctl_flush(struct sbx *s)
 {
 	struct sbx_buf *q = &s->ctl.outq;
 
-	while (s->ctl.client_fd >= 0 && ctl_pending(s)) {
-		ssize_t n = send(s->ctl.client_fd, q->p + q->off, ctl_pending(s), MSG_NOSIGNAL);
+	/* write(2), not send(2): the client may be a pipe or a port (SIGPIPE is
+	 * ignored: a closed peer is EPIPE) */
+	while (s->ctl.wfd >= 0 && ctl_pending(s)) {
+		ssize_t n = write(s->ctl.wfd, q->p + q->off, ctl_pending(s));
 
 		if (n < 0 && errno == EINTR)
 			continue;
@@ -160,21 +159,73 @@ void ctl_flush(struct sbx *s)
 	s->interest_dirty = 1;
 }
 
-void ctl_on_accept(struct sbx *s)
+/* Take a client from the transport, if it has one for us now. */
+void ctl_open(struct sbx *s)
 {
-	int fd = accept4(s->ctl.listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+	struct sbx_ctl *c = &s->ctl;
+	int rfd = -1, wfd = -1;
 
-	if (fd < 0)
+	if (!c->open || c->open(c, &rfd, &wfd) < 0)
 		return;
-	if (s->ctl.client_fd >= 0)
+	if (c->rfd >= 0)
 		drop_client(s); /* a restarted daemon takes over */
-	s->ctl.client_fd = fd;
-	ep_add(s, s->ctl.client_fd, K_CLIENT, 0, EPOLLIN);
+	c->rfd = rfd;
+	c->wfd = wfd;
+	set_nonblock(rfd);
+	if (wfd != rfd)
+		set_nonblock(wfd);
+	s->interest_dirty = 1;
 }
 
 void ctl_update_interest(struct sbx *s)
 {
-	if (s->ctl.client_fd >= 0)
-		ep_set(s, s->ctl.client_fd, K_CLIENT, 0,
-		       EPOLLIN | (ctl_pending(s) ? EPOLLOUT : 0));
+	struct sbx_ctl *c = &s->ctl;
+	uint32_t out = ctl_pending(s) ? EPOLLOUT : 0;
+
+	if (c->rfd < 0)
+		return;
+	if (c->wfd == c->rfd) {
+		ep_set(s, c->rfd, K_CLIENT, 0, EPOLLIN | out);
+		return;
+	}
+	ep_set(s, c->rfd, K_CLIENT, 0, EPOLLIN);
+	ep_set(s, c->wfd, K_CLIENT_OUT, 0, out);
+}
+
+/* ---- transports ---------------------------------------------------------- */
+
+static int listen_open(struct sbx_ctl *c, int *rfd, int *wfd)
+{
+	int fd = accept4(c->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+
+	if (fd < 0)
+		return -1;
+	*rfd = *wfd = fd;
+	return 0;
+}
+
+/* A listening socket: sbx-init calls listen() (again), which makes it the
+ * SO_PEERCRED peer of a unix client.  Returns -1 with errno set. */
+int ctl_transport_listen(struct sbx *s, int fd)
+{
+	if (listen(fd, 8) < 0)
+		return -1;
+	set_nonblock(fd);
+	s->ctl.listen_fd = fd;
+	s->ctl.open = listen_open;
+	ep_add(s, fd, K_LISTEN, 0, EPOLLIN);
+	return 0;
+}
+
+/* One client for sbx-init's life, reading rfd and writing wfd (the same fd
+ * for a socket or a port). */
+void ctl_transport_stream(struct sbx *s, int rfd, int wfd)
+{
+	s->ctl.open = NULL;
+	s->ctl.rfd = rfd;
+	s->ctl.wfd = wfd;
+	set_nonblock(rfd);
+	if (wfd != rfd)
+		set_nonblock(wfd);
+	s->interest_dirty = 1;
 }

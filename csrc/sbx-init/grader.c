@@ -43,8 +43,8 @@ static int same_link(int pristine_fd, const char *path)
  * layers hold.  A path the layers lack but the workload made is hidden under
  * an empty read-only tmpfs; one the workload replaced or removed fails the
  * exec (fail closed: nothing to mount on, or not the same kind of file).  HOME
- * (/root) is a fresh empty tmpfs. */
-void grader_view(const struct sbx_policy *pol, int errpipe_w, uint32_t uid, uint32_t gid)
+ * (/root) is a fresh empty tmpfs.  -1 with *f saying what failed. */
+int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct sbx_fail *f)
 {
 	static char paths[128 << 10];
 	char *p, *save = NULL, opts[96];
@@ -52,11 +52,11 @@ void grader_view(const struct sbx_policy *pol, int errpipe_w, uint32_t uid, uint
 	int pristine_fd = pol->pristine_fd;
 
 	if (pristine_fd < 0)
-		child_fail(errpipe_w, ENOTSUP, "grader view", "no pristine tree in this sandbox");
+		return sbx_fail(f, ENOTSUP, "grader view", "no pristine tree in this sandbox");
 	if (unshare(CLONE_NEWNS) < 0)
-		child_fail(errpipe_w, errno, "grader view", "unshare the mount namespace");
+		return sbx_fail(f, errno, "grader view", "unshare the mount namespace");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
-		child_fail(errpipe_w, errno, "grader view", "make / private");
+		return sbx_fail(f, errno, "grader view", "make / private");
 	snprintf(paths, sizeof(paths), "%s", pol->grader_paths ? pol->grader_paths : "");
 	for (p = strtok_r(paths, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
 		int t;
@@ -65,36 +65,37 @@ void grader_view(const struct sbx_policy *pol, int errpipe_w, uint32_t uid, uint
 			continue;
 		if (fstatat(pristine_fd, p + 1, &want, AT_SYMLINK_NOFOLLOW) < 0) {
 			if (errno != ENOENT && errno != ENOTDIR)
-				child_fail(errpipe_w, errno, "grader view: stat in the layers", p);
+				return sbx_fail(f, errno, "grader view: stat in the layers", p);
 			if (lstat(p, &have) < 0)
 				continue; /* in neither */
 			if (!S_ISDIR(have.st_mode))
-				child_fail(errpipe_w, EEXIST, "grader view: not in the layers", p);
+				return sbx_fail(f, EEXIST, "grader view: not in the layers", p);
 			if (mount("tmpfs", p, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV,
 				  "size=4k,mode=0755") < 0)
-				child_fail(errpipe_w, errno, "grader view: hide", p);
+				return sbx_fail(f, errno, "grader view: hide", p);
 			continue;
 		}
 		if (S_ISLNK(want.st_mode)) {
 			/* merged /usr: the target is a grader path of its own */
 			if (!same_link(pristine_fd, p))
-				child_fail(errpipe_w, ELOOP, "grader view: link changed", p);
+				return sbx_fail(f, ELOOP, "grader view: link changed", p);
 			continue;
 		}
 		if (lstat(p, &have) < 0 || S_ISLNK(have.st_mode) ||
 		    S_ISDIR(have.st_mode) != S_ISDIR(want.st_mode))
-			child_fail(errpipe_w, ENOTDIR, "grader view: replaced or removed", p);
+			return sbx_fail(f, ENOTDIR, "grader view: replaced or removed", p);
 		t = (int)syscall(SYS_open_tree, pristine_fd, p + 1,
 				 OPEN_TREE_CLONE | O_CLOEXEC | AT_RECURSIVE | AT_SYMLINK_NOFOLLOW);
 		if (t < 0)
-			child_fail(errpipe_w, errno, "grader view: clone", p);
+			return sbx_fail(f, errno, "grader view: clone", p);
 		if (syscall(SYS_move_mount, t, "", AT_FDCWD, p, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-			child_fail(errpipe_w, errno, "grader view: mount over", p);
+			return sbx_fail(f, errno, "grader view: mount over", p);
 		close(t);
 	}
 	if (lstat("/root", &have) == 0 && S_ISDIR(have.st_mode)) {
 		snprintf(opts, sizeof(opts), "size=64m,mode=0700,uid=%u,gid=%u", uid, gid);
 		if (mount("tmpfs", "/root", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0)
-			child_fail(errpipe_w, errno, "grader view: fresh HOME", "/root");
+			return sbx_fail(f, errno, "grader view: fresh HOME", "/root");
 	}
+	return 0;
 }

@@ -5,11 +5,15 @@
  * every fd non-blocking so that no peer (client or workload) can stall it.
  * Its parts are listed in sbx-init.h.
  *
- * Usage: sbx-init -l LISTEN_FD [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
+ * Usage: sbx-init (-l LISTEN_FD | -c FD[:WFD])
+ *                 [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
  *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
  *                 [-P PRISTINE_FD -G PATH[:PATH...]]
- *   LISTEN_FD      a bound unix stream socket (sbx-init calls listen(), so that
- *                  SO_PEERCRED on a client's connection names sbx-init);
+ *   LISTEN_FD      a bound unix (or vsock) stream socket (sbx-init calls
+ *                  listen(), so that SO_PEERCRED on a client's connection names
+ *                  sbx-init); each connection replaces the last;
+ *   FD[:WFD]       one client for good: a connected socket, a port, or the read
+ *                  and write ends of two pipes (control.c);
  *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
  *                  sandbox root, under which each exec gets its own cgroup so
  *                  that a timeout or kill takes its whole tree, daemonized
@@ -159,6 +163,41 @@ static void on_sigchld(struct sbx *s)
 		cg_retry_pending(&s->cg);
 }
 
+/* What each frame means: HELLO is answered here, the rest are an exec's. */
+static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
+{
+	if (h->type == SBX_HELLO) {
+		struct sbx_hello hello = {.version = SBX_PROTO_VERSION,
+					  .cgroup_mode = (uint32_t)s->cg.mode,
+					  .execs = exec_count(s)};
+
+		ctl_send(s, SBX_HELLO_OK, 0, &hello, sizeof(hello), NULL, 0);
+		return;
+	}
+	if (h->type == SBX_EXEC) {
+		exec_start(s, h->exec_id, p, h->len);
+		return;
+	}
+	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)
+		return ctl_error(s, h->exec_id, EINVAL, "unknown message type %u", h->type);
+	exec_message(s, h, p);
+}
+
+/* "FD" or "RFD:WFD" */
+static int parse_stream(const char *arg, int *rfd, int *wfd)
+{
+	char buf[32];
+	char *colon;
+
+	snprintf(buf, sizeof(buf), "%s", arg);
+	colon = strchr(buf, ':');
+	if (colon)
+		*colon = 0;
+	*rfd = parse_fd(buf);
+	*wfd = colon ? parse_fd(colon + 1) : *rfd;
+	return *rfd < 0 || *wfd < 0 ? -1 : 0;
+}
+
 static void update_interest(struct sbx *s)
 {
 	exec_update_interest(s);
@@ -172,7 +211,7 @@ static void dispatch(struct sbx *s, const struct epoll_event *ev)
 	struct exec *e = &s->execs[(ev->data.u64 >> 8) % SBX_MAX_EXECS];
 
 	switch (kind) {
-	case K_LISTEN: ctl_on_accept(s); break;
+	case K_LISTEN: ctl_open(s); break;
 	case K_SIG: on_sigchld(s); break;
 	case K_CLIENT:
 		if (!ctl_connected(s))
@@ -180,6 +219,10 @@ static void dispatch(struct sbx *s, const struct epoll_event *ev)
 		if (ev->events & (EPOLLIN | EPOLLHUP | EPOLLERR))
 			ctl_on_readable(s);
 		if (ctl_connected(s) && (ev->events & EPOLLOUT))
+			ctl_flush(s);
+		break;
+	case K_CLIENT_OUT: /* a write end of its own (pipes); EPOLLERR: the reader left */
+		if (ctl_connected(s))
 			ctl_flush(s);
 		break;
 	case K_ERRPIPE:
@@ -215,16 +258,24 @@ int main(int argc, char **argv)
 	struct sbx *s = &sbx;
 	struct epoll_event evs[64];
 	sigset_t mask;
-	int opt, ll_fd = -1, sc_fd = -1;
+	int opt, ll_fd = -1, sc_fd = -1, listen_fd = -1, rfd = -1, wfd = -1;
 
 	s->ep = s->sig_fd = -1;
-	s->ctl.listen_fd = s->ctl.client_fd = -1;
+	s->ctl.rfd = s->ctl.wfd = s->ctl.listen_fd = s->ctl.retry_ms = -1;
+	s->ctl.on_frame = on_frame;
+	s->ctl.on_drop = exec_orphan_all;
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
 	s->pol.ll_ruleset = s->pol.pristine_fd = -1;
 	s->spare.sock = -1;
-	while ((opt = getopt(argc, argv, "l:f:m:u:L:S:U:A:P:G:")) != -1) {
+	while ((opt = getopt(argc, argv, "l:c:f:m:u:L:S:U:A:P:G:")) != -1) {
 		switch (opt) {
-		case 'l': s->ctl.listen_fd = parse_fd(optarg); break;
+		case 'l': listen_fd = parse_fd(optarg); break;
+		case 'c':
+			if (parse_stream(optarg, &rfd, &wfd) < 0) {
+				logmsg("sbx-init: -c `%s`: FD or RFD:WFD", optarg);
+				return 2;
+			}
+			break;
 		case 'f': s->cg.freezer = parse_fd(optarg); break;
 		case 'm': s->cg.memory = parse_fd(optarg); break;
 		case 'u': s->cg.v2 = parse_fd(optarg); break;
@@ -235,7 +286,8 @@ int main(int argc, char **argv)
 		case 'P': s->pol.pristine_fd = parse_fd(optarg); break;
 		case 'G': s->pol.grader_paths = optarg; break;
 		default:
-			logmsg("usage: sbx-init -l LISTEN_FD [-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
+			logmsg("usage: sbx-init (-l LISTEN_FD | -c FD[:WFD]) "
+			       "[-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
 			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
 			       "[-P PRISTINE_FD -G PATHS]");
 			return 2;
@@ -245,8 +297,8 @@ int main(int argc, char **argv)
 		return 1;
 	if (s->pol.pristine_fd >= 0 && drop_inheritable() < 0)
 		return 1; /* fail closed: an exec could inherit CAP_SYS_ADMIN */
-	if (s->ctl.listen_fd < 0) {
-		logmsg("sbx-init: -l LISTEN_FD is required");
+	if ((listen_fd < 0) == (rfd < 0)) {
+		logmsg("sbx-init: one of -l LISTEN_FD and -c FD[:WFD] is required");
 		return 2;
 	}
 	cg_init(&s->cg);
@@ -268,21 +320,27 @@ int main(int argc, char **argv)
 		logmsg("sbx-init: epoll_create1: %s", strerror(errno));
 		return 1;
 	}
-	if (listen(s->ctl.listen_fd, 8) < 0) {
+	if (listen_fd >= 0 && ctl_transport_listen(s, listen_fd) < 0) {
 		logmsg("sbx-init: listen: %s", strerror(errno));
 		return 1;
 	}
-	set_nonblock(s->ctl.listen_fd);
+	if (rfd >= 0)
+		ctl_transport_stream(s, rfd, wfd);
 	exec_init_slots(s);
-	ep_add(s, s->ctl.listen_fd, K_LISTEN, 0, EPOLLIN);
 	ep_add(s, s->sig_fd, K_SIG, 0, EPOLLIN);
 	spare_make(s);
 	for (;;) {
-		int n, k;
+		int n, k, timeout;
 
+		if (!ctl_connected(s) && s->ctl.retry_ms >= 0)
+			ctl_open(s);
 		if (s->interest_dirty)
 			update_interest(s);
-		n = epoll_wait(s->ep, evs, 64, exec_next_timeout_ms(s, now_ns()));
+		timeout = exec_next_timeout_ms(s, now_ns());
+		if (!ctl_connected(s) && s->ctl.retry_ms >= 0 &&
+		    (timeout < 0 || timeout > s->ctl.retry_ms))
+			timeout = s->ctl.retry_ms;
+		n = epoll_wait(s->ep, evs, 64, timeout);
 		if (n < 0 && errno != EINTR) {
 			logmsg("sbx-init: epoll_wait: %s", strerror(errno));
 			sleep(1);

@@ -1,16 +1,18 @@
 /* The control protocol between edged and sbx-init.
  *
- * Transport: one SOCK_STREAM unix-domain connection.  sbx-init inherits a
- * listening socket (bound by the spawner at a host-only path,
- * /run/edged/sandboxes/<id>/ctl.sock, mode 0700 directory) and serves one
- * client at a time; a new connection replaces the old one, which is how a
- * restarted daemon re-acquires a live sandbox.  The socket is close-on-exec
- * in sbx-init and its path does not exist inside the sandbox, so workload
- * processes cannot reach it.
+ * Transport: one byte stream, whatever carries it (control.c).  A container's
+ * sbx-init inherits a listening unix socket (bound by the spawner at a
+ * host-only path, /run/edged/sandboxes/<id>/ctl.sock, mode 0700 directory) and
+ * serves one client at a time; a new connection replaces the old one, which is
+ * how a restarted daemon re-acquires a live sandbox.  The socket is
+ * close-on-exec in sbx-init and its path does not exist inside the sandbox, so
+ * workload processes cannot reach it.  A guest's sbx-init speaks it over a
+ * virtio-serial port or a vsock connection; `sbx-init -c` over any connected
+ * fd or pipe pair.
  *
  * Framing: every message is a 16-byte header followed by `len` payload bytes.
  * All integers are little-endian.  Strings in payloads are NUL-terminated.
- * Python mirror: edged/backends/container/protocol.py (keep both in step).
+ * Python mirror: edged/sbxinit/protocol.py (keep both in step).
  *
  * An exec belongs to the connection that started it: if that connection goes
  * away, sbx-init kills the exec's whole process tree (no END is sent).

@@ -1,8 +1,9 @@
 /* sbx-init's internals, shared by its subsystems (one file each):
  *
- *   main.c       start-up (options, policies, capabilities) and the epoll loop
+ *   main.c       start-up (options, policies, capabilities), the epoll loop, what
+ *                each frame type means
  *   io.c         buffers, epoll registrations, logging, the clock
- *   control.c    the control channel: framing, the outgoing queue, dispatch (protocol.h)
+ *   control.c    the control channel (protocol.h): framing, the outgoing queue, transports
  *   exec.c       an exec's life: start, output and stdin with flow control, end
  *   child.c      what an exec's child does between fork and execve, confinement included
  *   grader.c     a grader exec's view of the layers (SBX_EXEC_GRADER)
@@ -32,7 +33,9 @@
 #define CG_NAME_MAX    24
 
 /* What an epoll event is about: the kind in the low byte, the exec's slot above. */
-enum sbx_kind { K_LISTEN = 1, K_SIG, K_CLIENT, K_OUT, K_ERR, K_IN, K_ERRPIPE, K_NOTIF };
+enum sbx_kind {
+	K_LISTEN = 1, K_SIG, K_CLIENT, K_CLIENT_OUT, K_OUT, K_ERR, K_IN, K_ERRPIPE, K_NOTIF
+};
 
 struct sbx_buf {
 	uint8_t *p;
@@ -103,14 +106,37 @@ struct sbx_spare {
 	char cg[CG_NAME_MAX];  /* the cgroups it moved into */
 };
 
-/* The control channel (control.c). */
+struct sbx;
+
+/* The control channel (control.c) over a pluggable transport. */
 struct sbx_ctl {
-	int listen_fd;   /* the inherited listening socket */
-	int client_fd;   /* the one connection, -1 if none */
+	int rfd, wfd;     /* the client: read here, write there (often one fd); -1: none */
+	/* The transport: a new client, if it has one now (-1 if not).  Asked when
+	 * listen_fd is readable, and every retry_ms while there is no client. */
+	int (*open)(struct sbx_ctl *c, int *rfd, int *wfd);
+	int listen_fd;    /* -1: none */
+	int retry_ms;     /* -1: never */
+	/* What the frames mean (main.c), and what a lost client means. */
+	void (*on_frame)(struct sbx *s, const struct sbx_hdr *h, uint8_t *payload);
+	void (*on_drop)(struct sbx *s);
 	struct sbx_buf outq;
 	uint8_t inbuf[sizeof(struct sbx_hdr) + SBX_MAX_PAYLOAD];
 	size_t inlen;
 };
+
+/* Why a step failed: an errno value, the step and what it was about. */
+struct sbx_fail {
+	int code;
+	const char *what, *arg;
+};
+
+static inline int sbx_fail(struct sbx_fail *f, int code, const char *what, const char *arg)
+{
+	f->code = code;
+	f->what = what;
+	f->arg = arg;
+	return -1;
+}
 
 struct sbx {
 	int ep;              /* the epoll instance */
@@ -150,10 +176,12 @@ void ctl_error(struct sbx *s, uint32_t exec_id, int code, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));
 size_t ctl_pending(const struct sbx *s);
 int ctl_connected(const struct sbx *s);
-void ctl_on_accept(struct sbx *s);
+void ctl_open(struct sbx *s);
 void ctl_on_readable(struct sbx *s);
 void ctl_flush(struct sbx *s);
 void ctl_update_interest(struct sbx *s);
+int ctl_transport_listen(struct sbx *s, int fd);
+void ctl_transport_stream(struct sbx *s, int rfd, int wfd);
 
 /* exec.c */
 void exec_init_slots(struct sbx *s);
@@ -177,7 +205,7 @@ void child_fail(int fd, int code, const char *what, const char *arg) __attribute
 void child_run(const struct sbx_policy *pol, struct child_args *a) __attribute__((noreturn));
 
 /* grader.c */
-void grader_view(const struct sbx_policy *pol, int errpipe_w, uint32_t uid, uint32_t gid);
+int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct sbx_fail *f);
 
 /* spare.c */
 void spare_make(struct sbx *s);

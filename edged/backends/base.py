@@ -10,9 +10,14 @@ Units: CPU in cores, memory and disk in bytes, times in seconds (float).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
+
+#: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
+#: syscall=, path=, address=, detail=)``, the signature of
+#: :meth:`edged.security.ledger.Ledger.record` (what the daemon passes).
+EventSink = Callable[..., object]
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from edged.backends.base import ExecSpec
-from edged.backends.container import protocol as P
+from edged.sbxinit import protocol as P
 from tests.security.conftest import (
     Node,
     assert_all_failed,

@@ -26,226 +26,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import json
 import logging
-import math
 import os
 import re
 import shutil
 import signal
-import struct
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import edged
-from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import EventSink, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import confinement, files, scratch
-from edged.backends.container import protocol as P
 from edged.backends.container.cgroups import POOL_PREFIX, CgroupManager, SandboxCgroup
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
 from edged.backends.container.uidslots import UidSlots
 from edged.backends.container.uidslots import starttime as _starttime
-from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
+from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
+from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, landlock
 
 log = logging.getLogger("edged.container")
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
-CREDIT_BATCH = 32 << 10
 CONNECT_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5.0
-_EXEC_USER_ERRNOS = {2, 13, 20, 21, 7, 8, 22, 36, 40}  # ENOENT EACCES ENOTDIR EISDIR E2BIG ...
-
-
-class ContainerExec:
-    """A running exec (implements :class:`edged.backends.base.ExecHandle`)."""
-
-    def __init__(self, conn: _Conn, exec_id: int, pty: bool) -> None:
-        self.exec_id = exec_id
-        self._conn = conn
-        self._pty = pty
-        self._q: asyncio.Queue[tuple[str, bytes] | ExecEnd] = asyncio.Queue()
-        self._uncredited = 0
-        self.ended = False
-
-    def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
-        if not self.ended:
-            self._q.put_nowait(item)
-            self.ended = isinstance(item, ExecEnd)
-
-    async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
-        """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
-        sbx-init only as it is consumed, so a consumer that stops reading stops the
-        process once its pipe and the credit window (protocol.WINDOW) are full."""
-        while True:
-            item = await self._q.get()
-            yield item
-            if isinstance(item, ExecEnd):
-                return
-            self._uncredited += len(item[1])
-            if self._uncredited >= CREDIT_BATCH and not self.ended:
-                n, self._uncredited = self._uncredited, 0
-                await self._conn.send_quiet(
-                    P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(n, 0)))
-
-    async def write_stdin(self, data: bytes) -> None:
-        """Send bytes to the process's stdin, in chunks of at most protocol.MAX_DATA."""
-        for i in range(0, len(data), P.MAX_DATA):
-            await self._conn.send(P.frame(P.STDIN, self.exec_id, data[i : i + P.MAX_DATA]))
-
-    async def close_stdin(self) -> None:
-        await self._conn.send(P.frame(P.STDIN_EOF, self.exec_id))
-
-    async def signal(self, sig: int) -> None:
-        """Signal the exec's process group. Raises BadRequest for a signal out of 1..64."""
-        if not 1 <= sig <= 64:
-            raise BadRequest(f"signal {sig} out of range 1..64")
-        await self._conn.send(P.frame(P.SIGNAL_T, self.exec_id, P.SIGNAL.pack(sig, 0)))
-
-    async def resize(self, rows: int, cols: int) -> None:
-        """Set the pty's size (characters). Raises BadRequest if not a pty exec."""
-        if not self._pty:
-            raise BadRequest(f"exec {self.exec_id} has no pty")
-        if not (0 < rows < 65536 and 0 < cols < 65536):
-            raise BadRequest(f"pty size {rows}x{cols} out of range")
-        await self._conn.send(P.frame(P.RESIZE_T, self.exec_id, P.RESIZE.pack(rows, cols, 0)))
-
-    async def kill(self) -> None:
-        """Kill the exec's whole process tree (ends with reason ``killed``)."""
-        await self._conn.send(P.frame(P.KILL, self.exec_id))
-
-
-class _Conn:
-    """The control connection to one sbx-init."""
-
-    def __init__(self, sandbox_id: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, sink: confinement.EventSink | None = None,
-                 on_end: Callable[[], None] | None = None) -> None:
-        self.sandbox_id = sandbox_id
-        self.sink = sink
-        self.on_end = on_end
-        self.reader = reader
-        self.writer = writer
-        self.handles: dict[int, ContainerExec] = {}
-        self.pending: dict[int, asyncio.Future[int]] = {}
-        self.hello: asyncio.Future[tuple[int, ...]] = asyncio.get_running_loop().create_future()
-        self.closed = False
-        self._lock = asyncio.Lock()
-        self._task = asyncio.create_task(self._read_loop())
-
-    async def send(self, data: bytes) -> None:
-        if self.closed:
-            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
-        async with self._lock:
-            self.writer.write(data)
-            await self.writer.drain()
-
-    async def send_quiet(self, data: bytes) -> None:
-        with contextlib.suppress(InvalidState, ConnectionError):
-            await self.send(data)
-
-    async def _read_loop(self) -> None:
-        dec = P.Decoder()
-        try:
-            while True:
-                data = await self.reader.read(1 << 18)
-                if not data:
-                    break
-                for f in dec.feed(data):
-                    try:
-                        self._dispatch(f)
-                    except struct.error as exc:
-                        raise ValueError(f"frame type {f.type:#x}: bad payload ({exc})") from exc
-        except ConnectionError as exc:
-            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
-        except ValueError as exc:
-            # sbx-init broke the protocol: only a compromised PID 1 would
-            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
-            self._violation({"from": "sbx-init", "error": str(exc)})
-        finally:
-            self._lost()
-
-    def _violation(self, detail: dict[str, object]) -> None:
-        if self.sink is not None:
-            self.sink(self.sandbox_id, "protocol_violation", detail=detail)
-
-    def _dispatch(self, f: P.Frame) -> None:
-        if f.type in (P.STDOUT, P.STDERR):
-            h = self.handles.get(f.exec_id)
-            if h:
-                h._push(("stdout" if f.type == P.STDOUT else "stderr", f.payload))
-        elif f.type == P.END:
-            reason, code, sig, _r, dur_ns, peak = P.END_S.unpack(f.payload)
-            h = self.handles.pop(f.exec_id, None)
-            end = ExecEnd(reason=P.REASONS.get(reason, "killed"),
-                          exit_code=code if code >= 0 else None,
-                          signal=sig or None, duration_s=dur_ns / 1e9,
-                          peak_memory_bytes=peak or None)
-            if h:
-                h._push(end)
-            confinement.record_end(self.sink, self.sandbox_id, f.exec_id, end)
-            if self.on_end is not None:
-                self.on_end()
-        elif f.type == P.EVENT:
-            confinement.record_event(self.sink, self.sandbox_id, f.exec_id, f.payload)
-        elif f.type == P.STARTED:
-            pid = P.STARTED_S.unpack(f.payload)[0]
-            fut = self.pending.pop(f.exec_id, None)
-            if fut and not fut.done():
-                fut.set_result(pid)
-        elif f.type == P.ERROR:
-            code = P.ERROR_S.unpack_from(f.payload)[0]
-            msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
-            fut = self.pending.pop(f.exec_id, None)
-            if fut and not fut.done():
-                self.handles.pop(f.exec_id, None)
-                cls: type[Exception] = BackendError
-                if code in _EXEC_USER_ERRNOS:
-                    cls = BadRequest
-                elif code == errno.EAGAIN:  # fork at the pids limit, or too many execs
-                    cls = PidsExhausted
-                fut.set_exception(cls(f"sandbox {self.sandbox_id}: {msg}"))
-            else:
-                log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
-                            f.exec_id, msg)
-                if code in (errno.EINVAL, errno.EMSGSIZE):
-                    # sbx-init refused a malformed frame (not a benign race such as a signal
-                    # for an exec that has just ended, ESRCH)
-                    self._violation({"from": "client", "exec_id": f.exec_id, "errno": code,
-                                     "message": msg})
-        elif f.type == P.HELLO_OK:
-            if not self.hello.done():
-                self.hello.set_result(P.HELLO_S.unpack(f.payload))
-        else:
-            raise ValueError(f"unknown frame type {f.type:#x} from sbx-init")
-
-    def _lost(self) -> None:
-        self.closed = True
-        for fut in self.pending.values():
-            if not fut.done():
-                fut.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went away"))
-        self.pending.clear()
-        for h in self.handles.values():
-            h._push(ExecEnd(reason="killed", exit_code=None, signal=signal.SIGKILL,
-                            duration_s=0.0, peak_memory_bytes=None))
-        self.handles.clear()
-        if not self.hello.done():
-            self.hello.set_exception(BackendError(f"sandbox {self.sandbox_id}: no hello"))
-            self.hello.exception()  # retrieved: nobody may be waiting
-
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._lost()
 
 
 @dataclass
@@ -270,10 +79,8 @@ class _Sandbox:
     uid_base: int
     slot: int
     cg: SandboxCgroup
-    conn: _Conn | None = None
+    conn: SbxClient | None = None
     paused: bool = False
-    next_exec: int = 1
-    execs: dict[int, ContainerExec] = field(default_factory=dict)
     policy: confinement.Policy | None = None
     limits: confinement.LimitWatch | None = None
 
@@ -304,7 +111,7 @@ class ContainerBackend:
                  uid_base: int = 1 << 30, id_count: int = 65536,
                  bin_dir: str | os.PathLike[str] | None = None,
                  scratch_dir: str | os.PathLike[str] | None = None,
-                 on_event: confinement.EventSink | None = None,
+                 on_event: EventSink | None = None,
                  spawner_pool: int = 0,
                  uid_slots_dir: str | os.PathLike[str] = UID_SLOTS_DIR) -> None:
         self.state_dir = Path(state_dir)
@@ -545,20 +352,11 @@ class ContainerBackend:
         self._reap(p.pid, None if cg is None else functools.partial(_remove_quietly, cg))
 
     async def _connect(self, sbx: _Sandbox) -> None:
-        path = str(sbx.dir / "ctl.sock")
-        try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(path, limit=1 << 20), CONNECT_TIMEOUT_S)
-            conn = _Conn(sbx.id, reader, writer, self.on_event,
-                         functools.partial(self._poll_limits, sbx))
-            await conn.send(P.frame(P.HELLO))
-            version, mode, *_ = await asyncio.wait_for(conn.hello, CONNECT_TIMEOUT_S)
-        except (TimeoutError, OSError) as exc:
-            raise BackendError(f"sandbox {sbx.id}: connect to sbx-init: {exc}") from exc
-        if version != P.VERSION:
-            await conn.close()
-            raise BackendError(f"sandbox {sbx.id}: sbx-init speaks protocol {version}")
-        log.debug("sandbox %s: sbx-init cgroup mode %s", sbx.id, P.CGROUP_MODES.get(mode))
+        conn = await connect_unix(sbx.dir / "ctl.sock", sbx.id, sink=self.on_event,
+                                  on_end=functools.partial(self._poll_limits, sbx),
+                                  timeout_s=CONNECT_TIMEOUT_S)
+        assert conn.info is not None
+        log.debug("sandbox %s: sbx-init cgroup mode %s", sbx.id, conn.info.cgroup_mode)
         sbx.conn = conn
 
     def _poll_limits(self, sbx: _Sandbox) -> None:
@@ -745,7 +543,7 @@ class ContainerBackend:
             if not self._closed and len(self._pool) < self.spawner_pool:
                 asyncio.get_running_loop().call_soon(self._fill_pool)
 
-    async def exec(self, sandbox_id: str, spec: ExecSpec) -> ContainerExec:
+    async def exec(self, sandbox_id: str, spec: ExecSpec) -> SbxExec:
         """Start ``spec.argv`` in the sandbox; returns once the program runs (execve done).
         Raises NotFound, InvalidState (paused, sbx-init gone), BadRequest (bad spec, or the
         program cannot start: missing file, bad cwd...)."""
@@ -764,31 +562,11 @@ class ContainerBackend:
             await self.kill_processes(sandbox_id)
         if spec.trusted:
             await self._check_untampered(sbx)
-        flags = (P.EXEC_STDIN if spec.stdin else 0) | (P.EXEC_PTY if spec.pty else 0)
-        if spec.trusted and sbx.policy is not None and sbx.policy.task.grader_view:
-            flags |= P.EXEC_GRADER
-        eid = sbx.next_exec
-        sbx.next_exec = eid + 1 if eid < 0xFFFFFFFF else 1
-        try:
-            data = P.exec_frame(
-                eid, tuple(spec.argv), dict(spec.env), spec.cwd, spec.uid, spec.gid,
-                math.ceil(spec.timeout_s * 1000) if spec.timeout_s else 0,
-                spec.output_limit or 0, flags)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from exc
-        conn = sbx.conn
-        h = ContainerExec(conn, eid, spec.pty)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        conn.handles[eid] = h
-        conn.pending[eid] = fut
-        try:
-            await conn.send(data)
-            await fut
-        except BaseException:
-            conn.handles.pop(eid, None)
-            conn.pending.pop(eid, None)
-            raise
-        return h
+        grader = bool(spec.trusted and sbx.policy is not None and sbx.policy.task.grader_view)
+        return await sbx.conn.exec(
+            tuple(spec.argv), spec.env, cwd=spec.cwd, uid=spec.uid, gid=spec.gid,
+            timeout_s=spec.timeout_s, output_limit=spec.output_limit, stdin=spec.stdin,
+            pty=spec.pty, grader=grader)
 
     async def _check_untampered(self, sbx: _Sandbox) -> None:
         """Before a grader exec: refuse it if the upper shadows any protected path."""
@@ -1073,4 +851,4 @@ async def _read_line(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-__all__ = ["ContainerBackend", "ContainerExec"]
+__all__ = ["ContainerBackend"]

@@ -1,5 +1,5 @@
-"""Confinement of container sandboxes: the per-sandbox policy files, the security events
-sbx-init and the cgroups report, and the grader's tamper check.
+"""Confinement of container sandboxes: the per-sandbox policy files, the limit events the
+cgroups report, and the grader's tamper check.
 
 Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/child.c``):
 
@@ -11,7 +11,7 @@ Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/child.
 - sbx-init, for EACH exec just before execve: Landlock (the ruleset prepared once at
   start-up from the pristine rootfs; a fresh domain per exec), then the seccomp program with
   a notification listener that sbx-init itself serves (EPERM at once) and reports as
-  ``SBX_EVENT`` frames, recorded here as ``seccomp_denied``.
+  ``SBX_EVENT`` frames, recorded as ``seccomp_denied`` (:mod:`edged.sbxinit.events`).
 
 Not observable here: Landlock denials (the kernel reports them only through the audit
 subsystem, absent from this daemon's reach), so an attack stopped by Landlock alone leaves
@@ -25,25 +25,16 @@ import hashlib
 import logging
 import os
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from edged.backends.base import ExecEnd, SandboxSpec
-from edged.backends.container import protocol as P
+from edged.backends.base import EventSink, SandboxSpec
 from edged.backends.container.cgroups import SandboxCgroup
 from edged.security import apparmor, landlock, seccomp, tasks
-from edged.security.confine import AUDIT_ARCH_X86_64, WORKLOAD_CAPS
+from edged.security.confine import WORKLOAD_CAPS
 from edged.security.profile import profile_path
 
 log = logging.getLogger("edged.container")
-
-#: ``sink(sandbox_id, kind, *, pid=, process=, syscall=, path=, address=, detail=)``: the
-#: signature of :meth:`edged.security.ledger.Ledger.record`, which is what the daemon passes.
-EventSink = Callable[..., object]
-
-_END_EVENTS = {"oom": "oom_kill", "timeout": "timeout", "output_limit": "output_limit"}
 
 
 @dataclass(frozen=True)
@@ -187,50 +178,6 @@ def spawner_args(policy: Policy, policy_dir: Path) -> list[str]:
     return args
 
 
-def record_event(sink: EventSink | None, sandbox_id: str, exec_id: int,
-                 payload: bytes) -> None:
-    """Decode one ``SBX_EVENT`` payload and record it (a bad payload is itself recorded as a
-    ``protocol_violation``: sbx-init is inside the sandbox's reach in principle)."""
-    if sink is None:
-        return
-    if len(payload) != P.EVENT_S.size:
-        sink(sandbox_id, "protocol_violation",
-             detail={"frame": "event", "bytes": len(payload), "exec_id": exec_id})
-        return
-    kind, pid, nr, arch, *rest = P.EVENT_S.unpack(payload)
-    args = rest[:6]
-    ip, dropped, _r, comm = rest[6:]
-    if kind == P.EV_DROPPED and dropped:
-        # sbx-init sends at most 200 denials a second one by one; the rest are counted
-        sink(sandbox_id, "seccomp_denied",
-             detail={"dropped_before": dropped, "exec_id": exec_id, "summary": True})
-        return
-    if kind != P.EV_SECCOMP:
-        sink(sandbox_id, "protocol_violation", detail={"frame": "event", "kind": kind})
-        return
-    foreign = arch != AUDIT_ARCH_X86_64 or nr & 0x40000000
-    name = f"syscall_{nr}" if foreign else seccomp.syscall_name(nr)
-    detail: dict[str, Any] = {"nr": nr, "arch": f"{arch:#x}", "args": [f"{a:#x}" for a in args],
-                              "errno": "EPERM", "exec_id": exec_id, "ip": f"{ip:#x}"}
-    if foreign:
-        detail["abi"] = "foreign (i386 or x32)"
-    if name == "ioctl":
-        detail["ioctl"] = f"{args[1] & 0xFFFFFFFF:#x}"
-    if dropped:
-        detail["dropped_before"] = dropped
-    sink(sandbox_id, "seccomp_denied", pid=pid or None,
-         process=comm.rstrip(b"\0").decode("utf-8", "replace") or None, syscall=name,
-         detail=detail)
-
-
-def record_end(sink: EventSink | None, sandbox_id: str, exec_id: int, end: ExecEnd) -> None:
-    """Record an exec end that is a limit hit (OOM kill, timeout, output limit)."""
-    kind = _END_EVENTS.get(end.reason)
-    if sink is not None and kind is not None:
-        sink(sandbox_id, kind, detail={"exec_id": exec_id, "duration_s": round(end.duration_s, 3),
-                                       "peak_memory_bytes": end.peak_memory_bytes})
-
-
 class LimitWatch:
     """Counters of a sandbox's cgroups that mean a limit was hit (pids.events ``max``,
     cpu.stat ``nr_throttled``, memory OOM kills) and its upper's free space; :meth:`poll`
@@ -323,5 +270,5 @@ def tamper_check(sink: EventSink | None, sandbox_id: str, pid: int,
     return hits
 
 
-__all__ = ["EventSink", "LimitWatch", "Policy", "prepare", "record_end", "record_event",
-           "release", "scratch_path", "spawner_args", "tamper_check"]
+__all__ = ["LimitWatch", "Policy", "prepare", "release", "scratch_path", "spawner_args",
+           "tamper_check"]

@@ -1,6 +1,6 @@
-"""The container backend's confinement glue: SBX_EVENT decoding into ledger records, limit
-counters, the policy files handed to the spawner, and failing closed when a policy cannot be
-applied (an AppArmor profile on a kernel without AppArmor)."""
+"""The container backend's confinement glue: limit counters, the policy files handed to the
+spawner, and failing closed when a policy cannot be applied (an AppArmor profile on a kernel
+without AppArmor)."""
 
 from __future__ import annotations
 
@@ -11,52 +11,9 @@ from typing import Any
 
 import pytest
 
-from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend, confinement
-from edged.backends.container import protocol as P
 from edged.errors import EdgedError
-from edged.security import seccomp
-from edged.security.ledger import Ledger
-
-
-def _event(nr: int, args: tuple[int, ...], arch: int = 0xC000003E, dropped: int = 0) -> bytes:
-    return P.EVENT_S.pack(P.EV_SECCOMP, 42, nr, arch, *args, 0x401000, dropped, 0, b"attack")
-
-
-def test_record_event_decodes_seccomp_denials() -> None:
-    led = Ledger(None)
-    ioctl = next(n for n in range(512) if seccomp.syscall_name(n) == "ioctl")
-    confinement.record_event(led.record, "s", 3,
-                             _event(ioctl, (4, 0xDEAD_C0C0586D, 0, 0, 0, 0), dropped=2))
-    confinement.record_event(led.record, "s", 3, _event(1, (0,) * 6, arch=0x40000003))
-    confinement.record_event(led.record, "s", 3, b"short")
-    ev = led.events("s")
-    assert [e.kind for e in ev] == ["seccomp_denied", "seccomp_denied", "protocol_violation"]
-    assert ev[0].syscall == "ioctl" and ev[0].process == "attack" and ev[0].pid == 42
-    assert ev[0].detail["ioctl"] == "0xc0c0586d"  # the low 32 bits the kernel compares
-    assert ev[0].detail["dropped_before"] == 2 and ev[0].detail["exec_id"] == 3
-    assert ev[1].syscall == "syscall_1" and "foreign" in ev[1].detail["abi"]
-
-
-def test_record_event_dropped_summary() -> None:
-    led = Ledger(None)
-    summary = P.EVENT_S.pack(P.EV_DROPPED, 0, 0, 0, *(0,) * 6, 0, 1234, 0, b"")
-    confinement.record_event(led.record, "s", 7, summary)
-    confinement.record_event(led.record, "s", 7, P.EVENT_S.pack(P.EV_DROPPED, 0, 0, 0,
-                                                                 *(0,) * 6, 0, 0, 0, b""))
-    ev = led.events("s")
-    assert [e.kind for e in ev] == ["seccomp_denied", "protocol_violation"]  # empty: bogus
-    assert ev[0].syscall is None and ev[0].detail == {"dropped_before": 1234, "exec_id": 7,
-                                                      "summary": True}
-
-
-def test_record_end_only_limit_hits() -> None:
-    led = Ledger(None)
-    for reason in ("exited", "oom", "timeout", "output_limit", "killed", "signalled"):
-        confinement.record_end(led.record, "s", 1, ExecEnd(reason=reason, exit_code=None,
-                                                            signal=None, duration_s=0.5,
-                                                            peak_memory_bytes=None))
-    assert [e.kind for e in led.events("s")] == ["oom_kill", "timeout", "output_limit"]
 
 
 def test_spawner_args_write_policy_files(tmp_path: Path, busybox_tree: Path) -> None:
@@ -107,37 +64,6 @@ def test_exec_fails_closed_when_apparmor_cannot_apply(
             await backend.destroy("aa")
 
     asyncio.run(asyncio.wait_for(body(), 60))
-
-
-@pytest.mark.parametrize("garbage", [
-    P.frame(0x99, 0, b"x"),  # unknown type
-    P.frame(P.STARTED, 1, b"\x00"),  # wrong payload size
-    P.HDR.pack(P.MAX_PAYLOAD + 1, P.STDOUT, 0, 1, 0),  # oversized
-])
-def test_a_misbehaving_sbx_init_is_a_recorded_violation(garbage: bytes) -> None:
-    """Frames only a compromised PID 1 would send end the connection and are recorded."""
-    import socket
-
-    from edged.backends.container.backend import _Conn
-
-    led = Ledger(None)
-
-    async def body() -> None:
-        a, b = socket.socketpair()
-        reader, writer = await asyncio.open_unix_connection(sock=a)
-        conn = _Conn("bad", reader, writer, led.record)
-        b.sendall(garbage)
-        for _ in range(100):
-            if conn.closed:
-                break
-            await asyncio.sleep(0.01)
-        assert conn.closed
-        await conn.close()
-        b.close()
-
-    asyncio.run(asyncio.wait_for(body(), 10))
-    ev = led.events("bad")
-    assert [e.kind for e in ev] == ["protocol_violation"] and ev[0].detail["from"] == "sbx-init"
 
 
 def test_prepare_cache_follows_profile_and_layers(tmp_path: Path) -> None:

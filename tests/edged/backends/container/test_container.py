@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
-from edged.backends.container import ContainerBackend, ContainerExec
-from edged.backends.container import protocol as P
+from edged.backends.container import ContainerBackend
 from edged.errors import BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
+from edged.sbxinit import SbxExec
+from edged.sbxinit import protocol as P
 from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -34,7 +35,7 @@ def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), 120))  # type: ignore[arg-type]
 
 
-async def collect(h: ContainerExec) -> tuple[bytes, bytes, ExecEnd]:
+async def collect(h: SbxExec) -> tuple[bytes, bytes, ExecEnd]:
     out, err = bytearray(), bytearray()
     async for ev in h.events():
         if isinstance(ev, ExecEnd):

@@ -1,5 +1,6 @@
 """The sbx-init control protocol, mirrored from ``csrc/sbx-init/protocol.h`` (the source of
-truth: keep both in step).
+truth: keep both in step). Every backend speaks it to its sbx-init, over whatever byte
+stream reaches it (see :mod:`edged.sbxinit.client`).
 
 Frames: a 16-byte little-endian header ``(len u32, type u16, flags u16, exec_id u32,
 reserved u32)`` then ``len`` payload bytes. Payload layouts are the ``struct sbx_*`` of the

@@ -1,0 +1,377 @@
+"""The client side of sbx-init's control protocol (:mod:`edged.sbxinit.protocol`), over any
+byte stream: a Unix socket (containers), a pipe pair or a socketpair (tests, a directly
+spawned sbx-init), a virtio-serial port or a vsock connection (microVM guests). One
+:class:`SbxClient` per connection; one :class:`SbxExec` per exec it started.
+
+What the transport must give is an :class:`asyncio.StreamReader` and an
+:class:`asyncio.StreamWriter`; :func:`connect_unix` and :func:`open_fds` make them for a
+socket path and for a pair of fds. Everything raised is an :mod:`edged.errors` exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+import stat
+import struct
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+from edged.backends.base import EventSink, ExecEnd
+from edged.errors import BackendError, BadRequest, InvalidState, PidsExhausted
+from edged.sbxinit import events
+from edged.sbxinit import protocol as P
+
+log = logging.getLogger("edged.sbxinit")
+
+#: Output bytes consumed before they are credited back to sbx-init in one CREDIT frame.
+CREDIT_BATCH = 32 << 10
+#: Bytes the reader buffers (a frame's payload is at most protocol.MAX_PAYLOAD).
+READ_LIMIT = 1 << 20
+#: errno values of an exec that cannot start because of what was asked (a missing program, a
+#: bad cwd...): a BadRequest, not a backend failure. ENOENT EACCES ENOTDIR EISDIR E2BIG
+#: ENOEXEC EINVAL ENAMETOOLONG ELOOP.
+USER_ERRNOS = frozenset({2, 13, 20, 21, 7, 8, 22, 36, 40})
+
+
+@dataclass(frozen=True)
+class Hello:
+    """sbx-init's answer to HELLO: protocol ``version``, its per-exec cgroup mode
+    (``"none" | "v1" | "v2"``) and how many execs it runs now."""
+
+    version: int
+    cgroup_mode: str
+    execs: int
+
+
+class SbxExec:
+    """A running exec (implements :class:`edged.backends.base.ExecHandle`)."""
+
+    def __init__(self, client: SbxClient, exec_id: int, pty: bool) -> None:
+        self.exec_id = exec_id
+        #: the exec's main process in the sandbox's pid namespace (once started)
+        self.pid = 0
+        self._client = client
+        self._pty = pty
+        self._q: asyncio.Queue[tuple[str, bytes] | ExecEnd] = asyncio.Queue()
+        self._uncredited = 0
+        self.ended = False
+
+    def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
+        if not self.ended:
+            self._q.put_nowait(item)
+            self.ended = isinstance(item, ExecEnd)
+
+    async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
+        """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
+        sbx-init only as it is consumed, so a consumer that stops reading stops the
+        process once its pipe and the credit window (protocol.WINDOW) are full."""
+        while True:
+            item = await self._q.get()
+            yield item
+            if isinstance(item, ExecEnd):
+                return
+            self._uncredited += len(item[1])
+            if self._uncredited >= CREDIT_BATCH and not self.ended:
+                n, self._uncredited = self._uncredited, 0
+                await self._client.send_quiet(
+                    P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(n, 0)))
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Send bytes to the process's stdin, in chunks of at most protocol.MAX_DATA."""
+        for i in range(0, len(data), P.MAX_DATA):
+            await self._client.send(P.frame(P.STDIN, self.exec_id, data[i : i + P.MAX_DATA]))
+
+    async def close_stdin(self) -> None:
+        await self._client.send(P.frame(P.STDIN_EOF, self.exec_id))
+
+    async def signal(self, sig: int) -> None:
+        """Signal the exec's process group. Raises BadRequest for a signal out of 1..64."""
+        if not 1 <= sig <= 64:
+            raise BadRequest(f"signal {sig} out of range 1..64")
+        await self._client.send(P.frame(P.SIGNAL_T, self.exec_id, P.SIGNAL.pack(sig, 0)))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Set the pty's size (characters). Raises BadRequest if not a pty exec."""
+        if not self._pty:
+            raise BadRequest(f"exec {self.exec_id} has no pty")
+        if not (0 < rows < 65536 and 0 < cols < 65536):
+            raise BadRequest(f"pty size {rows}x{cols} out of range")
+        await self._client.send(P.frame(P.RESIZE_T, self.exec_id,
+                                        P.RESIZE.pack(rows, cols, 0)))
+
+    async def kill(self) -> None:
+        """Kill the exec's whole process tree (ends with reason ``killed``)."""
+        await self._client.send(P.frame(P.KILL, self.exec_id))
+
+
+class SbxClient:
+    """The control connection to one sbx-init over ``reader``/``writer``.
+
+    ``sandbox_id`` names the sandbox in errors and events; ``sink`` receives its security
+    events (denied syscalls, limit hits, protocol violations); ``on_end`` is called after
+    each exec end (e.g. to poll limit counters). A connection that breaks ends every exec
+    it started with reason ``killed`` (sbx-init kills their trees when its client goes).
+    """
+
+    def __init__(self, sandbox_id: str, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, sink: EventSink | None = None,
+                 on_end: Callable[[], None] | None = None) -> None:
+        self.sandbox_id = sandbox_id
+        self.sink = sink
+        self.on_end = on_end
+        self.reader = reader
+        self.writer = writer
+        self.handles: dict[int, SbxExec] = {}
+        self.pending: dict[int, asyncio.Future[int]] = {}
+        self.closed = False
+        #: sbx-init's answer to the last :meth:`hello`
+        self.info: Hello | None = None
+        self._hello: asyncio.Future[tuple[int, ...]] = (
+            asyncio.get_running_loop().create_future())
+        self._next_exec = 1
+        self._lock = asyncio.Lock()
+        self._task = asyncio.create_task(self._read_loop())
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def send(self, data: bytes) -> None:
+        """Write encoded frames. Raises InvalidState once the connection is closed."""
+        if self.closed:
+            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
+        async with self._lock:
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def send_quiet(self, data: bytes) -> None:
+        """:meth:`send`, ignoring a closed or broken connection."""
+        with contextlib.suppress(InvalidState, ConnectionError):
+            await self.send(data)
+
+    async def hello(self, timeout_s: float = 5.0) -> Hello:
+        """Send HELLO and wait (``timeout_s``) for the answer. Raises BackendError if none
+        comes or sbx-init speaks another protocol version."""
+        try:
+            await self.send(P.frame(P.HELLO))
+            version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
+                                                             timeout_s)
+        except (TimeoutError, OSError) as exc:
+            raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init: "
+                               f"{exc or 'timed out'}") from exc
+        if version != P.VERSION:
+            raise BackendError(f"sandbox {self.sandbox_id}: sbx-init speaks protocol "
+                               f"{version}, not {P.VERSION}")
+        self.info = Hello(version, P.CGROUP_MODES.get(mode, str(mode)), execs)
+        return self.info
+
+    async def exec(self, argv: tuple[str, ...], env: Mapping[str, str], *, cwd: str = "/",
+                   uid: int = 0, gid: int = 0, timeout_s: float | None = None,
+                   output_limit: int | None = None, stdin: bool = False, pty: bool = False,
+                   grader: bool = False, rows: int = 0, cols: int = 0) -> SbxExec:
+        """Start ``argv``; returns once the program runs (its execve done). ``timeout_s``
+        (seconds) and ``output_limit`` (stdout+stderr bytes) end the tree when passed;
+        ``grader``: the exec sees the grader view (SBX_EXEC_GRADER). Raises BadRequest
+        (input sbx-init refuses, or a program that cannot start: missing file, bad cwd...),
+        PidsExhausted (fork at the pids limit, or too many execs), BackendError, and
+        InvalidState when the connection is closed."""
+        flags = ((P.EXEC_STDIN if stdin else 0) | (P.EXEC_PTY if pty else 0)
+                 | (P.EXEC_GRADER if grader else 0))
+        eid = self._next_exec
+        self._next_exec = eid + 1 if eid < 0xFFFFFFFF else 1
+        try:
+            data = P.exec_frame(eid, tuple(argv), dict(env), cwd, uid, gid,
+                                math.ceil(timeout_s * 1000) if timeout_s else 0,
+                                output_limit or 0, flags, rows, cols)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        h = SbxExec(self, eid, pty)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.handles[eid] = h
+        self.pending[eid] = fut
+        try:
+            await self.send(data)
+            h.pid = await fut
+        except BaseException:
+            self.handles.pop(eid, None)
+            self.pending.pop(eid, None)
+            raise
+        return h
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        dec = P.Decoder()
+        try:
+            while True:
+                data = await self.reader.read(1 << 18)
+                if not data:
+                    break
+                for f in dec.feed(data):
+                    try:
+                        self._dispatch(f)
+                    except struct.error as exc:
+                        raise ValueError(f"frame type {f.type:#x}: bad payload ({exc})") from exc
+        except ConnectionError as exc:
+            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
+        except ValueError as exc:
+            # sbx-init broke the protocol: only a compromised PID 1 would
+            log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
+            self._violation({"from": "sbx-init", "error": str(exc)})
+        finally:
+            self._lost()
+
+    def _violation(self, detail: dict[str, object]) -> None:
+        if self.sink is not None:
+            self.sink(self.sandbox_id, "protocol_violation", detail=detail)
+
+    def _dispatch(self, f: P.Frame) -> None:
+        if f.type in (P.STDOUT, P.STDERR):
+            h = self.handles.get(f.exec_id)
+            if h:
+                h._push(("stdout" if f.type == P.STDOUT else "stderr", f.payload))
+        elif f.type == P.END:
+            reason, code, sig, _r, dur_ns, peak = P.END_S.unpack(f.payload)
+            h = self.handles.pop(f.exec_id, None)
+            end = ExecEnd(reason=P.REASONS.get(reason, "killed"),
+                          exit_code=code if code >= 0 else None,
+                          signal=sig or None, duration_s=dur_ns / 1e9,
+                          peak_memory_bytes=peak or None)
+            if h:
+                h._push(end)
+            events.record_end(self.sink, self.sandbox_id, f.exec_id, end)
+            if self.on_end is not None:
+                self.on_end()
+        elif f.type == P.EVENT:
+            events.record_event(self.sink, self.sandbox_id, f.exec_id, f.payload)
+        elif f.type == P.STARTED:
+            pid = P.STARTED_S.unpack(f.payload)[0]
+            fut = self.pending.pop(f.exec_id, None)
+            if fut and not fut.done():
+                fut.set_result(pid)
+        elif f.type == P.ERROR:
+            self._on_error(f)
+        elif f.type == P.HELLO_OK:
+            if not self._hello.done():
+                self._hello.set_result(P.HELLO_S.unpack(f.payload))
+        else:
+            raise ValueError(f"unknown frame type {f.type:#x} from sbx-init")
+
+    def _on_error(self, f: P.Frame) -> None:
+        code = P.ERROR_S.unpack_from(f.payload)[0]
+        msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
+        fut = self.pending.pop(f.exec_id, None)
+        if fut and not fut.done():
+            self.handles.pop(f.exec_id, None)
+            cls: type[Exception] = BackendError
+            if code in USER_ERRNOS:
+                cls = BadRequest
+            elif code == errno.EAGAIN:  # fork at the pids limit, or too many execs
+                cls = PidsExhausted
+            fut.set_exception(cls(f"sandbox {self.sandbox_id}: {msg}"))
+            return
+        log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
+                    f.exec_id, msg)
+        if code in (errno.EINVAL, errno.EMSGSIZE):
+            # sbx-init refused a malformed frame (not a benign race such as a signal for an
+            # exec that has just ended, ESRCH)
+            self._violation({"from": "client", "exec_id": f.exec_id, "errno": code,
+                             "message": msg})
+
+    def _lost(self) -> None:
+        self.closed = True
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went away"))
+        self.pending.clear()
+        for h in self.handles.values():
+            h._push(ExecEnd(reason="killed", exit_code=None, signal=signal.SIGKILL,
+                            duration_s=0.0, peak_memory_bytes=None))
+        self.handles.clear()
+        if not self._hello.done():
+            self._hello.set_exception(BackendError(f"sandbox {self.sandbox_id}: no hello"))
+            self._hello.exception()  # retrieved: nobody may be waiting
+
+    async def close(self) -> None:
+        """Close the connection (sbx-init then kills the trees of this client's execs) and
+        end every exec handle still open."""
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._lost()
+
+
+# -- transports ------------------------------------------------------------------------------
+
+async def connect_unix(path: str | os.PathLike[str], sandbox_id: str, *,
+                       sink: EventSink | None = None, on_end: Callable[[], None] | None = None,
+                       timeout_s: float = 5.0) -> SbxClient:
+    """Connect to sbx-init's listening Unix socket ``path`` and exchange HELLO (both within
+    ``timeout_s`` each; the answer is the client's ``info``). Raises BackendError."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_unix_connection(str(path), limit=READ_LIMIT), timeout_s)
+    except (TimeoutError, OSError) as exc:
+        raise BackendError(f"sandbox {sandbox_id}: connect to sbx-init: "
+                           f"{exc or 'timed out'}") from exc
+    client = SbxClient(sandbox_id, reader, writer, sink, on_end)
+    try:
+        await client.hello(timeout_s)
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+async def open_fds(rfd: int, wfd: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A reader on ``rfd`` and a writer on ``wfd``: the same fd for a socket (Unix, vsock)
+    or a port (a character device such as a virtio-serial port), two for a pipe pair. The
+    fds are owned by the transports from then on (closed with the writer and at EOF)."""
+    loop = asyncio.get_running_loop()
+    if rfd == wfd and stat.S_ISSOCK(os.fstat(rfd).st_mode):
+        sock = socket.socket(fileno=rfd)
+        return await asyncio.open_connection(sock=sock, limit=READ_LIMIT)
+    reader = asyncio.StreamReader(limit=READ_LIMIT)
+    rproto = asyncio.StreamReaderProtocol(reader)
+    if wfd == rfd:
+        # each pipe transport closes its own file; asyncio watches a write pipe's fd for
+        # its reader going away only when it is a FIFO or a socket, never a device
+        wfd = os.dup(rfd)
+    rtransport, _ = await loop.connect_read_pipe(lambda: rproto,
+                                                 os.fdopen(rfd, "rb", buffering=0))
+    wtransport, wproto = await loop.connect_write_pipe(
+        lambda: _WritePipeProtocol(rtransport), os.fdopen(wfd, "wb", buffering=0))
+    writer = asyncio.StreamWriter(wtransport, wproto, None, loop)
+    return reader, writer
+
+
+class _WritePipeProtocol(asyncio.streams.FlowControlMixin):
+    """The write half of a pipe pair: closing it (the writer) closes the read half too, as
+    closing a socket does."""
+
+    def __init__(self, read_transport: asyncio.BaseTransport) -> None:
+        super().__init__()
+        self._read_transport = read_transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._read_transport.close()
+
+
+__all__ = [
+    "CREDIT_BATCH",
+    "USER_ERRNOS",
+    "Hello",
+    "SbxClient",
+    "SbxExec",
+    "connect_unix",
+    "open_fds",
+]
