@@ -4,10 +4,17 @@ Everything else lives in pyproject.toml. The C core is compiled by the cffi buil
 script ``layerfs/_build_native.py`` into the private extension ``layerfs._native``.
 The small executables (sbx-init, edged-spawner) are built by ``csrc/build_bins.py`` into
 ``edged/_bin/`` during build_py, for both ``pip install .`` and ``pip install -e .``.
+
+The policy data stays in the top-level ``profiles/`` (its source of truth, fixed by the project
+brief). A wheel gets a copy of it as ``edged/_profiles/``, which
+``edged.security.profile.find_profiles_dir`` looks for first; an editable install keeps no
+copy and reads the checkout's ``profiles/`` itself, so edits there take effect at once. The
+systemd unit (``systemd/edged.service``) is copied into the wheel as ``edged/_systemd/``.
 """
 
 import importlib.util
 import pathlib
+import shutil
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
@@ -25,6 +32,13 @@ class build_py_with_bins(build_py):
         out = _HERE / "edged" / "_bin"
         if not self.editable_mode:
             out = pathlib.Path(self.build_lib) / "edged" / "_bin"
+            profiles = pathlib.Path(self.build_lib) / "edged" / "_profiles"
+            shutil.rmtree(profiles, ignore_errors=True)  # a stale build/ from an earlier run
+            shutil.copytree(_HERE / "profiles", profiles)
+            # the unit too, so that a node installed from the wheel alone can install it
+            unit = pathlib.Path(self.build_lib) / "edged" / "_systemd"
+            unit.mkdir(exist_ok=True)
+            shutil.copy2(_HERE / "systemd" / "edged.service", unit / "edged.service")
         mod.build(out)
 
 

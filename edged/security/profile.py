@@ -7,10 +7,26 @@ from pathlib import Path
 
 from edged.errors import BadRequest
 
-#: The repository's ``profiles/`` directory, or ``EDGED_PROFILES`` when set (installed nodes).
-PROFILES_DIR = Path(
-    os.environ.get("EDGED_PROFILES", Path(__file__).resolve().parent.parent.parent / "profiles")
-)
+
+def find_profiles_dir() -> Path:
+    """Where the policy data (``seccomp/``, ``tasks/``, ``apparmor/``, ``landlock/``) is, in
+    this order: ``$EDGED_PROFILES`` when set; ``edged/_profiles`` inside the installed package
+    (a wheel: setup.py's build step copies the top-level ``profiles/`` there); the checkout's
+    top-level ``profiles/`` (an editable install or a source tree, where ``profiles/`` is the
+    source of truth and edits take effect without a reinstall). Raises nothing: a directory
+    that does not exist shows up as the path in the first profile error."""
+    env = os.environ.get("EDGED_PROFILES")
+    if env:
+        return Path(env)
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "_profiles"
+    if shipped.is_dir():
+        return shipped
+    return package.parent / "profiles"
+
+
+#: The policy data directory of this process (:func:`find_profiles_dir`, read at import).
+PROFILES_DIR = find_profiles_dir()
 
 
 class ProfileError(BadRequest):
