@@ -22,7 +22,8 @@ DEFAULT_CONFIG_PATH = "/etc/edged/edged.toml"
 DEFAULT_SOCKET = "/run/edged/edged.sock"
 
 
-def _mem_total() -> int:
+def mem_total() -> int:
+    """MemTotal of the host in bytes (1 GiB if unreadable)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -54,12 +55,37 @@ class Config:
     # Capacity: 0 means "what this machine has" (cores, MemTotal).
     cpus: float = 0.0
     memory_bytes: int = 0
-    # ~90% of sandboxes use <=5% of the CPU they request (DSec), so CPU is overcommitted
-    # hard; memory only modestly, since an over-full node OOMs.
-    cpu_overcommit: float = 8.0
-    memory_overcommit: float = 1.5
+    # Caps on the sum of *limits* (capacity × ratio; 0 = none). Admission is on measured use
+    # (edged.node.admission): ~90% of sandboxes use <=5% of the CPU they request (DSec) and
+    # idle memory goes to compressed swap, so sums of limits say little about what fits.
+    cpu_overcommit: float = 0.0
+    memory_overcommit: float = 0.0
     max_sandboxes: int = 4096
     retry_after_s: float = 1.0
+    # Memory kept for the host: admission refuses a create that would leave less available,
+    # and the sandboxes' parent cgroup is capped at MemTotal less this (or at the capacity,
+    # if lower). 0 = auto (max(1 GiB, 5% of MemTotal)).
+    memory_reserve_bytes: int = 0
+    memory_pressure_limit: float = 10.0  # refuse creates above this memory PSI full avg10 (%)
+    cpu_pressure_limit: float = 0.0  # refuse creates above this CPU PSI some avg10 (%); 0=off
+    admission_window_s: float = 10.0  # a new sandbox's request is set aside this long
+    # Idle detection and cold-page reclaim (edged.node.reclaim)
+    reclaim: bool = True
+    idle_after_s: float = 30.0  # no exec, no request and < idle_cpu of a core this long
+    idle_cpu: float = 0.01
+    reclaim_interval_s: float = 2.0
+    reclaim_rate_bytes: int = 512 << 20  # bytes of idle sandboxes reclaimed per second, at most
+    reclaim_psi_target: float = 1.0  # memory stall (%) above which reclaim slows down
+    pause_reclaim: bool = True  # a pause also pages the sandbox out
+    default_auto_pause_after_s: float = 0.0  # pause a sandbox idle this long (0 = never)
+    # Swap for reclaimed pages (edged.node.swap): "auto" (the host's swap, else a zram device
+    # of edged's own), "zram" (ours anyway) or "off"
+    swap: str = "auto"
+    zram_bytes: int = 0  # uncompressed size of our zram device; 0 = 2 × capacity
+    zram_mem_limit_bytes: int = 0  # RAM its compressed pages may take; 0 = 3/4 of capacity
+    zram_algorithm: str = "lzo-rle"
+    swap_file_bytes: int = 0  # a swap file behind the zram device (0 = none)
+    sandbox_swap_share: float = 1.0  # cgroup v2: swap a sandbox may hold / its memory limit
     default_ttl_s: float = 3600.0  # 0 = no TTL
     default_idle_timeout_s: float = 0.0  # 0 = none
     reaper_interval_s: float = 1.0
@@ -82,21 +108,32 @@ class Config:
 
     def capacity_memory(self) -> int:
         """Memory capacity in bytes (configured, else MemTotal)."""
-        return self.memory_bytes or _mem_total()
+        return self.memory_bytes or mem_total()
+
+    def memory_reserve(self) -> int:
+        """Bytes of the host's memory kept for the host (configured, else max(1 GiB, 5% of
+        MemTotal))."""
+        return self.memory_reserve_bytes or max(1 << 30, mem_total() // 20)
 
     def validate(self) -> None:
         """Raise :class:`BadRequest` naming the first invalid knob."""
+        if self.swap not in ("auto", "zram", "off"):
+            raise BadRequest(f"config swap: {self.swap!r} is not 'auto', 'zram' or 'off'")
         if self.on_shutdown not in ("stop", "keep"):
             raise BadRequest(f"config on_shutdown: {self.on_shutdown!r} is not 'stop' or 'keep'")
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
-        for name in ("cpu_overcommit", "memory_overcommit", "reaper_interval_s",
-                     "layers_fetch_timeout_s"):
+        for name in ("reaper_interval_s", "layers_fetch_timeout_s", "reclaim_interval_s",
+                     "admission_window_s"):
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
                      "events_retention_s", "layers_cache_bytes", "spawner_pool",
-                     "layer_linger_s"):
+                     "layer_linger_s", "cpu_overcommit", "memory_overcommit",
+                     "memory_reserve_bytes", "memory_pressure_limit", "cpu_pressure_limit",
+                     "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
+                     "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
+                     "swap_file_bytes", "sandbox_swap_share"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
 
@@ -158,8 +195,26 @@ _HELP = {
     "backend": "sandbox backend (container)",
     "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",
     "memory_bytes": "memory capacity in bytes (0 = MemTotal)",
-    "cpu_overcommit": "CPU requests admitted up to capacity times this",
-    "memory_overcommit": "memory requests admitted up to capacity times this",
+    "cpu_overcommit": "sum of CPU limits admitted up to capacity times this (0 = no cap)",
+    "memory_overcommit": "sum of memory limits admitted up to capacity times this (0 = no cap)",
+    "memory_reserve_bytes": "memory kept for the host (0 = max(1 GiB, 5%% of MemTotal))",
+    "memory_pressure_limit": "refuse creates above this memory PSI full avg10, percent",
+    "cpu_pressure_limit": "refuse creates above this CPU PSI some avg10, percent (0 = off)",
+    "admission_window_s": "seconds a new sandbox's memory request is set aside",
+    "reclaim": "reclaim the cold pages of idle sandboxes into swap",
+    "idle_after_s": "seconds without exec, request or CPU before a sandbox is idle",
+    "idle_cpu": "share of a core below which a sandbox counts as idle",
+    "reclaim_interval_s": "seconds between reclaim passes",
+    "reclaim_rate_bytes": "bytes of idle sandboxes reclaimed per second at most",
+    "reclaim_psi_target": "memory stall percent above which reclaim slows down",
+    "pause_reclaim": "a pause also pages the sandbox out to swap",
+    "default_auto_pause_after_s": "pause sandboxes idle this long (0 = never); per create too",
+    "swap": "'auto': the host's swap, else a zram device of ours; 'zram'; 'off'",
+    "zram_bytes": "uncompressed size of our zram device (0 = 2 x capacity)",
+    "zram_mem_limit_bytes": "RAM our zram device may take (0 = 3/4 of capacity)",
+    "zram_algorithm": "zram compression (one the kernel offers: lzo-rle, lz4, ...)",
+    "swap_file_bytes": "size of a swap file behind the zram device (0 = none)",
+    "sandbox_swap_share": "cgroup v2: swap a sandbox may hold, share of its memory limit",
     "max_sandboxes": "sandboxes at most at once",
     "retry_after_s": "Retry-After seconds of a capacity_exhausted refusal",
     "default_ttl_s": "a sandbox's TTL when the create names none, seconds (0 = none)",
@@ -175,13 +230,22 @@ _HELP = {
 }
 
 
+def _boolean(text: str) -> bool:
+    v = text.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
 def add_flags(parser: argparse.ArgumentParser) -> None:
     """Add one ``--knob-name`` flag per :class:`Config` field to ``parser`` (default None, so
     an absent flag leaves the file's value)."""
     parser.add_argument("--config", help=f"TOML config file (default {DEFAULT_CONFIG_PATH})")
     for name in _FIELDS:
         default = getattr(Config(), name)
-        kind: type = type(default)
+        kind: Any = _boolean if isinstance(default, bool) else type(default)
         parser.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,

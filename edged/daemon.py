@@ -29,12 +29,13 @@ from aiohttp import web
 
 from edged.api.app import make_app
 from edged.backends.base import Backend
-from edged.config import Config
+from edged.config import Config, mem_total
 from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
 from edged.metrics import Metrics
 from edged.node.manager import SandboxManager
+from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged")
@@ -82,7 +83,8 @@ def make_backend(config: Config, on_event: Callable[..., object] | None = None) 
         except ImportError as e:
             raise BackendError(f"backend container: not available: {e}") from e
         return ContainerBackend(config.runtime_dir, on_event=on_event,
-                                spawner_pool=config.spawner_pool)
+                                spawner_pool=config.spawner_pool,
+                                swap_share=config.sandbox_swap_share)
     raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
 
 
@@ -106,6 +108,25 @@ class Server:
         self._forced = asyncio.Event()
         self._lock_fds: list[int] = []  # flocks on the runtime dir's pid file, the state dir
         self._owns_socket = False
+        self.swap: SwapManager | None = None
+
+    def _start_swap(self, backend: Backend) -> SwapManager:
+        """The node's swap (recovered now, set up at the first reclaim) and the cap on all
+        sandboxes' memory together (capacity less the host's reserve)."""
+        cfg = self.config
+        cap = cfg.capacity_memory()
+        swap = SwapManager(Path(cfg.state_dir), mode=cfg.swap,
+                           zram_bytes=cfg.zram_bytes or 2 * cap,
+                           zram_mem_limit_bytes=cfg.zram_mem_limit_bytes or cap * 3 // 4,
+                           algorithm=cfg.zram_algorithm, file_bytes=cfg.swap_file_bytes)
+        swap.start()
+        limit = getattr(backend, "set_memory_limit", None)
+        if callable(limit):
+            try:
+                limit(max(0, min(cap, mem_total() - cfg.memory_reserve())))
+            except BackendError as e:
+                log.warning("%s", e)
+        return swap
 
     # -- signals --------------------------------------------------------------------------
 
@@ -183,6 +204,8 @@ class Server:
             metrics.registry.register(layers.ops.collector)
         self.manager = SandboxManager(cfg, backend, images, layers, metrics)
         self.manager.ledger = ledger
+        self.swap = await asyncio.to_thread(self._start_swap, backend)
+        self.manager.swap = self.swap
         self.recovered = await self.manager.recover()
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
         self.manager.start_reaper()
@@ -282,6 +305,10 @@ class Server:
             close = getattr(self.manager.backend, "close", None)
             if close is not None:  # drop control connections; kept sandboxes live on
                 await close()
+        if self.swap is not None:  # after the sandboxes: swapoff reads back what is left
+            kept = self.manager is not None and bool(self.manager.find())
+            await asyncio.to_thread(self.swap.stop, kept)
+            self.swap = None
         self._unlock()
         log.info("stopped")
 

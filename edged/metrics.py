@@ -71,6 +71,17 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.api_errors = Counter("edged_api_errors", "API errors by code", ["code"], registry=r)
+        # Density: reclaim of idle sandboxes (edged.node.reclaim)
+        self.reclaimed_bytes = Counter(
+            "edged_reclaimed_bytes", "Bytes of sandbox memory paged out to swap by reclaim",
+            registry=r)
+        self.wake_seconds = Histogram(
+            "edged_sandbox_wake_seconds",
+            "First exec on a reclaimed sandbox: request to the program running",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.resume_seconds = Histogram(
+            "edged_sandbox_resume_seconds", "Resume of a paused sandbox (prefetch and thaw)",
+            buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         """The text exposition format of every metric."""

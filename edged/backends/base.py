@@ -27,6 +27,9 @@ class Resources:
     ``cpus``: CPU quota in cores (cgroup cfs quota/period; the weight is derived from it).
     ``memory_bytes``: memory limit. ``swap_bytes``: extra swap allowed beyond memory.
     ``pids``: max tasks. ``disk_bytes``: size limit of the writable upper layer.
+    ``memory_request_bytes``: what the sandbox is expected to use soon after it starts (its
+    request; it may burst to ``memory_bytes``, its limit): the node's admission sets this
+    much aside until the sandbox's own use is measured (:mod:`edged.node.admission`).
     """
 
     cpus: float = 1.0
@@ -34,6 +37,29 @@ class Resources:
     swap_bytes: int = 0
     pids: int = 1024
     disk_bytes: int = 1 << 30
+    memory_request_bytes: int = 32 << 20
+
+
+QOS_CLASSES = ("best_effort", "latency_sensitive")
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """One sandbox's memory as its memory cgroup counts it (bytes; counters cumulative).
+
+    ``resident_bytes``: charged now (anon + page cache + shmem + kernel objects charged);
+    ``anon_bytes``, ``file_bytes`` (page cache, shmem excluded), ``shmem_bytes`` (tmpfs: the
+    upper and /dev/shm) of it; ``swap_bytes``: pages of it in swap; ``major_faults``: page
+    faults that had to read (from swap, or from a layer); ``cpu_usage_ns``: CPU time used.
+    """
+
+    resident_bytes: int = 0
+    anon_bytes: int = 0
+    file_bytes: int = 0
+    shmem_bytes: int = 0
+    swap_bytes: int = 0
+    major_faults: int = 0
+    cpu_usage_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,7 +73,11 @@ class SandboxSpec:
     ``task_profile``: name of the task profile (``profiles/tasks``) that confines the
     sandbox (protected paths, Landlock, seccomp, capabilities); None runs it unconfined
     (benchmarks and tests only: the daemon always names one). ``seccomp_profile``: overrides
-    the task profile's seccomp profile.
+    the task profile's seccomp profile. ``qos``: CPU class, one of :data:`QOS_CLASSES`:
+    ``best_effort`` runs at the kernel's idle priority (``SCHED_IDLE`` for the sandbox's
+    whole cgroup: it takes only CPU nothing else wants), ``latency_sensitive`` at normal
+    weight, each sandbox in its own core-scheduling group where the kernel has core
+    scheduling (DSec §6.3).
     """
 
     id: str
@@ -58,6 +88,7 @@ class SandboxSpec:
     network: str = "none"
     task_profile: str | None = "default"
     seccomp_profile: str | None = None
+    qos: str = "best_effort"
 
 
 @dataclass(frozen=True)
@@ -171,6 +202,11 @@ class Backend(Protocol):
     async def stats(self, sandbox_id: str) -> dict[str, int]:
         """Current usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
         ...
+
+    # Optional, for the node's reclaim (edged.node.reclaim); a backend without them is
+    # never reclaimed: ``memory(id) -> MemoryUsage``, ``reclaim(id, nbytes) -> int`` (page
+    # up to ``nbytes`` out to swap, None = all it can; returns bytes moved out),
+    # ``prefetch(id) -> None`` (read swapped pages back ahead of a resume).
 
     async def put_file(
         self,

@@ -109,7 +109,9 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
                 disk_bytes: int | None, env: Mapping[str, str] | None, timeout: float | None,
                 idle_timeout: float | None, labels: Mapping[str, str] | None,
                 task_profile: str | None = None,
-                seccomp_profile: str | None = None) -> dict[str, Any]:
+                seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
+                qos: str | None = None,
+                auto_pause_after: float | None = None) -> dict[str, Any]:
     """The ``POST /v1/sandboxes`` body."""
     body: dict[str, Any] = {}
     if image is not None:
@@ -119,7 +121,8 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
     if id is not None:
         body["id"] = id
     res = {k: v for k, v in (("cpus", cpus), ("memory_bytes", memory_bytes), ("pids", pids),
-                             ("disk_bytes", disk_bytes)) if v is not None}
+                             ("disk_bytes", disk_bytes),
+                             ("memory_request_bytes", memory_request_bytes)) if v is not None}
     if res:
         body["resources"] = res
     if env:
@@ -134,6 +137,10 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
         body["task_profile"] = task_profile
     if seccomp_profile is not None:
         body["seccomp_profile"] = seccomp_profile
+    if qos is not None:
+        body["qos"] = qos
+    if auto_pause_after is not None:
+        body["auto_pause_after_s"] = auto_pause_after
     return body
 
 

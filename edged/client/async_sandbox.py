@@ -127,13 +127,17 @@ class AsyncSandbox:
                      timeout: float | None = None, idle_timeout: float | None = None,
                      labels: Mapping[str, str] | None = None,
                      socket: str | None = None, task_profile: str | None = None,
-                     seccomp_profile: str | None = None) -> AsyncSandbox:
+                     seccomp_profile: str | None = None,
+                     memory_request_bytes: int | None = None, qos: str | None = None,
+                     auto_pause_after: float | None = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
         t = AsyncTransport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
-                           task_profile=task_profile, seccomp_profile=seccomp_profile)
+                           task_profile=task_profile, seccomp_profile=seccomp_profile,
+                           memory_request_bytes=memory_request_bytes, qos=qos,
+                           auto_pause_after=auto_pause_after)
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:

@@ -103,16 +103,22 @@ class Sandbox:
                timeout: float | None = None, idle_timeout: float | None = None,
                labels: Mapping[str, str] | None = None, socket: str | None = None,
                task_profile: str | None = None,
-               seccomp_profile: str | None = None) -> Sandbox:
+               seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
+               qos: str | None = None, auto_pause_after: float | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
-        ``default``)."""
+        ``default``). ``memory_request_bytes``: what it will use soon (admission sets it
+        aside; ``memory_bytes`` is the limit it may burst to). ``qos``: ``"best_effort"``
+        (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
+        many seconds (any request resumes it)."""
         t = Transport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
-                           task_profile=task_profile, seccomp_profile=seccomp_profile)
+                           task_profile=task_profile, seccomp_profile=seccomp_profile,
+                           memory_request_bytes=memory_request_bytes, qos=qos,
+                           auto_pause_after=auto_pause_after)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod

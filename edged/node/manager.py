@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -24,14 +25,24 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from edged.backends.base import Backend, ExecHandle, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import (
+    QOS_CLASSES,
+    Backend,
+    ExecHandle,
+    ExecSpec,
+    MemoryUsage,
+    Resources,
+    SandboxSpec,
+)
 from edged.config import Config
-from edged.errors import BackendError, BadRequest, Conflict, EdgedError, NotFound
+from edged.errors import BackendError, BadRequest, Conflict, EdgedError, InvalidState, NotFound
 from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry, check_digest
 from edged.metrics import Metrics
-from edged.node.admission import Capacity
+from edged.node.admission import Admission, Capacity, Usage
+from edged.node.reclaim import ReclaimConfig, Reclaimer
 from edged.node.sandbox import LABEL_KEY_RE, SandboxRecord, State, check_id
+from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.node")
@@ -49,10 +60,12 @@ _RESOURCE_FIELDS: dict[str, tuple[type, float, float]] = {
     "swap_bytes": (int, 0, MAX_BYTES),
     "pids": (int, 8, 4_194_304),
     "disk_bytes": (int, 1 << 20, MAX_BYTES),
+    "memory_request_bytes": (int, 0, MAX_BYTES),
 }
 _CREATE_FIELDS = {
     "id", "backend", "image", "layers", "resources", "env", "ttl_s", "idle_timeout_s",
-    "labels", "network", "hostname", "task_profile", "seccomp_profile",
+    "labels", "network", "hostname", "task_profile", "seccomp_profile", "qos",
+    "auto_pause_after_s",
 }
 _PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 
@@ -119,10 +132,12 @@ def _env(v: object, what: str) -> dict[str, str]:
 
 
 def parse_resources(v: object, default: Resources) -> Resources:
-    """``{"cpus", "memory_bytes", "swap_bytes", "pids", "disk_bytes"}`` (each optional) over
-    ``default``; :class:`BadRequest` names a bad field."""
+    """``{"cpus", "memory_bytes", "swap_bytes", "pids", "disk_bytes",
+    "memory_request_bytes"}`` (each optional) over ``default``; :class:`BadRequest` names a
+    bad field. A request above the limit is refused; one not given is the default's, at
+    most the limit."""
     if v is None:
-        return default
+        v = {}
     if not isinstance(v, dict):
         raise BadRequest("resources: must be an object")
     vals: dict[str, Any] = {}
@@ -135,7 +150,13 @@ def parse_resources(v: object, default: Resources) -> Resources:
             vals[k] = _integer(x, f"resources.{k}", minimum=int(lo), maximum=int(hi))
         else:
             vals[k] = _number(x, f"resources.{k}", minimum=lo, maximum=hi)
-    return Resources(**{**default.__dict__, **vals})
+    res = Resources(**{**default.__dict__, **vals})
+    if "memory_request_bytes" not in vals:
+        res = dataclasses.replace(res, memory_request_bytes=min(res.memory_request_bytes,
+                                                                res.memory_bytes))
+    elif res.memory_request_bytes > res.memory_bytes:
+        raise BadRequest("resources.memory_request_bytes: must be at most memory_bytes")
+    return res
 
 
 def parse_labels(v: object) -> dict[str, str]:
@@ -173,6 +194,22 @@ class SandboxManager:
             max_sandboxes=config.max_sandboxes,
             retry_after_s=config.retry_after_s,
         )
+        #: the node's swap (set by the daemon; None: reclaim uses whatever the host has)
+        self.swap: SwapManager | None = None
+        self.reclaimer = Reclaimer(
+            ReclaimConfig(enabled=config.reclaim, idle_after_s=config.idle_after_s,
+                          idle_cpu=config.idle_cpu, interval_s=config.reclaim_interval_s,
+                          rate_bytes=config.reclaim_rate_bytes,
+                          psi_target=config.reclaim_psi_target,
+                          low_bytes=2 * config.memory_reserve()),
+            backend, self._running_records, on_reclaimed=self._reclaimed,
+            ensure_swap=self._ensure_swap)
+        self.admission = Admission(
+            self.capacity, reserve_bytes=config.memory_reserve(),
+            memory_pressure_limit=config.memory_pressure_limit,
+            cpu_pressure_limit=config.cpu_pressure_limit,
+            window_s=config.admission_window_s, usage=self._usage,
+            reclaimable=self._reclaimable, reclaim_retry_s=config.reclaim_interval_s)
         self.records_dir = Path(config.state_dir) / "sandboxes"
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._execs: dict[str, dict[int, ExecHandle]] = {}
@@ -267,14 +304,54 @@ class SandboxManager:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
+    def _running_records(self) -> list[SandboxRecord]:
+        return [r for r in self._sandboxes.values() if r.state is State.RUNNING]
+
+    def _ensure_swap(self) -> bool:
+        return self.swap.ensure() if self.swap is not None else False
+
+    def _reclaimed(self, sandbox_id: str, nbytes: int) -> None:
+        self.metrics.reclaimed_bytes.inc(nbytes)
+
+    def _usage(self) -> Usage:
+        """The sandboxes' own memory: their cgroups together and our zram device."""
+        totals = getattr(self.backend, "totals", None)
+        use = totals() if callable(totals) else MemoryUsage()
+        z = self.swap.zram_stats() if self.swap is not None else None
+        return Usage(resident=use.resident_bytes, swap=use.swap_bytes,
+                     zram=z["mem_used_bytes"] if z else 0)
+
+    def _swap_ratio(self) -> float:
+        """Observed compression of what is in our zram device (2.5 before anything is; 1.0
+        for the host's swap, which may be disk)."""
+        z = self.swap.zram_stats() if self.swap is not None else None
+        if z is None:
+            return 2.5 if self.swap is not None and self.swap.zram is not None else 1.0
+        if z["orig_bytes"] < (64 << 20) or z["mem_used_bytes"] <= 0:
+            return 2.5
+        return z["orig_bytes"] / z["mem_used_bytes"]
+
+    def _reclaimable(self) -> int:
+        """What reclaim can free now, bounded by the swap left to page into."""
+        if not self.config.reclaim or self.swap is None:
+            return 0
+        use = self.swap.usage()
+        room = use["total_bytes"] - use["used_bytes"]
+        z_limit, z_used = use.get("zram_mem_limit_bytes", 0), use.get("zram_mem_used_bytes", 0)
+        ratio = self._swap_ratio()
+        if z_limit:
+            room = min(room, int((z_limit - z_used) * ratio))
+        return max(0, min(self.reclaimer.reclaimable(ratio), int(room * (1 - 1 / ratio))))
+
     def _forget(self, rec: SandboxRecord, cause: str) -> None:
         self._starts.pop(rec.id, None)
+        self.reclaimer.forget(rec.id)
         if self.ledger is not None and rec.id in self._sandboxes:
             self.ledger.sandbox_gone(rec.id, cause=cause)
         self._sandboxes.pop(rec.id, None)
         self._execs.pop(rec.id, None)
         self._locks.pop(rec.id, None)
-        self.capacity.release(rec.id)
+        self.admission.release(rec.id)
         with contextlib.suppress(FileNotFoundError):
             (self.records_dir / f"{rec.id}.json").unlink()
         self._update_gauges()
@@ -332,6 +409,12 @@ class SandboxManager:
         seccomp_profile = _profile_name(body.get("seccomp_profile"), "seccomp_profile", None)
         ttl = body.get("ttl_s", self.config.default_ttl_s)
         idle = body.get("idle_timeout_s", self.config.default_idle_timeout_s)
+        qos = body.get("qos", "best_effort")
+        if qos not in QOS_CLASSES:
+            raise BadRequest(f"qos: must be one of {', '.join(QOS_CLASSES)}")
+        auto_pause = _number(body.get("auto_pause_after_s",
+                                      self.config.default_auto_pause_after_s),
+                             "auto_pause_after_s")
         rec = SandboxRecord(
             id=sid,
             backend=backend,
@@ -345,6 +428,8 @@ class SandboxManager:
             idle_timeout_s=_number(idle, "idle_timeout_s"),
             task_profile=task_profile or "default",
             seccomp_profile=seccomp_profile,
+            qos=qos,
+            auto_pause_after_s=auto_pause,
         )
         rec.set_ttl(_number(ttl, "ttl_s"))
         return rec
@@ -360,7 +445,7 @@ class SandboxManager:
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
-        self.capacity.reserve(rec.id, rec.resources)
+        self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
         if self.ledger is not None:
             self.ledger.sandbox_created(rec.id)
@@ -386,6 +471,7 @@ class SandboxManager:
                         network=rec.network,
                         task_profile=rec.task_profile,
                         seccomp_profile=rec.seccomp_profile,
+                        qos=rec.qos,
                     )
                     try:
                         await self.backend.create(spec)
@@ -451,8 +537,11 @@ class SandboxManager:
         log.info("sandbox stopped", extra={"sandbox": sandbox_id, "cause": cause})
         return rec
 
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
-        """Freeze a running sandbox (:class:`InvalidState` otherwise)."""
+    async def pause(self, sandbox_id: str, cause: str = "api") -> SandboxRecord:
+        """Freeze a running sandbox (:class:`InvalidState` otherwise) and, with
+        ``pause_reclaim``, page its memory out to swap (DSec §5.2: freeze, swap, reclaim; a
+        reclaim failure is logged, the sandbox stays paused). ``cause``: ``api`` or ``auto``
+        (``auto_pause_after_s``)."""
         rec = self.get(sandbox_id)
         async with self._lock(sandbox_id):
             rec.require(State.RUNNING, op="pause")
@@ -460,18 +549,45 @@ class SandboxManager:
             rec.transition(State.PAUSED)
             self._save(rec)
         self._update_gauges()
+        if self.config.pause_reclaim:
+            try:
+                moved = await self.reclaimer.reclaim_now(sandbox_id)
+                log.info("sandbox paused", extra={"sandbox": sandbox_id, "cause": cause,
+                                                  "reclaimed_bytes": moved})
+            except EdgedError as e:
+                log.warning("sandbox %s: paused, but reclaim failed: %s", sandbox_id, e)
         return rec
 
     async def resume(self, sandbox_id: str) -> SandboxRecord:
-        """Thaw a paused sandbox (:class:`InvalidState` otherwise); resets the idle clock."""
+        """Thaw a paused sandbox (:class:`InvalidState` otherwise); resets the idle clock.
+        Its swapped pages are read back ahead first (``MADV_WILLNEED``), then it is thawed."""
         rec = self.get(sandbox_id)
         async with self._lock(sandbox_id):
             rec.require(State.PAUSED, op="resume")
+            t0 = time.monotonic()
+            prefetch = getattr(self.backend, "prefetch", None)
+            if callable(prefetch) and self.reclaimer.woke(sandbox_id):
+                try:
+                    await prefetch(sandbox_id)
+                except EdgedError as e:
+                    log.warning("sandbox %s: prefetch before resume: %s", sandbox_id, e)
             await self.backend.resume(sandbox_id)
             rec.transition(State.RUNNING)
             rec.touch()
             self._save(rec)
+            self.metrics.resume_seconds.observe(time.monotonic() - t0)
         self._update_gauges()
+        return rec
+
+    async def _awake(self, sandbox_id: str, op: str) -> SandboxRecord:
+        """The record of a sandbox a request is for, running: a paused one is resumed first
+        (any request to a paused sandbox resumes it). Raises NotFound, InvalidState (any
+        state but running or paused)."""
+        rec = self.get(sandbox_id)
+        if rec.state is State.PAUSED:
+            with contextlib.suppress(InvalidState):  # resumed by a request racing this one
+                await self.resume(sandbox_id)
+        rec.require(State.RUNNING, op=op)
         return rec
 
     def set_timeout(self, sandbox_id: str, body: object) -> SandboxRecord:
@@ -568,9 +684,12 @@ class SandboxManager:
     async def exec(self, sandbox_id: str, spec: ExecSpec) -> AsyncIterator[ExecHandle]:
         """Start ``spec`` in a running sandbox; yields the handle while the caller streams
         its events. Counts as activity (no idle reaping while an exec runs)."""
-        rec = self.get(sandbox_id)
-        rec.require(State.RUNNING, op="exec")
+        rec = await self._awake(sandbox_id, "exec")
+        reclaimed = self.reclaimer.woke(sandbox_id)
+        t0 = time.monotonic()
         handle = await self.backend.exec(sandbox_id, spec)
+        if reclaimed:  # the first exec on a reclaimed sandbox: its wake
+            self.metrics.wake_seconds.observe(time.monotonic() - t0)
         rec.active_execs += 1
         rec.touch()
         execs = self._execs.setdefault(sandbox_id, {})
@@ -627,9 +746,12 @@ class SandboxManager:
                 raise ValueError(sig_v)
         except (KeyError, ValueError) as e:
             raise BadRequest(f"signal: {sig_v!r} is not a signal") from e
+        kill_all = _flag(body.get("all", False), "all")
+        rec = await self._awake(sandbox_id, "signal")  # a paused sandbox is resumed first
+        self.reclaimer.woke(sandbox_id)
         execs = self._execs.get(sandbox_id, {})
         eid = body.get("exec_id")
-        if _flag(body.get("all", False), "all"):
+        if kill_all:
             if sig != signal_mod.SIGKILL or eid is not None:
                 raise BadRequest("all: only with signal 9 (SIGKILL) and without exec_id")
             running = list(execs)
@@ -660,17 +782,17 @@ class SandboxManager:
     async def put_file(self, sandbox_id: str, path: str, data: AsyncIterator[bytes],
                        mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:
         """Stream ``data`` into ``path`` in a running sandbox; returns bytes written."""
-        rec = self.get(sandbox_id)
-        rec.require(State.RUNNING, op="write files")
         _check_path(path)
+        rec = await self._awake(sandbox_id, "write files")
+        self.reclaimer.woke(sandbox_id)
         rec.touch()
         return await self.backend.put_file(sandbox_id, path, data, mode=mode, uid=uid, gid=gid)
 
     async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """Open ``path`` in a running sandbox; returns an iterator of its chunks."""
-        rec = self.get(sandbox_id)
-        rec.require(State.RUNNING, op="read files")
         _check_path(path)
+        rec = await self._awake(sandbox_id, "read files")
+        self.reclaimer.woke(sandbox_id)
         rec.touch()
         it: Any = self.backend.get_file(sandbox_id, path)
         if asyncio.iscoroutine(it):
@@ -681,7 +803,8 @@ class SandboxManager:
     # -- reaping, recovery, shutdown ------------------------------------------------------
 
     async def reap_once(self, now: float | None = None) -> list[str]:
-        """Stop every sandbox whose TTL or idle timeout passed; returns their ids."""
+        """Stop every sandbox whose TTL or idle timeout passed; returns their ids. Pauses
+        running sandboxes idle for their ``auto_pause_after_s``."""
         now = time.time() if now is None else now
         done = []
         for rec in list(self._sandboxes.values()):
@@ -689,6 +812,12 @@ class SandboxManager:
                 continue
             why = rec.expired(now)
             if why is None:
+                if (rec.state is State.RUNNING and rec.auto_pause_after_s > 0
+                        and rec.idle_for(now) >= rec.auto_pause_after_s):
+                    try:
+                        await self.pause(rec.id, cause="auto")
+                    except EdgedError as e:
+                        log.warning("auto-pause: sandbox %s: %s", rec.id, e)
                 continue
             try:
                 await self.delete(rec.id, cause=why)
@@ -706,12 +835,15 @@ class SandboxManager:
                 log.exception("reaper pass failed")
 
     def start_reaper(self) -> None:
-        """Run :meth:`reap_once` every ``reaper_interval_s`` until :meth:`stop_reaper`."""
+        """Run :meth:`reap_once` every ``reaper_interval_s`` and the reclaim passes until
+        :meth:`stop_reaper`."""
         if self._reaper is None:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        self.reclaimer.start()
 
     async def stop_reaper(self) -> None:
-        """Stop the reaper task."""
+        """Stop the reaper and reclaim tasks."""
+        await self.reclaimer.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -743,7 +875,7 @@ class SandboxManager:
                 try:
                     await self.backend.adopt(sid)
                     await self.layers.acquire_all(rec.layers)
-                    self.capacity.reserve(sid, rec.resources)
+                    self.capacity.hold(sid, rec.resources)
                     rec.touch()
                     self._sandboxes[sid] = rec
                     self._save(rec)
@@ -797,7 +929,10 @@ class SandboxManager:
             await self.layers.close()
 
     def node_info(self) -> dict[str, Any]:
-        """``GET /v1/node``: capacity, allocations, states, layer mounts, probed features."""
+        """``GET /v1/node``: capacity, allocations, states, layer mounts, probed features;
+        measured memory (host, sandboxes, swap, kernel overhead per sandbox), pressure
+        (PSI), what reclaim can get back and has, and the free capacity in sandbox-sized
+        units that placement reads (see :meth:`Admission.snapshot`)."""
         info = self.capacity.to_json()
         counts: dict[str, int] = {}
         for r in self._sandboxes.values():
@@ -806,6 +941,16 @@ class SandboxManager:
         info["backend"] = self.backend.name
         info["features"] = self.features
         info["layers"] = self.layers.refs()
+        info.update(self.admission.snapshot())
+        rt = self.reclaimer.totals()
+        info["reclaim"] = {
+            "enabled": self.config.reclaim and self.reclaimer.supported,
+            "idle_after_s": self.config.idle_after_s,
+            "budget_bytes": self.reclaimer.budget,
+            "refault_pct_per_min": self.reclaimer.refault_rate(),
+            **rt,
+        }
+        info["swap"] = (self.swap.features() | self.swap.usage()) if self.swap else None
         return info
 
 

@@ -78,6 +78,8 @@ class SandboxRecord:
     error: str | None = None
     task_profile: str = "default"
     seccomp_profile: str | None = None
+    qos: str = "best_effort"
+    auto_pause_after_s: float = 0.0
 
     def transition(self, new: State) -> None:
         """Move to ``new``; :class:`InvalidState` if the edge does not exist."""
@@ -103,6 +105,10 @@ class SandboxRecord:
     def touch(self, now: float | None = None) -> None:
         """Record activity (resets the idle clock)."""
         self.last_active = now or time.time()
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the last activity, 0 while an exec runs."""
+        return 0.0 if self.active_execs else max(0.0, now - self.last_active)
 
     def expired(self, now: float) -> str | None:
         """``"ttl"`` or ``"idle"`` if the reaper should stop this sandbox, else None. A paused
@@ -133,6 +139,7 @@ class SandboxRecord:
                 "swap_bytes": r.swap_bytes,
                 "pids": r.pids,
                 "disk_bytes": r.disk_bytes,
+                "memory_request_bytes": r.memory_request_bytes,
             },
             "env": dict(self.env),
             "labels": dict(self.labels),
@@ -147,6 +154,8 @@ class SandboxRecord:
             "error": self.error,
             "task_profile": self.task_profile,
             "seccomp_profile": self.seccomp_profile,
+            "qos": self.qos,
+            "auto_pause_after_s": self.auto_pause_after_s,
         }
 
     def persisted(self) -> dict[str, Any]:
@@ -177,6 +186,8 @@ class SandboxRecord:
             last_active=float(d.get("last_active", time.time())),
             task_profile=str(d.get("task_profile", "default")),
             seccomp_profile=d.get("seccomp_profile"),
+            qos=str(d.get("qos", "best_effort")),
+            auto_pause_after_s=float(d.get("auto_pause_after_s", 0.0)),
         )
         rec.error = d.get("error")
         return rec

@@ -40,7 +40,8 @@ def test_file_flags_env_precedence(tmp_path, monkeypatch) -> None:
         ("sockett = 'x'", "unknown key 'sockett'"),
         ("cpus = 'two'", "expected float"),
         ("on_shutdown = 'maybe'", "on_shutdown"),
-        ("cpu_overcommit = 0", "cpu_overcommit"),
+        ("cpu_overcommit = -1", "cpu_overcommit"),
+        ("swap = 'disk'", "swap"),
         ("not toml [", "config"),
     ],
 )

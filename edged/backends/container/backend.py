@@ -39,13 +39,21 @@ from pathlib import Path
 from typing import Any
 
 import edged
-from edged.backends.base import EventSink, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import (
+    QOS_CLASSES,
+    EventSink,
+    ExecSpec,
+    MemoryUsage,
+    Resources,
+    SandboxSpec,
+)
 from edged.backends.container import confinement, files, scratch
 from edged.backends.container.cgroups import POOL_PREFIX, CgroupManager, SandboxCgroup
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
 from edged.backends.container.uidslots import UidSlots
 from edged.backends.container.uidslots import starttime as _starttime
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
+from edged.node import memadvise
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, landlock
 
@@ -102,7 +110,9 @@ class ContainerBackend:
     ``on_event``: where security events go (see :mod:`.confinement`), e.g. a ledger's
     ``record``. ``spawner_pool``: how many spawners to keep started ahead of demand (0: spawn
     one per create; each pooled one is two waiting processes and holds a uid range; call
-    :meth:`close` to end them). Raises :class:`edged.errors` exceptions only.
+    :meth:`close` to end them). ``swap_share``: on cgroup v2, the swap each sandbox may
+    hold as a share of its memory limit (see :func:`.cgroups.swap_allowance`). Raises
+    :class:`edged.errors` exceptions only.
     """
 
     name = "container"
@@ -113,7 +123,8 @@ class ContainerBackend:
                  scratch_dir: str | os.PathLike[str] | None = None,
                  on_event: EventSink | None = None,
                  spawner_pool: int = 0,
-                 uid_slots_dir: str | os.PathLike[str] = UID_SLOTS_DIR) -> None:
+                 uid_slots_dir: str | os.PathLike[str] = UID_SLOTS_DIR,
+                 swap_share: float = 1.0) -> None:
         self.state_dir = Path(state_dir)
         self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.on_event = on_event
@@ -129,7 +140,7 @@ class ContainerBackend:
             import hashlib
 
             subdir += "-" + hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:10]
-        self.cgroups = CgroupManager(subdir=subdir)
+        self.cgroups = CgroupManager(subdir=subdir, swap_share=swap_share)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._busy: set[str] = set()
         self._slots: set[int] = set()
@@ -485,10 +496,10 @@ class ContainerBackend:
             policy = confinement.prepare(spec)
             joined = pooled is not None and pooled.cg is not None
             if pooled is not None and pooled.cg is not None:
-                cg = self.cgroups.claim(pooled.cg, sid, spec.resources)  # joined already
+                cg = self.cgroups.claim(pooled.cg, sid, spec.resources, spec.qos)  # joined
                 pooled.cg = None
             else:
-                cg = self.cgroups.create(sid, spec.resources, uid_base)
+                cg = self.cgroups.create(sid, spec.resources, uid_base, spec.qos)
             argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
                     "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
@@ -640,6 +651,57 @@ class ContainerBackend:
 
     async def stats(self, sandbox_id: str) -> dict[str, int]:
         return self._get(sandbox_id).cg.stats()
+
+    async def memory(self, sandbox_id: str) -> MemoryUsage:
+        """The sandbox's memory as its memory cgroup counts it (NotFound if unknown)."""
+        return await asyncio.to_thread(self._get(sandbox_id).cg.memory_usage)
+
+    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
+        """Page the sandbox's cold memory out to swap; returns the bytes its resident
+        memory went down by. cgroup v2: ``memory.reclaim`` of ``nbytes`` (None: all it
+        holds); v1, which has no such file: ``process_madvise(MADV_PAGEOUT)`` over the
+        private mappings of each of its processes (``nbytes`` is not a bound there: every
+        page not in use goes). Works on a frozen sandbox too. Raises NotFound,
+        BackendError."""
+        sbx = self._get(sandbox_id)
+        return await asyncio.to_thread(self._reclaim, sbx, nbytes)
+
+    def _reclaim(self, sbx: _Sandbox, nbytes: int | None) -> int:
+        cg = sbx.cg
+        before = cg.memory_usage().resident_bytes
+        try:
+            if cg.version == "v2" and self.cgroups.features()["memory_reclaim"]:
+                cg.reclaim_v2(nbytes if nbytes is not None else before)
+            else:
+                for pid in cg.procs() if cg.version != "none" else [sbx.pid]:
+                    memadvise.advise(pid, memadvise.PAGEOUT)
+        except OSError as exc:
+            raise BackendError(f"sandbox {sbx.id}: reclaim: {exc}") from exc
+        return max(0, before - cg.memory_usage().resident_bytes)
+
+    def totals(self) -> MemoryUsage:
+        """Every sandbox's memory together (their parent cgroup)."""
+        return self.cgroups.totals() if self.cgroups.version != "none" else MemoryUsage()
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        """Cap all sandboxes' memory together at ``nbytes`` (0: no cap); see
+        :meth:`.cgroups.CgroupManager.set_memory_limit`."""
+        self.cgroups.set_memory_limit(nbytes)
+
+    async def prefetch(self, sandbox_id: str) -> None:
+        """Start reading the sandbox's swapped pages back (``MADV_WILLNEED`` over each of its
+        processes' private mappings: swap readahead into the swap cache, so the faults that
+        follow a resume find them in RAM). Raises NotFound, BackendError."""
+        sbx = self._get(sandbox_id)
+
+        def run() -> None:
+            for pid in sbx.cg.procs() if sbx.cg.version != "none" else [sbx.pid]:
+                memadvise.advise(pid, memadvise.WILLNEED)
+
+        try:
+            await asyncio.to_thread(run)
+        except OSError as exc:
+            raise BackendError(f"sandbox {sandbox_id}: prefetch: {exc}") from exc
 
     def _root_fd(self, sbx: _Sandbox) -> int:
         try:
@@ -808,6 +870,8 @@ def _check_spec(spec: SandboxSpec) -> None:
     for lower in spec.lowers:
         if not os.path.isabs(lower) or not os.path.isdir(lower):
             raise BadRequest(f"lower {lower!r} is not an existing absolute directory")
+    if spec.qos not in QOS_CLASSES:
+        raise BadRequest(f"qos {spec.qos!r}: not one of {', '.join(QOS_CLASSES)}")
     if not spec.hostname or len(spec.hostname) > 64 or "\0" in spec.hostname:
         raise BadRequest(f"hostname {spec.hostname!r} must be 1..64 bytes")
     r = spec.resources

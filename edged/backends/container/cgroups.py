@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edged.backends.base import Resources
+from edged.backends.base import MemoryUsage, Resources
 from edged.errors import BackendError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -42,6 +42,24 @@ def _write(path: Path, value: str) -> None:
 def _read(path: Path) -> str:
     with open(path, "rb") as f:
         return f.read().decode()
+
+
+def _flat_keyed(text: str) -> dict[str, int]:
+    """A flat-keyed cgroup file (``memory.stat``, ``cpu.stat``): ``key value`` lines."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(" ")
+        with contextlib.suppress(ValueError):
+            out[k] = int(v)
+    return out
+
+
+def swap_allowance(res: Resources, share: float) -> int:
+    """cgroup v2 ``memory.swap.max`` of a sandbox: what it asked for (``swap_bytes``), and at
+    least ``share`` × its memory limit so that reclaim can page its cold memory out (with 0,
+    v2 swaps none of it). v1 needs none of this: its ``memory.memsw.limit_in_bytes`` caps
+    memory and swap together, and paging out moves a charge from one to the other."""
+    return max(res.swap_bytes, int(res.memory_bytes * share))
 
 
 def _self_cgroups() -> dict[str, str]:
@@ -105,6 +123,72 @@ class SandboxCgroup:
                         out["cpu_usage_ns"] = int(line.split()[1]) * 1000
                 out["pids"] = int(_read(d / "pids.current"))
         return out
+
+    def memory_usage(self) -> MemoryUsage:
+        """The sandbox's memory as its memory cgroup counts it (hierarchical: exec cgroups
+        beneath included). v1: ``memory.usage_in_bytes`` and ``memory.stat``'s ``total_*``;
+        v2: ``memory.current``, ``memory.stat``, ``memory.swap.current``. Zeros for what
+        cannot be read (a sandbox being torn down)."""
+        try:
+            if self.version == "v1":
+                m = self.dirs["memory"]
+                st = _flat_keyed(_read(m / "memory.stat"))
+                cpu = int(_read(self.dirs["cpuacct"] / "cpuacct.usage"))
+                shmem = st.get("total_shmem", 0)
+                return MemoryUsage(
+                    resident_bytes=int(_read(m / "memory.usage_in_bytes")),
+                    anon_bytes=st.get("total_rss", 0),
+                    file_bytes=max(0, st.get("total_cache", 0) - shmem),
+                    shmem_bytes=shmem,
+                    swap_bytes=st.get("total_swap", 0),
+                    major_faults=st.get("total_pgmajfault", 0),
+                    cpu_usage_ns=cpu)
+            if self.version == "v2":
+                d = self.dirs["v2"]
+                st = _flat_keyed(_read(d / "memory.stat"))
+                swap = 0
+                with contextlib.suppress(OSError, ValueError):
+                    swap = int(_read(d / "memory.swap.current"))
+                shmem = st.get("shmem", 0)
+                return MemoryUsage(
+                    resident_bytes=int(_read(d / "memory.current")),
+                    anon_bytes=st.get("anon", 0),
+                    file_bytes=max(0, st.get("file", 0) - shmem),
+                    shmem_bytes=shmem,
+                    swap_bytes=swap,
+                    major_faults=st.get("pgmajfault", 0),
+                    cpu_usage_ns=_flat_keyed(_read(d / "cpu.stat")).get("usage_usec", 0) * 1000)
+        except (OSError, ValueError, KeyError):
+            pass
+        return MemoryUsage()
+
+    def reclaim_v2(self, nbytes: int) -> None:
+        """cgroup v2 proactive reclaim: write ``nbytes`` to ``memory.reclaim`` (the kernel
+        reclaims that much from the cgroup, anon to swap as ``memory.swap.max`` allows).
+        EAGAIN (less was reclaimable) is not an error. Raises BackendError otherwise."""
+        d = self.dirs.get("v2")
+        if d is None or nbytes <= 0:
+            return
+        try:
+            _write(d / "memory.reclaim", str(nbytes))
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise BackendError(f"cgroup {d}: memory.reclaim: {exc.strerror}") from exc
+
+    def procs(self) -> list[int]:
+        """Host pids of every process in the sandbox's cgroups (all levels)."""
+        return sorted(self._live_tasks())
+
+    def set_qos(self, qos: str) -> None:
+        """``best_effort``: the sandbox's CPU cgroup runs as SCHED_IDLE (``cpu.idle`` 1,
+        Linux >= 5.15, v1 and v2): it gets only CPU time no normal task wants, and any normal
+        task preempts it at wake-up; ``latency_sensitive``: normal (``cpu.idle`` 0). Silently
+        nothing where the kernel has no ``cpu.idle``."""
+        d = self.dirs.get("cpu") if self.version == "v1" else self.dirs.get("v2")
+        if d is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            _write(d / "cpu.idle", "1" if qos == "best_effort" else "0")
 
     def oom_kills(self) -> int:
         """OOM kills counted in the sandbox's memory cgroup (v1 memory.oom_control, v2
@@ -230,9 +314,11 @@ class CgroupManager:
     without limits and sbx-init falls back to a session sweep for tree kills).
     """
 
-    def __init__(self, root: Path = CGROUP_ROOT, subdir: str = "edged") -> None:
+    def __init__(self, root: Path = CGROUP_ROOT, subdir: str = "edged",
+                 swap_share: float = 1.0) -> None:
         self.root = root
         self.subdir = subdir
+        self.swap_share = swap_share
         self.version = "none"
         self.parents: dict[str, Path] = {}
         self.swap_accounting = False
@@ -259,11 +345,43 @@ class CgroupManager:
         self.swap_accounting = (parents["memory"].parent / "memory.memsw.limit_in_bytes").exists()
 
     def features(self) -> dict[str, object]:
+        base = {"v1": self.parents.get("memory"), "v2": self.parents.get("v2")}.get(
+            self.version)
+        cpu = {"v1": self.parents.get("cpu"), "v2": self.parents.get("v2")}.get(self.version)
         return {
             "cgroup": self.version,
             "cgroup_parents": {k: str(v) for k, v in self.parents.items()},
             "swap_accounting": self.swap_accounting,
+            # v2's proactive reclaim (Linux >= 5.19); v1 pages out through process_madvise
+            "memory_reclaim": bool(base and (base.parent / "memory.reclaim").exists()),
+            "cpu_idle": bool(cpu and (cpu.parent / "cpu.idle").exists()),
         }
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        """Cap the memory of all sandboxes together (our parent memory cgroup; v1
+        ``memory.limit_in_bytes``, v2 ``memory.max``): the backstop that keeps the host's
+        share free whatever the sandboxes do, reclaim (to swap) and then OOM kills staying
+        among them. 0: no cap. Raises BackendError."""
+        if self.version == "none":
+            return
+        try:
+            self._ensure_parents()
+            if self.version == "v1":
+                _write(self.parents["memory"] / "memory.limit_in_bytes",
+                       str(nbytes) if nbytes else "-1")
+            else:
+                _write(self.parents["v2"] / "memory.max", str(nbytes) if nbytes else "max")
+        except OSError as exc:
+            raise BackendError(f"cgroup memory limit of all sandboxes: {exc}") from exc
+
+    def totals(self) -> MemoryUsage:
+        """Every sandbox's memory together (our parent cgroup, hierarchical)."""
+        cg = SandboxCgroup(self.version)
+        if self.version == "v1":
+            cg.dirs = {"memory": self.parents["memory"], "cpuacct": self.parents["cpuacct"]}
+        elif self.version == "v2":
+            cg.dirs = {"v2": self.parents["v2"]}
+        return cg.memory_usage()
 
     def _ensure_parents(self) -> None:
         if self.version == "v2":
@@ -306,9 +424,11 @@ class CgroupManager:
                 out.update(e.name for e in os.scandir(p) if e.is_dir())
         return out
 
-    def create(self, sandbox_id: str, res: Resources, root_uid: int) -> SandboxCgroup:
-        """Make the sandbox's cgroups with limits from ``res`` and delegate them to host uid
-        ``root_uid`` (sandbox root). Raises BackendError (the half-made cgroups removed)."""
+    def create(self, sandbox_id: str, res: Resources, root_uid: int,
+               qos: str = "best_effort") -> SandboxCgroup:
+        """Make the sandbox's cgroups with limits from ``res`` and CPU class ``qos`` and
+        delegate them to host uid ``root_uid`` (sandbox root). Raises BackendError (the
+        half-made cgroups removed)."""
         cg = self.path_of(sandbox_id)
         if self.version == "none":
             return cg
@@ -318,6 +438,7 @@ class CgroupManager:
                 self._create_v1(cg, res, root_uid)
             else:
                 self._create_v2(cg, res, root_uid)
+            cg.set_qos(qos)
         except OSError as exc:
             with contextlib.suppress(BackendError):
                 cg.remove()
@@ -347,10 +468,11 @@ class CgroupManager:
         cg.join = list(dict.fromkeys(cg.dirs.values()))
         return cg
 
-    def claim(self, pooled: SandboxCgroup, sandbox_id: str, res: Resources) -> SandboxCgroup:
+    def claim(self, pooled: SandboxCgroup, sandbox_id: str, res: Resources,
+              qos: str = "best_effort") -> SandboxCgroup:
         """Rename pooled cgroups (:meth:`create_pooled`) to ``sandbox_id``'s, their tasks
-        staying in them, and set the limits from ``res``. Raises BackendError (what was
-        renamed is renamed back)."""
+        staying in them, and set the limits from ``res`` and the CPU class ``qos``. Raises
+        BackendError (what was renamed is renamed back)."""
         cg = self.path_of(sandbox_id)
         done: list[tuple[Path, Path]] = []
         try:
@@ -358,6 +480,7 @@ class CgroupManager:
                 os.rename(src, dst)
                 done.append((src, dst))
             self._limits_v1(cg, res)
+            cg.set_qos(qos)
         except OSError as exc:
             for src, dst in reversed(done):
                 with contextlib.suppress(OSError):
@@ -381,6 +504,8 @@ class CgroupManager:
         _write(cpu / "cpu.shares", str(max(2, int(res.cpus * 1024))))
         _write(mem / "memory.limit_in_bytes", str(res.memory_bytes))
         if self.swap_accounting:
+            # memory + swap together: reclaim pages an idle sandbox out within it (the
+            # charge moves from memory to swap), so no swap beyond what it asked for
             _write(mem / "memory.memsw.limit_in_bytes", str(res.memory_bytes + res.swap_bytes))
         _write(cg.dirs["pids"] / "pids.max", str(res.pids))
 
@@ -391,7 +516,7 @@ class CgroupManager:
         _write(d / "cpu.weight", str(min(10000, max(1, int(res.cpus * 100)))))
         _write(d / "memory.max", str(res.memory_bytes))
         with contextlib.suppress(FileNotFoundError):
-            _write(d / "memory.swap.max", str(res.swap_bytes))
+            _write(d / "memory.swap.max", str(swap_allowance(res, self.swap_share)))
         _write(d / "pids.max", str(res.pids))
         (d / "init").mkdir()
         _write(d / "cgroup.subtree_control", "+memory +pids")

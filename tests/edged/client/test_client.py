@@ -45,10 +45,13 @@ def test_sync_sandbox(node) -> None:
         sbx.pause()
         assert sbx.state == "paused"
         with pytest.raises(InvalidStateError) as ei:
-            sbx.exec("true")
+            sbx.pause()
         assert ei.value.code == "invalid_state" and ei.value.status == 409
         assert isinstance(ei.value, RuntimeError)
-        sbx.resume()
+        assert sbx.exec("echo awake").stdout == "awake\n"  # any request resumes it
+        assert sbx.state == "running"
+        with pytest.raises(InvalidStateError):
+            sbx.resume()
         sbx.set_timeout(100)
         assert sbx.info["ttl_s"] == 100
         assert [s.id for s in Sandbox.list(labels={"a": "b"}, socket=node.socket)] == ["sdk"]
@@ -91,8 +94,10 @@ def test_async_sandbox(node) -> None:
             assert await sbx.files.read_bytes("/f") == b"\x00\x01"
             await sbx.pause()
             with pytest.raises(InvalidStateError):
-                await sbx.exec("true")
-            await sbx.resume()
+                await sbx.pause()
+            assert (await sbx.exec("echo awake")).stdout == "awake\n"  # resumed by it
+            with pytest.raises(InvalidStateError):
+                await sbx.resume()
             await sbx.set_timeout(50)
         with pytest.raises(NotFoundError):
             await AsyncSandbox.connect("as", socket=node.socket)

@@ -1,12 +1,14 @@
-"""Admission against capacity × overcommit."""
+"""Admission: counts and ratios of limits (Capacity), and on measured use (Admission)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from edged.backends.base import Resources
 from edged.errors import CapacityExhausted
-from edged.node.admission import Capacity
+from edged.node.admission import Admission, Capacity, KernelOverhead, Usage
 
 GiB = 1 << 30
 
@@ -46,4 +48,144 @@ def test_swap_counts_and_release_is_idempotent() -> None:
         c.reserve("b", Resources())
     c.release("a")
     c.release("a")
-    assert c.to_json()["allocated"] == {"cpus": 0, "memory_bytes": 0, "sandboxes": 0}
+    assert c.to_json()["allocated"] == {"cpus": 0, "memory_bytes": 0,
+                                        "memory_request_bytes": 0, "sandboxes": 0}
+
+
+# -- admission on measured use ----------------------------------------------------------
+
+MiB = 1 << 20
+
+
+class Host:
+    """The host's procfs files, written by the test."""
+
+    def __init__(self, d: Path) -> None:
+        self.d = d
+        (d / "pressure").mkdir()
+        self.set(avail=8 * GiB)
+        self.psi(mem_full=0.0, cpu_some=0.0)
+        (d / "loadavg").write_text("0.1 0.1 0.1 1/500 1\n")
+        (d / "pid_max").write_text("32768\n")
+
+    def set(self, avail: int, total: int = 16 * GiB, slab: int = 100 * MiB) -> None:
+        (self.d / "meminfo").write_text(
+            f"MemTotal: {total // 1024} kB\nMemAvailable: {avail // 1024} kB\n"
+            f"Slab: {slab // 1024} kB\nKernelStack: 0 kB\nPageTables: 0 kB\nPercpu: 0 kB\n")
+
+    def psi(self, mem_full: float, cpu_some: float) -> None:
+        line = "avg10={:.2f} avg60=0.00 avg300=0.00 total=1\n"
+        (self.d / "pressure/memory").write_text(
+            "some " + line.format(mem_full) + "full " + line.format(mem_full))
+        (self.d / "pressure/cpu").write_text(
+            "some " + line.format(cpu_some) + "full " + line.format(0))
+
+
+def adm(host: Host, clock: list[float], **kw: object) -> Admission:
+    args: dict[str, object] = dict(
+        capacity=cap(memory_bytes=16 * GiB, max_sandboxes=10_000, cpu_overcommit=0.0,
+                     memory_overcommit=0.0),
+        reserve_bytes=GiB, window_s=10.0, meminfo_path=str(host.d / "meminfo"),
+        pressure_dir=str(host.d / "pressure"), loadavg_path=str(host.d / "loadavg"),
+        pid_max_path=str(host.d / "pid_max"), clock=lambda: clock[0],
+        overhead=KernelOverhead(default=MiB))
+    args.update(kw)
+    return Admission(**args)  # type: ignore[arg-type]
+
+
+def res(request: int, limit: int = 2 * GiB) -> Resources:
+    return Resources(cpus=1.0, memory_bytes=limit, memory_request_bytes=request)
+
+
+def test_admits_on_use_not_on_limits(tmp_path: Path) -> None:
+    """Limits far above the host's memory are fine while what is used leaves room."""
+    host, clock = Host(tmp_path), [100.0]
+    a = adm(host, clock)
+    for i in range(50):
+        a.admit(f"s{i}", res(16 * MiB, limit=8 * GiB))  # 400 GiB of limits on 16 GiB
+        clock[0] += 1.0
+        host.set(avail=8 * GiB - (i + 1) * 17 * MiB)  # each used its request + 1 MiB
+    assert a.capacity.count == 50 and a.capacity.allocated_memory == 400 * GiB
+
+
+def test_memory_hungry_request_refused_before_the_host_is_at_risk(tmp_path: Path) -> None:
+    host, clock = Host(tmp_path), [100.0]
+    a = adm(host, clock)
+    with pytest.raises(CapacityExhausted, match=r"memory: need 7169\.0 MiB") as ei:
+        a.admit("big", res(7 * GiB))  # 8 GiB available - 1 GiB reserve < 7 GiB + 1 MiB
+    assert ei.value.retry_after == 2.0 and not a.capacity.holds("big")
+    a.admit("fits", res(6 * GiB))
+    # within the window its request is set aside even though it has not used it yet
+    with pytest.raises(CapacityExhausted, match="pending 6144"):
+        a.admit("next", res(1536 * MiB))
+    clock[0] += 4.0
+    host.set(avail=5 * GiB)  # it used 3 GiB of its 6 meanwhile: 3 GiB still pending
+    with pytest.raises(CapacityExhausted, match="pending 3072"):
+        a.admit("next", res(1536 * MiB))
+    a.admit("next", res(512 * MiB))
+    clock[0] += 20.0  # the window has passed: only what the host has counts
+    host.set(avail=2 * GiB)
+    a.admit("last", res(900 * MiB))
+    with pytest.raises(CapacityExhausted):
+        a.admit("over", res(200 * MiB))
+
+
+def test_reclaimable_counts_and_shortens_retry(tmp_path: Path) -> None:
+    host, clock = Host(tmp_path), [0.0]
+    host.set(avail=GiB + 10 * MiB)
+    a = adm(host, clock, reclaimable=lambda: 200 * MiB, reclaim_retry_s=0.5)
+    a.admit("a", res(100 * MiB))  # 10 MiB free + 200 MiB reclaim can free
+    with pytest.raises(CapacityExhausted, match="reclaimable 200") as ei:
+        a.admit("b", res(300 * MiB))
+    assert ei.value.retry_after == 0.5
+
+
+def test_pressure_and_pids_refuse(tmp_path: Path) -> None:
+    host, clock = Host(tmp_path), [0.0]
+    a = adm(host, clock, cpu_pressure_limit=50.0)
+    host.psi(mem_full=12.5, cpu_some=0.0)
+    with pytest.raises(CapacityExhausted, match=r"memory pressure: tasks stalled 12\.5%"):
+        a.admit("a", res(MiB))
+    host.psi(mem_full=0.0, cpu_some=80.0)
+    with pytest.raises(CapacityExhausted, match="cpu pressure"):
+        a.admit("a", res(MiB))
+    host.psi(mem_full=0.0, cpu_some=0.0)
+    (host.d / "loadavg").write_text("1 1 1 2/31740 9\n")
+    with pytest.raises(CapacityExhausted, match="pids: 31740 threads"):
+        a.admit("a", res(MiB))
+    (host.d / "loadavg").write_text("1 1 1 2/300 9\n")
+    a.admit("a", res(MiB))
+    a.release("a")
+    assert a.capacity.count == 0
+
+
+def test_configured_capacity_holds_the_sandboxes_own_use(tmp_path: Path) -> None:
+    """A node offering 2 GiB of a 16 GiB host: the sandboxes' measured use (cgroups, zram,
+    kernel per sandbox) stays within it whatever the host has free."""
+    host, clock = Host(tmp_path), [0.0]
+    used = [Usage()]
+    a = adm(host, clock, capacity=cap(memory_bytes=2 * GiB, max_sandboxes=100,
+                                      cpu_overcommit=0.0, memory_overcommit=0.0),
+            usage=lambda: used[0], window_s=0.001)
+    a.admit("a", res(MiB, limit=GiB))
+    clock[0] += 1
+    used[0] = Usage(resident=1600 * MiB, zram=200 * MiB)  # "a" grew to its burst
+    with pytest.raises(CapacityExhausted, match="capacity 2048"):
+        a.admit("b", res(300 * MiB))
+    a.admit("b", res(100 * MiB))
+    snap = a.snapshot()
+    # less what "b" asked for and has not used yet (admitted an instant ago)
+    assert snap["memory"]["headroom_bytes"] == 2 * GiB - 1800 * MiB - 2 * MiB - 100 * MiB
+    assert snap["free"]["sandboxes"] == snap["memory"]["headroom_bytes"] // (
+        snap["free"]["sandbox_bytes"])
+
+
+def test_kernel_overhead_measured_from_samples() -> None:
+    k = KernelOverhead(default=MiB, min_sandboxes=4, alpha=1.0)
+    k.observe(0, 100 * MiB)
+    k.observe(2, 110 * MiB)
+    assert k.per_sandbox == MiB  # too few to tell yet
+    k.observe(10, 105 * MiB)
+    assert k.per_sandbox == MiB // 2
+    k.observe(100, 200 * MiB)  # grows with N (shrinker tables): follows it
+    assert k.per_sandbox == MiB

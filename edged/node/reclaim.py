@@ -1,0 +1,343 @@
+"""Idle detection and cold-page reclaim for the node's sandboxes.
+
+A sandbox is **idle** when it runs no exec, nothing touched it through the API for
+``idle_after_s``, and it used less than ``idle_cpu`` of a core over a window of
+``idle_after_s`` measured from its cgroup (a daemonized loop inside keeps it awake). An
+idle sandbox has its cold pages reclaimed into the node's swap (the zram device of
+:mod:`edged.node.swap`, or the host's swap) by the backend: cgroup v2 ``memory.reclaim``,
+v1 ``process_madvise(MADV_PAGEOUT)``. Its first request afterwards wakes it: its pages come
+back on use (faults from zram: microseconds each), and :class:`Reclaimer` measures that wake.
+A reclaimed sandbox is checked again every ``recheck_s``; one whose resident memory grew
+back (a background task woke up) is reclaimed again once it is idle again.
+
+Pace (after Meta's TMO/Senpai, which steps ``memory.reclaim`` by PSI): one pass every
+``interval_s`` reclaims sandboxes until a byte budget is spent. The budget follows the host's
+memory pressure: when the share of time tasks stalled on memory over the last pass
+(``/proc/pressure/memory`` ``some``) rises above ``psi_target`` percent, it halves; below
+half of it, it grows back by a quarter, up to ``rate_bytes`` per second. Reclaim itself costs
+CPU (compression) and, done to sandboxes that are not quite idle, refaults; both show up as
+pressure first. Under a memory shortage (MemAvailable below ``low_bytes``) the whole budget
+goes to the biggest idle sandboxes first.
+
+Counters kept per sandbox (for ``/metrics`` and ``GET /v1/node``): resident and swapped
+bytes when last read, bytes reclaimed (sum over reclaims), wakes. The refault rate of
+reclaimed sandboxes is major faults since their last reclaim per minute, over the resident
+size they had before it (the working set, Google's far-memory metric: goal ≤ 0.2 %/min).
+
+Sources: Documentation/admin-guide/cgroup-v2.rst (``memory.reclaim``, ``memory.pressure``),
+Documentation/accounting/psi.rst; TMO (Weiner et al., ASPLOS '22); DSec §5.2 (pause = freeze,
+swap, reclaim).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from edged.backends.base import MemoryUsage
+from edged.errors import EdgedError
+from edged.node import hostmem
+
+log = logging.getLogger("edged.reclaim")
+
+PAGE = 4096
+
+
+class _Record(Protocol):
+    """What reclaim reads of a running sandbox's record
+    (:class:`edged.node.sandbox.SandboxRecord`)."""
+
+    id: str
+    last_active: float
+    active_execs: int
+
+
+@dataclass
+class ReclaimConfig:
+    """Knobs (see the module docstring); seconds, bytes, percent of wall time."""
+
+    enabled: bool = True
+    idle_after_s: float = 30.0
+    idle_cpu: float = 0.01
+    interval_s: float = 2.0
+    recheck_s: float = 60.0
+    rate_bytes: int = 512 << 20
+    psi_target: float = 1.0
+    low_bytes: int = 0
+    regrow_bytes: int = 1 << 20
+
+
+@dataclass
+class SandboxReclaim:
+    """Reclaim's view of one sandbox."""
+
+    last: MemoryUsage = field(default_factory=MemoryUsage)
+    read_at: float = 0.0  # wall clock of ``last``
+    cpu_mark: tuple[float, int] | None = None  # (wall time, cpu ns) the idle window began
+    next_check: float = 0.0
+    reclaimed: bool = False
+    reclaimed_at: float = 0.0
+    working_set: int = 0  # resident bytes just before the last reclaim
+    resident_after: int = 0  # and just after it
+    faults_at_reclaim: int = 0
+    reclaimed_bytes: int = 0  # total over reclaims
+    reclaims: int = 0
+    wakes: int = 0
+
+
+@dataclass
+class PassResult:
+    """What one pass did: sandboxes reclaimed, bytes their resident memory went down by,
+    the budget it had, the memory stall share (percent) seen since the last pass."""
+
+    reclaimed: list[str] = field(default_factory=list)
+    bytes: int = 0
+    budget: int = 0
+    stall_pct: float = 0.0
+
+
+class Reclaimer:
+    """Runs idle detection and reclaim passes over the sandboxes ``records()`` yields, through
+    ``backend`` (its optional ``memory``/``reclaim``/``prefetch``; a backend without them is
+    never reclaimed); ``records()`` yields the records of running sandboxes. ``psi_path``
+    and ``meminfo_path`` are the host's files (tests give their own); ``clock`` is wall time
+    in seconds. ``ensure_swap`` is called before each reclaim (the swap is set up at the first).
+    Errors of one sandbox are logged and never stop a pass."""
+
+    def __init__(self, cfg: ReclaimConfig, backend: Any,
+                 records: Callable[[], Iterable[_Record]], *,
+                 psi_path: str = hostmem.PRESSURE + "/memory",
+                 meminfo_path: str = hostmem.MEMINFO,
+                 clock: Callable[[], float] = time.time,
+                 on_reclaimed: Callable[[str, int], None] | None = None,
+                 ensure_swap: Callable[[], bool] | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.records = records
+        self.psi_path = psi_path
+        self.meminfo_path = meminfo_path
+        self.clock = clock
+        self.on_reclaimed = on_reclaimed
+        self.ensure_swap = ensure_swap
+        self.state: dict[str, SandboxReclaim] = {}
+        self.budget = int(cfg.rate_bytes * cfg.interval_s)
+        self._psi_total: tuple[float, int] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one reclaim at a time: it is CPU-bound (compression)
+        self.passes = 0
+
+    @property
+    def supported(self) -> bool:
+        """Whether the backend can report and reclaim memory."""
+        return all(callable(getattr(self.backend, n, None)) for n in ("memory", "reclaim"))
+
+    # -- per-sandbox events ---------------------------------------------------------------
+
+    def _st(self, sid: str) -> SandboxReclaim:
+        st = self.state.get(sid)
+        if st is None:
+            st = self.state[sid] = SandboxReclaim()
+        return st
+
+    def woke(self, sid: str) -> bool:
+        """A request reached sandbox ``sid``: it is awake (its idle clock restarts). Returns
+        whether it had been reclaimed (the caller times the wake)."""
+        st = self.state.get(sid)
+        if st is None:
+            return False
+        was = st.reclaimed
+        if was:
+            st.wakes += 1
+        st.reclaimed = False
+        st.cpu_mark = None
+        st.next_check = 0.0
+        return was
+
+    def forget(self, sid: str) -> None:
+        """Drop what is known of a sandbox that is gone."""
+        self.state.pop(sid, None)
+
+    async def reclaim_now(self, sid: str) -> int:
+        """Reclaim sandbox ``sid`` at once, whatever its idleness (a pause). Returns the bytes
+        its resident memory went down by; 0 if the backend cannot reclaim. Raises
+        :class:`EdgedError` from the backend."""
+        if not self.supported:
+            return 0
+        async with self._lock:
+            return await self._reclaim(sid, self._st(sid), self.clock())
+
+    async def _reclaim(self, sid: str, st: SandboxReclaim, now: float) -> int:
+        if self.ensure_swap is not None:  # set up at the first reclaim (seconds at most)
+            await asyncio.to_thread(self.ensure_swap)
+        before = await self.backend.memory(sid)
+        moved = int(await self.backend.reclaim(sid, None))
+        after = await self.backend.memory(sid)
+        st.working_set = before.resident_bytes
+        st.resident_after = after.resident_bytes
+        st.faults_at_reclaim = after.major_faults
+        st.last, st.read_at = after, now
+        st.reclaimed, st.reclaimed_at = True, now
+        st.reclaimed_bytes += moved
+        st.reclaims += 1
+        st.next_check = now + self.cfg.recheck_s
+        if self.on_reclaimed is not None:
+            self.on_reclaimed(sid, moved)
+        return moved
+
+    # -- passes ---------------------------------------------------------------------------
+
+    def _stall_pct(self, now: float) -> float:
+        """Percent of wall time some task stalled on memory since the previous call."""
+        psi = hostmem.read_psi(self.psi_path)
+        if psi is None:
+            return 0.0
+        prev, self._psi_total = self._psi_total, (now, psi.some.total_us)
+        if prev is None or now <= prev[0]:
+            return psi.some.avg10
+        return max(0.0, (psi.some.total_us - prev[1]) / 1e6 / (now - prev[0]) * 100.0)
+
+    def _pace(self, stall: float) -> None:
+        cap = int(self.cfg.rate_bytes * self.cfg.interval_s)
+        floor = 16 << 20
+        if stall > self.cfg.psi_target:
+            self.budget = max(floor, self.budget // 2)
+        elif stall < self.cfg.psi_target / 2:
+            self.budget = min(cap, max(floor, self.budget + self.budget // 4))
+
+    def _short(self) -> bool:
+        if self.cfg.low_bytes <= 0:
+            return False
+        try:
+            return hostmem.meminfo(self.meminfo_path).get("MemAvailable", 1 << 62) < \
+                self.cfg.low_bytes
+        except OSError:
+            return False
+
+    async def pass_once(self) -> PassResult:
+        """One pass: find idle sandboxes that are due, reclaim them within the budget."""
+        now = self.clock()
+        res = PassResult(stall_pct=self._stall_pct(now))
+        self._pace(res.stall_pct)
+        res.budget = self.budget
+        self.passes += 1
+        if not self.cfg.enabled or not self.supported:
+            return res
+        live = {r.id: r for r in self.records()}
+        for sid in list(self.state):
+            if sid not in live:
+                del self.state[sid]
+        due: list[tuple[int, str, SandboxReclaim]] = []
+        for sid, rec in live.items():
+            st = self._st(sid)
+            if rec.active_execs > 0:
+                st.cpu_mark = None
+                continue
+            quiet_since = rec.last_active
+            if now - quiet_since < self.cfg.idle_after_s or now < st.next_check:
+                continue
+            try:
+                use = await self.backend.memory(sid)
+            except EdgedError:
+                continue
+            st.last, st.read_at = use, now
+            if st.cpu_mark is None or st.cpu_mark[0] < quiet_since:
+                # the CPU window starts now; judged once it is idle_after_s long
+                st.cpu_mark = (now, use.cpu_usage_ns)
+                st.next_check = now + self.cfg.idle_after_s
+                continue
+            t0, c0 = st.cpu_mark
+            busy = (use.cpu_usage_ns - c0) / 1e9 / max(1e-6, now - t0)
+            st.cpu_mark = (now, use.cpu_usage_ns)
+            if busy > self.cfg.idle_cpu:
+                st.reclaimed = False  # active in the background: look again later
+                st.next_check = now + self.cfg.idle_after_s
+                continue
+            if st.reclaimed and use.resident_bytes < st.resident_after + self.cfg.regrow_bytes:
+                st.next_check = now + self.cfg.recheck_s
+                continue
+            due.append((use.resident_bytes, sid, st))
+        if self._short():
+            due.sort(key=lambda x: -x[0])  # biggest first when memory is short
+        spent = 0
+        for resident, sid, st in due:
+            if spent >= self.budget:
+                break
+            try:
+                async with self._lock:
+                    moved = await self._reclaim(sid, st, now)
+            except EdgedError as e:
+                log.warning("reclaim: sandbox %s: %s", sid, e)
+                st.next_check = now + self.cfg.recheck_s
+                continue
+            spent += max(resident, PAGE)
+            res.reclaimed.append(sid)
+            res.bytes += moved
+        return res
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.pass_once()
+            except Exception:
+                log.exception("reclaim pass failed")
+
+    def start(self) -> None:
+        """Run :meth:`pass_once` every ``interval_s`` until :meth:`stop`."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        """Stop the pass loop."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def reclaimable(self, ratio: float) -> int:
+        """Bytes idle sandboxes would give back if reclaimed now: the anonymous memory of
+        those idle but not yet reclaimed, less what it would take compressed (``ratio``: the
+        swap's observed compression, 1.0 for disk)."""
+        keep = 1.0 / ratio if ratio > 0 else 1.0
+        now = self.clock()
+        total = 0
+        for st in self.state.values():
+            if not st.reclaimed and st.cpu_mark is not None and now - st.read_at < 600:
+                total += int(st.last.anon_bytes * (1.0 - keep))
+        return total
+
+    def refault_rate(self, now: float | None = None) -> float | None:
+        """Major faults per minute of the reclaimed sandboxes since their reclaim, as a share
+        (percent) of their working sets; None before any has been reclaimed a minute."""
+        now = self.clock() if now is None else now
+        faults = ws = 0.0
+        minutes = 0.0
+        for st in self.state.values():
+            if st.reclaimed and now - st.reclaimed_at >= 60 and st.working_set > 0:
+                faults += max(0, st.last.major_faults - st.faults_at_reclaim) * PAGE
+                ws += st.working_set
+                minutes = max(minutes, (st.read_at - st.reclaimed_at) / 60.0)
+        if ws <= 0 or minutes <= 0:
+            return None
+        return faults / ws / minutes * 100.0
+
+    def totals(self) -> dict[str, int]:
+        """``sandboxes_reclaimed`` (now), ``reclaimed_bytes`` (sum over all reclaims),
+        ``wakes``, and the last-read ``resident_bytes``/``swap_bytes`` of all sandboxes."""
+        out = {"sandboxes_reclaimed": 0, "reclaimed_bytes": 0, "wakes": 0,
+               "resident_bytes": 0, "swap_bytes": 0}
+        for st in self.state.values():
+            out["sandboxes_reclaimed"] += int(st.reclaimed)
+            out["reclaimed_bytes"] += st.reclaimed_bytes
+            out["wakes"] += st.wakes
+            out["resident_bytes"] += st.last.resident_bytes
+            out["swap_bytes"] += st.last.swap_bytes
+        return out

@@ -1,0 +1,424 @@
+"""The node's swap, where reclaimed sandbox pages go: a compressed zram device that edged sets
+up itself when the host has no swap, and optionally a swap file on disk behind it.
+
+Setting swap up is host-wide, so edged owns exactly what it made and nothing else:
+- a zram device of its own, hot-added (``/sys/class/zram-control/hot_add``; ``zram0`` and any
+  other device belong to the host or to someone else and are never touched), labelled in its
+  swap header with ``edged-<hash of the state dir>`` so that it is recognised after a crash;
+- optionally a swap file in the state dir (``swap_file_bytes``), at a lower priority than the
+  zram device, for what does not fit in RAM even compressed;
+- a record of both in ``<state_dir>/swap.json``, written before the device is configured.
+At start a record left by a crashed daemon is honoured: a device of ours still in use as swap
+is adopted (sandboxes kept across the restart may have pages in it), one that never reached
+``swapon`` is removed. At stop everything is switched off and removed (swapoff reads back
+whatever is still swapped, so the daemon stops its sandboxes first), unless sandboxes are kept
+running for the next daemon, which then adopts the device.
+
+``mode``: ``"auto"`` (default): the host's own swap if it has any (zswap in front of it where
+the host enabled it), else a zram device of ours; ``"zram"``: a zram device of ours whatever
+the host has; ``"off"``: none (reclaim then only drops file pages).
+
+Sources: Documentation/admin-guide/blockdev/zram.rst (hot_add/hot_remove, comp_algorithm,
+disksize, mem_limit, reset, mm_stat columns), include/linux/swap.h (``union swap_header``:
+magic ``SWAPSPACE2`` in the last 10 bytes of the first page, version 1, last_page,
+volume label at byte 1052), swapon(2) (``SWAP_FLAG_PREFER``, priorities 0..32767),
+Documentation/admin-guide/mm/zswap.rst.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import hashlib
+import json
+import logging
+import os
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edged.errors import BackendError
+
+log = logging.getLogger("edged.swap")
+
+SWAP_FLAG_PREFER = 0x8000
+SWAP_FLAG_PRIO_MASK = 0x7FFF
+SWAP_MAGIC = b"SWAPSPACE2"
+_LABEL_OFF = 1024 + 4 + 4 + 4 + 16  # bootbits, version, last_page, nr_badpages, uuid
+ZRAM_PRIORITY = 100
+FILE_PRIORITY = 10
+MODES = ("auto", "zram", "off")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _syscall_path(name: str, path: str, *args: int) -> None:
+    fn = getattr(_libc, name)
+    if fn(os.fsencode(path), *args) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{name} `{path}`: {os.strerror(e)}")
+
+
+def swap_header(size_bytes: int, label: str, page_size: int | None = None) -> bytes:
+    """The first page of a swap area of ``size_bytes`` (what ``mkswap -L label`` writes):
+    version 1, last usable page, no bad pages, a random uuid, the label (≤ 16 bytes)."""
+    page = page_size or os.sysconf("SC_PAGE_SIZE")
+    last_page = size_bytes // page - 1
+    if last_page < 10:
+        raise ValueError(f"swap area of {size_bytes} bytes is too small")
+    name = label.encode()
+    if len(name) > 16:
+        raise ValueError(f"swap label {label!r} is longer than 16 bytes")
+    buf = bytearray(page)
+    struct.pack_into("<III16s16s", buf, 1024, 1, last_page, 0, os.urandom(16), name)
+    buf[page - 10 :] = SWAP_MAGIC
+    return bytes(buf)
+
+
+def header_label(first_page: bytes) -> str | None:
+    """The label of a swap header, or None if ``first_page`` is not one."""
+    if len(first_page) < 4096 or first_page[-10:] != SWAP_MAGIC:
+        return None
+    raw = first_page[_LABEL_OFF : _LABEL_OFF + 16]
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class SwapArea:
+    """One line of ``/proc/swaps``: path, kind, sizes in bytes, priority."""
+
+    path: str
+    kind: str
+    size_bytes: int
+    used_bytes: int
+    priority: int
+
+
+def active_swaps(path: str = "/proc/swaps") -> list[SwapArea]:
+    """The host's active swap areas (``/proc/swaps``; paths with spaces come octal-escaped)."""
+    out = []
+    with open(path) as f:
+        for line in f.readlines()[1:]:
+            parts = line.split()
+            if len(parts) >= 5:
+                name = parts[0].encode().decode("unicode_escape")
+                out.append(SwapArea(name, parts[1], int(parts[2]) * 1024,
+                                    int(parts[3]) * 1024, int(parts[4])))
+    return out
+
+
+def zswap_enabled(root: Path = Path("/sys/module/zswap/parameters")) -> bool:
+    """Whether the host enabled zswap (a compressed cache in front of its swap devices)."""
+    try:
+        return (root / "enabled").read_text().strip() in ("Y", "1")
+    except OSError:
+        return False
+
+
+@dataclass
+class SwapManager:
+    """Sets up, reports and removes the node's swap for reclaimed sandbox pages.
+
+    ``state_dir``: where ``swap.json`` (what this daemon made) and the swap file live.
+    ``zram_bytes``: the zram device's size, in uncompressed bytes of swapped pages (its slot
+    table costs 16 bytes of RAM per 4 KiB page up front). ``zram_mem_limit_bytes``: the most
+    RAM its compressed pages may take (0: no limit). ``algorithm``: one the kernel offers
+    (``/sys/block/zramN/comp_algorithm``; on the dev VM ``lzo-rle`` compressed idle Python
+    heaps 2.7:1, ``lz4`` 2.5:1). ``file_bytes``: a swap file of this size behind the zram
+    device (0: none). ``sys``/``dev``/``proc_swaps``: the filesystems read and written.
+    Errors: BackendError naming the step (the half-made device removed first).
+    """
+
+    state_dir: Path
+    mode: str = "auto"
+    zram_bytes: int = 0
+    zram_mem_limit_bytes: int = 0
+    algorithm: str = "lzo-rle"
+    file_bytes: int = 0
+    sys: Path = Path("/sys")
+    dev: Path = Path("/dev")
+    proc_swaps: str = "/proc/swaps"
+    zram: int | None = None  # our device number
+    file: Path | None = None  # our swap file
+    host: list[SwapArea] = field(default_factory=list)
+    adopted: bool = False
+
+    def __post_init__(self) -> None:
+        self._setup_lock = threading.Lock()
+        self._tried = False
+        if self.mode not in MODES:
+            raise ValueError(f"swap mode {self.mode!r}: not one of {', '.join(MODES)}")
+        digest = hashlib.sha256(str(Path(self.state_dir).resolve()).encode()).hexdigest()
+        self.label = "edged-" + digest[:10]
+
+    # -- the record -----------------------------------------------------------------------
+
+    @property
+    def _record(self) -> Path:
+        return Path(self.state_dir) / "swap.json"
+
+    def _save(self) -> None:
+        rec = {"label": self.label, "zram": self.zram,
+               "file": str(self.file) if self.file else None}
+        tmp = self._record.with_name(".swap.json.tmp")
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+            f.flush()
+            os.fsync(f.fileno())  # the only trace of a device we made, if we crash
+        os.replace(tmp, self._record)
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            rec: dict[str, Any] = json.loads(self._record.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            log.warning("swap record %s unreadable, ignored: %s", self._record, e)
+            return {}
+        return rec
+
+    # -- zram plumbing --------------------------------------------------------------------
+
+    def _zdir(self, n: int) -> Path:
+        return self.sys / "block" / f"zram{n}"
+
+    def _zdev(self, n: int) -> str:
+        return str(self.dev / f"zram{n}")
+
+    def _is_ours(self, path: str) -> bool:
+        try:
+            with open(path, "rb") as f:
+                return header_label(f.read(os.sysconf("SC_PAGE_SIZE"))) == self.label
+        except OSError:
+            return False
+
+    def _active(self, path: str) -> SwapArea | None:
+        real = os.path.realpath(path)
+        for a in active_swaps(self.proc_swaps):
+            if os.path.realpath(a.path) == real:
+                return a
+        return None
+
+    def _remove_zram(self, n: int) -> None:
+        """swapoff (if active), reset and hot_remove zram device ``n``."""
+        if self._active(self._zdev(n)) is not None:
+            _syscall_path("swapoff", self._zdev(n))
+        with contextlib.suppress(FileNotFoundError):
+            (self._zdir(n) / "reset").write_text("1")
+        try:
+            (self.sys / "class/zram-control/hot_remove").write_text(str(n))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno != errno.ENODEV:
+                raise
+
+    def _add_zram(self) -> int:
+        ctl = self.sys / "class/zram-control/hot_add"
+        try:
+            n = int(ctl.read_text())
+        except OSError as e:
+            raise BackendError(f"zram: hot_add: {e.strerror} (no zram in this kernel?)") from e
+        self.zram = n
+        self._save()  # before anything else: a crash from here on leaves a record
+        zd = self._zdir(n)
+        try:
+            algos = (zd / "comp_algorithm").read_text().replace("[", "").replace("]", "")
+            if self.algorithm not in algos.split():
+                raise BackendError(f"zram: compression {self.algorithm!r} not offered "
+                                   f"(have: {algos.strip()})")
+            (zd / "comp_algorithm").write_text(self.algorithm)
+            (zd / "disksize").write_text(str(self.zram_bytes))
+            if self.zram_mem_limit_bytes:
+                (zd / "mem_limit").write_text(str(self.zram_mem_limit_bytes))
+            fd = os.open(self._zdev(n), os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, swap_header(self.zram_bytes, self.label))
+            finally:
+                os.close(fd)
+            _syscall_path("swapon", self._zdev(n),
+                          SWAP_FLAG_PREFER | (ZRAM_PRIORITY & SWAP_FLAG_PRIO_MASK))
+        except (OSError, BackendError) as e:
+            with contextlib.suppress(OSError):
+                self._remove_zram(n)
+            self.zram = None
+            self._save()
+            if isinstance(e, BackendError):
+                raise
+            raise BackendError(f"zram{n}: set up: {e}") from e
+        return n
+
+    def _add_file(self) -> Path:
+        path = Path(self.state_dir) / "swapfile"
+        self.file = path
+        self._save()
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.file_bytes)
+                os.pwrite(fd, swap_header(self.file_bytes, self.label), 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            _syscall_path("swapon", str(path),
+                          SWAP_FLAG_PREFER | (FILE_PRIORITY & SWAP_FLAG_PRIO_MASK))
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self.file = None
+            self._save()
+            raise BackendError(f"swap file {path}: set up: {e}") from e
+        return path
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self, set_up: bool = False) -> dict[str, Any]:
+        """Recover what a previous daemon left (adopt a device still in use, remove one that
+        is not); with ``set_up``, also set up what the mode asks for at once (else that waits
+        for the first :meth:`ensure`: a node that never reclaims never makes a device).
+        Returns :meth:`features`. Raises BackendError if a device cannot be set up (nothing
+        half-made is left)."""
+        rec = self._load()
+        self.host = [a for a in active_swaps(self.proc_swaps)]
+        z, f = rec.get("zram"), rec.get("file")
+        if isinstance(z, int) and self._zdir(z).exists():
+            path = self._zdev(z)
+            if self._is_ours(path) and self._active(path) is not None:
+                self.zram, self.adopted = z, True
+                log.info("swap: adopted zram%d of an earlier daemon", z)
+            elif self._is_ours(path) or self._disksize(z) == 0:
+                log.info("swap: removing zram%d left half-made by an earlier daemon", z)
+                self._remove_zram(z)
+        if isinstance(f, str) and Path(f).exists():
+            if self._is_ours(f) and self._active(f) is not None:
+                self.file, self.adopted = Path(f), True
+            elif self._is_ours(f) or Path(f).stat().st_size == 0:
+                with contextlib.suppress(OSError):
+                    if self._active(f) is not None:
+                        _syscall_path("swapoff", f)
+                Path(f).unlink(missing_ok=True)
+        ours = {os.path.realpath(p) for p in self._our_paths()}
+        self.host = [a for a in self.host if os.path.realpath(a.path) not in ours]
+        if self.zram is None and self.file is None:
+            with contextlib.suppress(FileNotFoundError):
+                self._record.unlink()
+        else:
+            self._save()
+        if set_up:
+            self.ensure()
+        log.info("swap", extra=self.features())
+        return self.features()
+
+    @property
+    def wanted(self) -> bool:
+        """Whether this node sets up swap of its own (mode, and the host's swap)."""
+        return self.mode == "zram" or (self.mode == "auto" and not self.host)
+
+    def ensure(self) -> bool:
+        """Set up our devices if the mode wants them and they are not there yet (at most
+        once: a failure is logged and not retried). Returns whether any swap is active for
+        reclaim to page into. Thread-safe."""
+        with self._setup_lock:
+            if self.wanted and not self._tried:
+                self._tried = True
+                try:
+                    if self.zram is None and self.zram_bytes > 0:
+                        self._add_zram()
+                    if self.file is None and self.file_bytes > 0:
+                        self._add_file()
+                    log.info("swap set up", extra=self.features())
+                except BackendError as e:
+                    log.error("swap: %s (reclaim goes on without swap of ours)", e)
+        return bool(self.areas())
+
+    def _disksize(self, n: int) -> int:
+        try:
+            return int((self._zdir(n) / "disksize").read_text())
+        except (OSError, ValueError):
+            return -1
+
+    def _our_paths(self) -> list[str]:
+        out = []
+        if self.zram is not None:
+            out.append(self._zdev(self.zram))
+        if self.file is not None:
+            out.append(str(self.file))
+        return out
+
+    def stop(self, keep: bool = False) -> None:
+        """Switch off and remove our devices and the record; with ``keep`` (sandboxes left
+        running for the next daemon) leave them for it to adopt. Errors are logged: a swapoff
+        that cannot read every page back (ENOMEM) leaves the device active and recorded."""
+        if keep:
+            return
+        self._tried = False
+        if self.zram is not None:
+            try:
+                self._remove_zram(self.zram)
+                self.zram = None
+            except OSError as e:
+                log.error("swap: cannot remove zram%d: %s", self.zram, e)
+        if self.file is not None:
+            try:
+                if self._active(str(self.file)) is not None:
+                    _syscall_path("swapoff", str(self.file))
+                self.file.unlink(missing_ok=True)
+                self.file = None
+            except OSError as e:
+                log.error("swap: cannot remove %s: %s", self.file, e)
+        if self.zram is None and self.file is None:
+            with contextlib.suppress(FileNotFoundError):
+                self._record.unlink()
+        else:
+            self._save()
+
+    # -- reporting ------------------------------------------------------------------------
+
+    def zram_stats(self) -> dict[str, int] | None:
+        """Our zram device's ``mm_stat``: ``orig_bytes`` (pages stored, uncompressed),
+        ``compr_bytes``, ``mem_used_bytes`` (RAM taken, allocator overhead included),
+        ``mem_limit_bytes``, ``same_pages`` (pages stored as one repeated word: free), or
+        None without a device."""
+        if self.zram is None:
+            return None
+        try:
+            f = (self._zdir(self.zram) / "mm_stat").read_text().split()
+        except OSError:
+            return None
+        return {"orig_bytes": int(f[0]), "compr_bytes": int(f[1]), "mem_used_bytes": int(f[2]),
+                "mem_limit_bytes": int(f[3]), "same_pages": int(f[5])}
+
+    def areas(self) -> list[SwapArea]:
+        """Every active swap area reclaim may use (ours and the host's)."""
+        return active_swaps(self.proc_swaps)
+
+    def features(self) -> dict[str, Any]:
+        """What is in use, for the start-up log and ``GET /v1/node``."""
+        areas = self.areas()
+        ours = {os.path.realpath(p) for p in self._our_paths()}
+        return {
+            "mode": self.mode,
+            "zram_device": None if self.zram is None else f"zram{self.zram}",
+            "zram_algorithm": self.algorithm if self.zram is not None else None,
+            "swap_file": str(self.file) if self.file else None,
+            "host_swap": [a.path for a in areas if os.path.realpath(a.path) not in ours],
+            "zswap": zswap_enabled(self.sys / "module/zswap/parameters"),
+            "adopted": self.adopted,
+            "total_bytes": sum(a.size_bytes for a in areas),
+        }
+
+    def usage(self) -> dict[str, int]:
+        """``total_bytes``/``used_bytes`` of every active swap area, and what our zram device
+        holds (``zram_*``, see :meth:`zram_stats`)."""
+        areas = self.areas()
+        out = {"total_bytes": sum(a.size_bytes for a in areas),
+               "used_bytes": sum(a.used_bytes for a in areas)}
+        z = self.zram_stats()
+        if z is not None:
+            out.update({f"zram_{k}": v for k, v in z.items()})
+        return out

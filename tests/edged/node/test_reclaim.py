@@ -1,0 +1,181 @@
+"""Idle detection and reclaim pacing (edged.node.reclaim) over a backend double: which
+sandboxes are reclaimed when, the PSI-paced budget, regrowth, wakes and refault rates."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+
+from edged.backends.base import MemoryUsage
+from edged.errors import BackendError
+from edged.node.reclaim import ReclaimConfig, Reclaimer
+
+MiB = 1 << 20
+
+
+@dataclass
+class Rec:
+    id: str
+    last_active: float = 0.0
+    active_execs: int = 0
+
+
+class Mem:
+    """A backend double: per sandbox memory, CPU that ticks, reclaim moving anon to swap."""
+
+    def __init__(self) -> None:
+        self.use: dict[str, MemoryUsage] = {}
+        self.cpu_rate: dict[str, float] = {}  # cores in use
+        self.reclaims: list[str] = []
+        self.fail: set[str] = set()
+
+    def add(self, sid: str, anon: int) -> None:
+        self.use[sid] = MemoryUsage(resident_bytes=anon + MiB, anon_bytes=anon)
+
+    def tick(self, dt: float) -> None:
+        for sid, u in self.use.items():
+            self.use[sid] = replace(u, cpu_usage_ns=u.cpu_usage_ns +
+                                    int(self.cpu_rate.get(sid, 0.0) * dt * 1e9))
+
+    async def memory(self, sid: str) -> MemoryUsage:
+        return self.use[sid]
+
+    async def reclaim(self, sid: str, nbytes: int | None) -> int:
+        if sid in self.fail:
+            raise BackendError("injected")
+        u = self.use[sid]
+        self.reclaims.append(sid)
+        self.use[sid] = replace(u, resident_bytes=u.resident_bytes - u.anon_bytes,
+                                anon_bytes=0, swap_bytes=u.swap_bytes + u.anon_bytes)
+        return u.anon_bytes
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(tmp_path: Path, recs: list[Rec], **cfg: object) -> tuple[Reclaimer, Mem, Clock]:
+    psi = tmp_path / "memory"
+    psi.write_text("some avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+                   "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    mem, clock = Mem(), Clock()
+    args: dict[str, object] = dict(idle_after_s=30.0, interval_s=2.0, recheck_s=60.0,
+                                   rate_bytes=64 * MiB)
+    args.update(cfg)
+    r = Reclaimer(ReclaimConfig(**args), mem, lambda: recs,  # type: ignore[arg-type]
+                  psi_path=str(psi), meminfo_path=str(tmp_path / "none"), clock=clock)
+    return r, mem, clock
+
+
+def run(r: Reclaimer, mem: Mem, clock: Clock, seconds: float, step: float = 2.0) -> list[str]:
+    done: list[str] = []
+    end = clock.t + seconds
+    while clock.t < end:
+        clock.t += step
+        mem.tick(step)
+        done += asyncio.run(r.pass_once()).reclaimed
+    return done
+
+
+def test_idle_sandbox_reclaimed_once_after_cpu_window(tmp_path: Path) -> None:
+    recs = [Rec("idle", last_active=1000.0), Rec("busy", last_active=1000.0),
+            Rec("exec", last_active=0.0, active_execs=1), Rec("recent", last_active=1050.0)]
+    r, mem, clock = make(tmp_path, recs)
+    for rec in recs:
+        mem.add(rec.id, 12 * MiB)
+    mem.cpu_rate["busy"] = 0.2  # a daemonized loop inside: never idle
+    # the API was quiet 30 s at t=1030; the CPU window then takes another 30 s
+    assert run(r, mem, clock, 58) == []
+    done = run(r, mem, clock, 20)
+    assert done == ["idle"]  # not the busy one, not the one with an exec running
+    assert mem.use["idle"].anon_bytes == 0 and mem.use["idle"].swap_bytes == 12 * MiB
+    assert run(r, mem, clock, 200) == ["recent"]  # quiet since 1050: its turn came
+    assert r.totals()["sandboxes_reclaimed"] == 2
+    assert r.totals()["reclaimed_bytes"] == 24 * MiB
+
+
+def test_regrowth_is_reclaimed_again_and_wake_resets(tmp_path: Path) -> None:
+    recs = [Rec("a", last_active=1000.0)]
+    r, mem, clock = make(tmp_path, recs)
+    mem.add("a", 8 * MiB)
+    assert run(r, mem, clock, 80) == ["a"]
+    assert run(r, mem, clock, 120) == []  # rechecked: nothing grew back
+    u = mem.use["a"]  # a background task woke and touched 4 MiB
+    mem.use["a"] = replace(u, resident_bytes=u.resident_bytes + 4 * MiB, anon_bytes=4 * MiB)
+    assert run(r, mem, clock, 130) == ["a"]
+    assert r.woke("a") is True and r.woke("a") is False  # the first request wakes it
+    assert r.state["a"].wakes == 1
+    recs[0].last_active = clock.t
+    assert run(r, mem, clock, 50) == []  # quiet again: a full idle window first
+    r.forget("a")
+    assert "a" not in r.state
+
+
+def test_budget_follows_memory_pressure(tmp_path: Path) -> None:
+    recs = [Rec(f"s{i}", last_active=0.0) for i in range(40)]
+    r, mem, clock = make(tmp_path, recs, rate_bytes=16 * MiB, psi_target=1.0)
+    for rec in recs:
+        mem.add(rec.id, 4 * MiB)
+    full = r.budget
+    assert full == 32 * MiB  # rate × interval
+    run(r, mem, clock, 4)  # CPU windows start
+    psi = tmp_path / "memory"
+    # 2 s of the last 32 s stalled: back off
+    psi.write_text("some avg10=10.00 avg60=1.00 avg300=0.00 total=2000000\n"
+                   "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
+    clock.t += 32
+    mem.tick(32)
+    res = asyncio.run(r.pass_once())
+    assert res.stall_pct > 1.0 and r.budget == full // 2
+    assert len(res.reclaimed) == 4  # 16 MiB of 5 MiB sandboxes: the budget stops it
+    clock.t += 2
+    res = asyncio.run(r.pass_once())  # calm again: the budget grows back
+    assert res.stall_pct == 0.0 and r.budget == full // 2 + full // 8
+
+
+def test_errors_of_one_sandbox_do_not_stop_a_pass(tmp_path: Path) -> None:
+    recs = [Rec("bad", last_active=0.0), Rec("good", last_active=0.0)]
+    r, mem, clock = make(tmp_path, recs)
+    mem.add("bad", MiB)
+    mem.add("good", MiB)
+    mem.fail.add("bad")
+    assert run(r, mem, clock, 62) == ["good"]
+
+
+def test_refault_rate_and_reclaimable(tmp_path: Path) -> None:
+    recs = [Rec("a", last_active=0.0), Rec("b", last_active=0.0)]
+    r, mem, clock = make(tmp_path, recs, rate_bytes=MiB // 2)  # budget: one per pass
+    mem.add("a", 100 * MiB)
+    mem.add("b", 40 * MiB)
+    run(r, mem, clock, 30)
+    assert r.reclaimable(2.0) == 70 * MiB  # idle, not reclaimed yet: half of the anon
+    assert run(r, mem, clock, 2) == ["a"]
+    assert r.reclaimable(2.0) == 20 * MiB
+    assert r.refault_rate() is None  # reclaimed less than a minute ago
+    ws = r.state["a"].working_set
+    assert ws == 101 * MiB
+    clock.t += 120  # two minutes later it faulted 0.1% of its working set back in
+    u = mem.use["a"]
+    pages = ws // 1000 // 4096
+    mem.use["a"] = replace(u, major_faults=u.major_faults + pages)
+    r.state["a"].last, r.state["a"].read_at = mem.use["a"], clock.t
+    rate = r.refault_rate()
+    assert rate == pytest.approx(pages * 4096 / ws * 100 / 2)  # ~0.1% over 2 min
+    assert 0.045 < (rate or 0) < 0.05
+
+
+def test_reclaim_now_and_unsupported_backend(tmp_path: Path) -> None:
+    r, mem, _clock = make(tmp_path, [])
+    mem.add("p", 3 * MiB)
+    assert asyncio.run(r.reclaim_now("p")) == 3 * MiB
+    assert r.state["p"].reclaimed
+    plain = Reclaimer(ReclaimConfig(), object(), lambda: [])
+    assert not plain.supported and asyncio.run(plain.reclaim_now("x")) == 0
+    assert asyncio.run(plain.pass_once()).reclaimed == []
