@@ -26,7 +26,7 @@ from layerfs.manifest import InvalidArgumentError, Manifest, check_chunk_size, c
 from layerfs.output import STDOUT, check_output, copy_to_stdout, replace_with
 from layerfs.store import DEFAULT_CHUNK_SIZE, Store, sha256_file
 from layerfs.tree import Tree
-from layerfs.writer import WriterOptions, write_image
+from layerfs.writer import WriterInput, WriterOptions, write_image
 
 MAX_SOURCE_DATE_EPOCH = (1 << 63) - 1
 """Largest ``SOURCE_DATE_EPOCH`` (seconds): EROFS extended inodes and the writer keep
@@ -118,7 +118,7 @@ def writer_options(options: WriterOptions | None, chunk_size: int,
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    tree: Tree
+    tree: Tree | WriterInput    # a directory is written from its scan as is
     source: str
     output: str | None
 
@@ -128,10 +128,15 @@ def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
     where = (os.path.dirname(job.output) if job.output and job.output != STDOUT
              else scratch)
     fd, tmp = tempfile.mkstemp(prefix=".layerfs-build.", suffix=".erofs", dir=where)
-    os.close(fd)
     try:
         t0 = time.monotonic()
-        stats = write_image(job.tree, tmp, opts)
+        try:
+            # Into the temp file itself: the store reads it back and drops it (nothing
+            # to fsync); replace_with() makes an output durable before renaming it.
+            stats = write_image(job.tree, fd, opts, writeback=bool(job.output)
+                                and job.output != STDOUT)
+        finally:
+            os.close(fd)
         t1 = time.monotonic()
         manifest = None
         new_chunks = new_bytes = reused = 0
@@ -255,9 +260,9 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
             jobs.append(_Job(load_tar(sys.stdin.buffer, workdir=scratch, name="<stdin>"),
                              "tar:-", out))
         elif os.path.isdir(src):
-            from layerfs.sources.directory import load_directory
+            from layerfs.sources.directory import scan_directory
 
-            jobs.append(_Job(load_directory(src), f"dir:{os.path.abspath(src)}", out))
+            jobs.append(_Job(scan_directory(src), f"dir:{os.path.abspath(src)}", out))
         elif os.path.isfile(src):
             from layerfs.sources.tar import load_tar
 

@@ -24,17 +24,18 @@ def new_error() -> Any:
     return ffi.new("struct lfs_error *")
 
 
-def raise_error(err: Any, what: str) -> None:
+def raise_error(err: Any, what: str,
+                refused: type[Exception] = ImageFormatError) -> None:
     """Raise the exception for a failed C call whose ``struct lfs_error`` is ``err``.
 
-    ``EINVAL`` from the writer means refused input and raises :class:`ImageFormatError`
-    (a ``ValueError``); anything else raises :class:`NativeError` (an ``OSError``) with
-    the errno kept.
+    ``EINVAL`` means refused input and raises ``refused`` (default
+    :class:`ImageFormatError`, a ``ValueError``: the writer's); anything else raises
+    :class:`NativeError` (an ``OSError``) with the errno kept.
     """
     code = int(err.code) or _errno.EIO
     msg = ffi.string(err.msg).decode("utf-8", "replace")
     if code == _errno.EINVAL:
-        raise ImageFormatError(f"{what}: {msg}")
+        raise refused(f"{what}: {msg}")
     if code == _errno.ENOMEM:
         raise MemoryError(f"{what}: {msg}")
     raise NativeError(code, f"{what}: {msg}")

@@ -14,26 +14,27 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from layerfs.errors import ImageFormatError
 from layerfs.native import ffi, lib, new_error, raise_error
 from layerfs.output import atomic_output
 from layerfs.tree import Inode, Tree
 
-__all__ = ["ImageStats", "WriterOptions", "write_image"]
+__all__ = ["ImageStats", "WriterInput", "WriterOptions", "write_image"]
 
-# Packed mirrors of struct lfs_wr_inode / _dirent / _xattr / _extent (lfs_writer.h).
-_INODE = struct.Struct("<qQQQ16IQQQqII")
-_DIRENT = struct.Struct("<QII")
-_XATTR = struct.Struct("<QQII")
-_EXTENT = struct.Struct("<QQQ")
+# Packed mirrors of struct lfs_wr_inode / _dirent / _xattr / _extent (lfs_writer.h);
+# layerfs.sources.directory reads scans with them too.
+INODE = struct.Struct("<qQQQ16IQQQqII")
+DIRENT = struct.Struct("<QII")
+XATTR = struct.Struct("<QQII")
+EXTENT = struct.Struct("<QQQ")
 _NO_DIRENT = 0xFFFFFFFF
 _NS = 1_000_000_000
 _MAX_SEC = (1 << 63) - 1  # int64_t seconds in struct lfs_wr_options
 
-for _s, _c in ((_INODE, "struct lfs_wr_inode"), (_DIRENT, "struct lfs_wr_dirent"),
-               (_XATTR, "struct lfs_wr_xattr"), (_EXTENT, "struct lfs_wr_extent")):
+for _s, _c in ((INODE, "struct lfs_wr_inode"), (DIRENT, "struct lfs_wr_dirent"),
+               (XATTR, "struct lfs_wr_xattr"), (EXTENT, "struct lfs_wr_extent")):
     if _s.size != ffi.sizeof(_c):  # pragma: no cover - a header/packing mismatch
         raise ImportError(f"layerfs.writer: {_c} is {ffi.sizeof(_c)} bytes, not {_s.size}")
 
@@ -54,6 +55,8 @@ class WriterOptions:
       inodes compact.
     - ``uuid``: 16 bytes, or ``None`` for a version-8 uuid hashed from the metadata.
     - ``volume_name``: at most 15 bytes (the kernel requires a NUL within 16).
+    - ``threaded``: write the image from a second thread while this one reads the
+      sources (two cores; the bytes are the same either way).
     """
 
     block_size: int = 4096
@@ -62,6 +65,7 @@ class WriterOptions:
     epoch: int | None = None
     uuid: bytes | None = None
     volume_name: bytes = b""
+    threaded: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,15 @@ class ImageStats:
     blocks: int
     epoch: int
     uuid: bytes
+
+
+class WriterInput(Protocol):
+    """What the C writer takes as is: a flattened tree (a :class:`Tree` is flattened by
+    :func:`write_image`; :class:`layerfs.sources.directory.DirScan` is one already)."""
+
+    def writer_input(self) -> Any:
+        """A cffi ``struct lfs_wr_input *`` (``lfs_writer.h``), valid while ``self``
+        lives."""
 
 
 class _Flat:
@@ -115,12 +128,12 @@ class _Flat:
                         self.nodes.append(child)
                         self.parent.append(i)
                         self.name_dirent.append(len(dirents))
-                    dirents.append(_DIRENT.pack(len(blob), len(name), j))
+                    dirents.append(DIRENT.pack(len(blob), len(name), j))
                     self.names.append(name)
                     blob += name
             xfirst = len(xattrs)
             for xname, xvalue in node.xattrs.items():
-                xattrs.append(_XATTR.pack(len(blob), len(blob) + len(xname), len(xname),
+                xattrs.append(XATTR.pack(len(blob), len(blob) + len(xname), len(xname),
                                           len(xvalue)))
                 blob += xname
                 blob += xvalue
@@ -148,7 +161,7 @@ class _Flat:
                     if node.data.extents is not None:
                         flags |= lib.LFS_WR_SPARSE
                         for ext in node.data.extents:
-                            extents.append(_EXTENT.pack(*ext))
+                            extents.append(EXTENT.pack(*ext))
                 elif size:
                     raise ImageFormatError(
                         f"entry {self.path(i)}: regular file of {size} bytes without data")
@@ -159,7 +172,7 @@ class _Flat:
                 blob += node.target
             sec, nsec = divmod(node.mtime_ns, _NS)
             try:
-                inodes.append(_INODE.pack(
+                inodes.append(INODE.pack(
                     sec, size, src_offset, str_off, str_len, node.mode, node.uid, node.gid,
                     nsec, node.rdev_major, node.rdev_minor, flags,
                     dfirst, len(dirents) - dfirst, xfirst, len(xattrs) - xfirst,
@@ -174,6 +187,18 @@ class _Flat:
         self.extents = b"".join(extents)
         self.counts = (len(inodes), len(dirents), len(xattrs), len(extents))
 
+    def writer_input(self) -> Any:
+        inp = ffi.new("struct lfs_wr_input *")
+        self._keep = [_array("struct lfs_wr_inode[]", self.inodes),
+                      _array("struct lfs_wr_dirent[]", self.dirents),
+                      _array("struct lfs_wr_xattr[]", self.xattrs),
+                      _array("struct lfs_wr_extent[]", self.extents),
+                      _array("uint8_t[]", bytes(self.blob))]
+        inp.inodes, inp.dirents, inp.xattrs, inp.extents, inp.blob = self._keep
+        inp.blob_len = len(self.blob)
+        inp.ninodes, inp.ndirents, inp.nxattrs, inp.nextents = self.counts
+        return inp
+
     def path(self, i: int) -> str:
         """Human path of node ``i`` (first name it was reached by)."""
         parts: list[bytes] = []
@@ -187,18 +212,14 @@ def _array(ctype: str, data: bytes) -> Any:
     return ffi.from_buffer(ctype, data) if data else ffi.NULL
 
 
-def _write_fd(flat: _Flat, fd: int, options: WriterOptions) -> ImageStats:
-    inp = ffi.new("struct lfs_wr_input *")
-    keep = [_array("struct lfs_wr_inode[]", flat.inodes),
-            _array("struct lfs_wr_dirent[]", flat.dirents),
-            _array("struct lfs_wr_xattr[]", flat.xattrs),
-            _array("struct lfs_wr_extent[]", flat.extents),
-            _array("uint8_t[]", bytes(flat.blob))]
-    inp.inodes, inp.dirents, inp.xattrs, inp.extents, inp.blob = keep
-    inp.blob_len = len(flat.blob)
-    inp.ninodes, inp.ndirents, inp.nxattrs, inp.nextents = flat.counts
-
+def _write_fd(flat: WriterInput, fd: int, options: WriterOptions, *,
+              writeback: bool = False) -> ImageStats:
+    inp = flat.writer_input()
     opt = ffi.new("struct lfs_wr_options *")
+    if writeback:  # the caller fsyncs: start writeback early, leave it less to wait for
+        opt.flags |= lib.LFS_WR_OPT_WRITEBACK
+    if not options.threaded:
+        opt.flags |= lib.LFS_WR_OPT_ONE_THREAD
     opt.block_size = options.block_size
     opt.chunk_align = options.chunk_align
     if options.epoch is not None:
@@ -230,17 +251,22 @@ def _write_fd(flat: _Flat, fd: int, options: WriterOptions) -> ImageStats:
                       epoch=st.epoch_sec, uuid=bytes(ffi.buffer(st.uuid, 16)))
 
 
-def write_image(tree: Tree, out: str | os.PathLike[str] | int,
-                options: WriterOptions | None = None) -> ImageStats:
-    """Write ``tree`` as an EROFS image to ``out`` and return its :class:`ImageStats`.
+def write_image(tree: Tree | WriterInput, out: str | os.PathLike[str] | int,
+                options: WriterOptions | None = None, *,
+                writeback: bool | None = None) -> ImageStats:
+    """Write ``tree`` (a :class:`Tree`, or a :class:`WriterInput` such as a directory
+    scan) as an EROFS image to ``out`` and return its :class:`ImageStats`.
 
     ``out`` is a path (written to a temporary file beside it and renamed into place,
     so a failed build leaves nothing; an existing path that is not a regular file, e.g.
     a device, symlink or directory, is refused with :class:`~layerfs.output.OutputError`
     and left alone; see :mod:`layerfs.output`) or an open, seekable file descriptor
-    (truncated and written from offset 0; left as is on failure). Regular file bytes are copied
-    by the C side from each file's :class:`layerfs.tree.Data` source through one
-    buffer; memory does not grow with file size.
+    (truncated and written from offset 0; left as is on failure; not synced).
+    ``writeback`` starts the writeback of the image while it is written, for a caller
+    that will fsync it (default: only for a path, which is fsynced before its
+    rename). Regular file bytes are copied by the C side from each file's
+    :class:`layerfs.tree.Data` source through a few 128 KiB buffers, written by a second
+    thread (see :attr:`WriterOptions.threaded`); memory does not grow with file size.
 
     Raises :class:`ImageFormatError` (a ``ValueError``) for input EROFS or the writer
     refuses (bad names, modes, sizes, xattr names; the message names the entry) and
@@ -248,9 +274,9 @@ def write_image(tree: Tree, out: str | os.PathLike[str] | int,
     vanished or shrank (the message names it).
     """
     options = options or WriterOptions()
-    flat = _Flat(tree)
+    flat = _Flat(tree) if isinstance(tree, Tree) else tree
     if isinstance(out, int):
-        return _write_fd(flat, out, options)
+        return _write_fd(flat, out, options, writeback=bool(writeback))
     with atomic_output(out) as fd:
-        stats = _write_fd(flat, fd, options)
+        stats = _write_fd(flat, fd, options, writeback=writeback is not False)
     return stats

@@ -98,6 +98,9 @@ struct lfs_wr_input {
 #define LFS_WR_OPT_EPOCH 0x1u   /* epoch_sec/epoch_nsec given; else most common mtime */
 #define LFS_WR_OPT_CLAMP 0x2u   /* mtimes later than clamp_* are clamped to it */
 #define LFS_WR_OPT_UUID  0x4u   /* uuid given; else derived from the metadata bytes */
+#define LFS_WR_OPT_WRITEBACK 0x8u /* start writeback as the image is written (the
+				   * caller will fsync it: less is left to wait for) */
+#define LFS_WR_OPT_ONE_THREAD 0x10u /* no writer thread: pwrite() in the caller's */
 
 struct lfs_wr_options {
 	uint64_t chunk_align;   /* bytes, power of two >= block size, or 0: files at least

@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +30,18 @@
 #include "lfs_error.h"
 #include "lfs_writer.h"
 
-#define WR_BUF_SIZE (1u << 20)
+/* Output goes through WR_SLOTS buffers of WR_BUF_SIZE: the building thread reads
+ * source bytes into one while a second thread pwrite()s the filled ones, so reading
+ * and writing (each one copy through the page cache) run on two cores.  The slots
+ * are small enough (1 MiB in all) to stay in the CPU cache between the two copies;
+ * with 1 MiB slots the second copy came from memory and the pipeline was no faster
+ * than one thread.  Each slot carries its own offset, so the image bytes do not
+ * depend on when the writer thread runs. */
+#define WR_BUF_SIZE (128u << 10)
+#define WR_SLOTS 8
+/* With LFS_WR_OPT_WRITEBACK, writeback of the image is started every this many bytes,
+ * so the caller's fsync finds little left to write. */
+#define WR_WRITEBACK_STEP (16ull << 20)
 #define WR_DIRECT_MIN (64u << 10) /* copy_file_range(2) from this size up */
 #define WR_SYMLINK_MAX 4095  /* PATH_MAX - 1: what readlink(2) can return */
 
@@ -83,6 +95,8 @@ struct wr {
 	uint8_t *buf;           /* output buffer: bytes for [buf_off, buf_off + buf_len) */
 	size_t buf_len;
 	uint64_t buf_off;
+	struct wr_pipe *pipe;   /* the writer thread, or NULL: pwrite() here */
+	uint8_t *own_buf;       /* the buffer when there is no writer thread */
 	uint8_t *meta;          /* blocks [0, data_start) of the image */
 	uint8_t *scratch;       /* a directory's content */
 	size_t scratch_cap;
@@ -701,21 +715,175 @@ static uint64_t inline_off(const struct wr_node *n)
 			      : sizeof(struct erofs_inode_compact)) + n->xattr_isize;
 }
 
-static int out_flush(struct wr *w)
+struct wr_pipe {
+	pthread_t thread;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	uint8_t *slot[WR_SLOTS];
+	uint64_t off[WR_SLOTS];
+	size_t len[WR_SLOTS];
+	uint64_t head, tail;    /* slots [tail, head) are queued; slot head is the builder's */
+	bool stop;
+	int fd;
+	bool writeback;
+	uint64_t wb_done, wb_end;       /* writeback started below wb_done */
+	int code;               /* the first failed pwrite: errno and offset */
+	uint64_t code_off;
+};
+
+/* pwrite all of buf at off; 0 or an errno. */
+static int pwrite_all(int fd, const uint8_t *buf, size_t len, uint64_t off, uint64_t *at)
 {
 	size_t done = 0;
 
-	while (done < w->buf_len) {
-		ssize_t r = pwrite(w->fd, w->buf + done, w->buf_len - done,
-				   (off_t)(w->buf_off + done));
+	while (done < len) {
+		ssize_t r = pwrite(fd, buf + done, len - done, (off_t)(off + done));
 
 		if (r < 0) {
 			if (errno == EINTR)
 				continue;
-			return lfs_error_set(w->err, errno, "write image at offset %llu: %s",
-					     (unsigned long long)(w->buf_off + done), strerror(errno));
+			*at = off + done;
+			return errno;
 		}
 		done += (size_t)r;
+	}
+	return 0;
+}
+
+static void *pipe_main(void *arg)
+{
+	struct wr_pipe *p = arg;
+
+	pthread_mutex_lock(&p->mu);
+	for (;;) {
+		uint32_t k;
+		uint64_t at = 0;
+		bool failed;
+		int code;
+
+		while (p->tail == p->head && !p->stop)
+			pthread_cond_wait(&p->cv, &p->mu);
+		if (p->tail == p->head)
+			break;
+		k = (uint32_t)(p->tail % WR_SLOTS);
+		failed = p->code != 0;  /* after a failure the rest is only drained */
+		pthread_mutex_unlock(&p->mu);
+		code = failed ? 0 : pwrite_all(p->fd, p->slot[k], p->len[k], p->off[k], &at);
+		if (!code && p->writeback) {
+			if (p->off[k] + p->len[k] > p->wb_end)
+				p->wb_end = p->off[k] + p->len[k];
+			if (p->wb_end - p->wb_done >= WR_WRITEBACK_STEP) {
+				/* A hint: errors show at the caller's fsync. */
+				(void)sync_file_range(p->fd, (off64_t)p->wb_done,
+						      (off64_t)(p->wb_end - p->wb_done),
+						      SYNC_FILE_RANGE_WRITE);
+				p->wb_done = p->wb_end;
+			}
+		}
+		pthread_mutex_lock(&p->mu);
+		if (code && !p->code) {
+			p->code = code;
+			p->code_off = at;
+		}
+		p->tail++;
+		pthread_cond_broadcast(&p->cv);
+	}
+	pthread_mutex_unlock(&p->mu);
+	return NULL;
+}
+
+static int pipe_error(struct wr *w, struct wr_pipe *p)
+{
+	return lfs_error_set(w->err, p->code, "write image at offset %llu: %s",
+			     (unsigned long long)p->code_off, strerror(p->code));
+}
+
+/* Start the writer thread; without one (no memory, no thread) the builder writes. */
+static void pipe_start(struct wr *w)
+{
+	struct wr_pipe *p = calloc(1, sizeof(*p));
+
+	if (!p)
+		return;
+	for (int k = 0; k < WR_SLOTS; k++) {
+		p->slot[k] = malloc(WR_BUF_SIZE);
+		if (!p->slot[k])
+			goto fail;
+	}
+	p->fd = w->fd;
+	p->writeback = w->opt->flags & LFS_WR_OPT_WRITEBACK;
+	pthread_mutex_init(&p->mu, NULL);
+	pthread_cond_init(&p->cv, NULL);
+	if (pthread_create(&p->thread, NULL, pipe_main, p) != 0) {
+		pthread_mutex_destroy(&p->mu);
+		pthread_cond_destroy(&p->cv);
+		goto fail;
+	}
+	w->pipe = p;
+	w->buf = p->slot[0];
+	return;
+fail:
+	for (int k = 0; k < WR_SLOTS; k++)
+		free(p->slot[k]);
+	free(p);
+}
+
+/* Wait for the queued slots to be written and end the thread; 0, or -1 with the
+ * first write error (recorded in w->err only with `report`). */
+static int pipe_finish(struct wr *w, bool report)
+{
+	struct wr_pipe *p = w->pipe;
+	int r = 0;
+
+	if (!p)
+		return 0;
+	pthread_mutex_lock(&p->mu);
+	p->stop = true;
+	pthread_cond_broadcast(&p->cv);
+	pthread_mutex_unlock(&p->mu);
+	pthread_join(p->thread, NULL);
+	if (p->code)
+		r = report ? pipe_error(w, p) : -1;
+	pthread_mutex_destroy(&p->mu);
+	pthread_cond_destroy(&p->cv);
+	for (int k = 0; k < WR_SLOTS; k++)
+		free(p->slot[k]);
+	free(p);
+	w->pipe = NULL;
+	w->buf = NULL;
+	return r;
+}
+
+/* Hand the filled buffer to the writer thread (or write it here) and start an empty
+ * one after it. */
+static int out_flush(struct wr *w)
+{
+	struct wr_pipe *p = w->pipe;
+	uint64_t at = 0;
+	int code = 0;
+
+	if (!w->buf_len)
+		return 0;
+	if (p) {
+		uint32_t k = (uint32_t)(p->head % WR_SLOTS);
+
+		pthread_mutex_lock(&p->mu);
+		p->off[k] = w->buf_off;
+		p->len[k] = w->buf_len;
+		p->head++;
+		pthread_cond_broadcast(&p->cv);
+		while (p->head - p->tail >= WR_SLOTS && !p->code)
+			pthread_cond_wait(&p->cv, &p->mu);
+		code = p->code;
+		pthread_mutex_unlock(&p->mu);
+		if (code)
+			return pipe_error(w, p);
+		w->buf = p->slot[p->head % WR_SLOTS];
+	} else {
+		code = pwrite_all(w->fd, w->buf, w->buf_len, w->buf_off, &at);
+		if (code)
+			return lfs_error_set(w->err, code, "write image at offset %llu: %s",
+					     (unsigned long long)at, strerror(code));
 	}
 	w->buf_off += w->buf_len;
 	w->buf_len = 0;
@@ -935,7 +1103,7 @@ static int open_source(struct wr *w, uint32_t i, const char *path)
 {
 	const struct lfs_wr_inode *ino = &w->in->inodes[i];
 	struct stat st;
-	int fd, flags;
+	int fd;
 
 	fd = open(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
 	if (fd < 0) {
@@ -969,10 +1137,10 @@ static int open_source(struct wr *w, uint32_t i, const char *path)
 			       (unsigned long long)ino->src_size,
 			       (unsigned long long)ino->src_ino);
 	}
-	/* O_NONBLOCK only guarded the open; regular files ignore it, but drop it. */
-	flags = fcntl(fd, F_GETFL);
-	if (flags >= 0)
-		(void)fcntl(fd, F_SETFL, flags & ~O_NONBLOCK);
+	/* O_NONBLOCK only guarded the open; regular files ignore it, but drop it.  F_SETFL
+	 * changes only O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME and O_NONBLOCK, none of
+	 * which the open asked for but O_NONBLOCK: 0 clears it without an F_GETFL. */
+	(void)fcntl(fd, F_SETFL, 0);
 	return fd;
 }
 
@@ -1181,17 +1349,36 @@ static void encode_inodes(struct wr *w)
 	}
 }
 
-/* FNV-1a over the metadata: a deterministic uuid that differs between layers. */
+/* splitmix64's finalizer: every input bit reaches every output bit. */
+static uint64_t mix64(uint64_t x)
+{
+	x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+	x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+	return x ^ (x >> 31);
+}
+
+/* A deterministic uuid that differs between layers: a hash of the metadata (inodes
+ * and inline data: all but the data blocks), 8 bytes at a time in four independent
+ * lanes.  (FNV-1a byte by byte took 35 ms of the 20 MB of a Debian rootfs's.) */
 static void derive_uuid(const struct wr *w, uint8_t uuid[16])
 {
-	uint64_t h[2] = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull };
-	uint64_t len = w->data_start * w->blksz;
+	uint64_t lane[4] = { 0xcbf29ce484222325ull, 0x84222325cbf29ce4ull,
+			     0x9e3779b97f4a7c15ull, 0xc2b2ae3d27d4eb4full };
+	uint64_t len = w->data_start * w->blksz, h[2];   /* whole blocks: 32-byte steps */
 
+	for (uint64_t j = 0; j < len; j += 32) {
+		for (int k = 0; k < 4; k++) {
+			uint64_t v;
+
+			memcpy(&v, w->meta + j + 8 * k, 8);
+			lane[k] = (lane[k] ^ le64toh(v)) * 0x100000001b3ull;
+			lane[k] ^= lane[k] >> 29;
+		}
+	}
+	h[0] = mix64(lane[0] ^ mix64(lane[1] + w->total_blocks));
+	h[1] = mix64(lane[2] ^ mix64(lane[3] + len));
 	for (int k = 0; k < 2; k++) {
-		for (uint64_t j = 0; j < len; j++)
-			h[k] = (h[k] ^ w->meta[j]) * 0x100000001b3ull;
-		h[k] ^= w->total_blocks + (uint64_t)k;
-		h[k] *= 0x100000001b3ull;
+		h[k] = htole64(h[k]);
 		memcpy(uuid + 8 * k, &h[k], 8);
 	}
 	uuid[6] = (uint8_t)((uuid[6] & 0x0f) | 0x80);  /* RFC 9562 version 8 */
@@ -1242,7 +1429,7 @@ static int write_all(struct wr *w, struct lfs_wr_stats *stats)
 	w->nodes = calloc(in->ninodes ? in->ninodes : 1, sizeof(*w->nodes));
 	w->order = calloc(in->ninodes ? in->ninodes : 1, sizeof(*w->order));
 	w->xorder = calloc(in->nxattrs ? in->nxattrs : 1, sizeof(*w->xorder));
-	w->buf = malloc(WR_BUF_SIZE);
+	w->own_buf = w->buf = malloc(WR_BUF_SIZE);
 	if (!w->nodes || !w->order || !w->xorder || !w->buf)
 		return lfs_error_set(w->err, ENOMEM, "writer state");
 	if (prepare_tree(w) < 0 || choose_epoch(w) < 0 || layout(w) < 0)
@@ -1255,11 +1442,14 @@ static int write_all(struct wr *w, struct lfs_wr_stats *stats)
 	if (ftruncate(w->fd, 0) < 0)
 		return lfs_error_set(w->err, errno, "truncate output: %s", strerror(errno));
 	w->buf_off = meta_len;
+	if (!(w->opt->flags & LFS_WR_OPT_ONE_THREAD))
+		pipe_start(w);
 	if (write_data(w) < 0)
 		return -1;
 	encode_inodes(w);
 	encode_super(w, stats);
-	if (out_bytes(w, 0, w->meta, meta_len) < 0 || out_flush(w) < 0)
+	if (out_bytes(w, 0, w->meta, meta_len) < 0 || out_flush(w) < 0 ||
+	    pipe_finish(w, true) < 0)
 		return -1;
 	if (ftruncate(w->fd, (off_t)(w->total_blocks * w->blksz)) < 0)
 		return lfs_error_set(w->err, errno, "size output: %s", strerror(errno));
@@ -1298,11 +1488,13 @@ int lfs_writer_write(const struct lfs_wr_input *in, const struct lfs_wr_options 
 	w.blksz = opts->block_size;
 	w.blkbits = 12;
 	r = write_all(&w, stats);
+	if (w.pipe)
+		pipe_finish(&w, false); /* after an error: stop the thread, keep that error */
 	free(w.nodes);
 	free(w.ents);
 	free(w.order);
 	free(w.xorder);
-	free(w.buf);
+	free(w.own_buf);
 	free(w.meta);
 	free(w.scratch);
 	return r;

@@ -1,14 +1,21 @@
-"""A host directory as a layer :class:`~layerfs.tree.Tree`.
+"""A host directory as a layer: scanned in C straight into the writer's input.
 
-The walk uses ``lstat`` and never follows a symlink. It keeps what a layer must carry:
-modes (with setuid/setgid/sticky), owners, mtimes in nanoseconds, xattrs of every
-namespace byte-exact (``trusted.*`` and ``security.capability`` need root to read),
-device numbers, hardlinks (same ``(st_dev, st_ino)`` → the same :class:`Inode`) and
-holes of sparse files (``SEEK_DATA``/``SEEK_HOLE``, lseek(2)). File bytes are not read:
-each regular file gets a :class:`~layerfs.tree.Data` pointing at itself, and the writer
-reads it later and refuses one that changed in between (its ``lstat`` identity is kept
-in :attr:`Data.identity <layerfs.tree.Data>`: a swapped, grown or rewritten file, or a
-symlink or device put in its place, is an error naming it).
+The scan (``csrc/lib/scan.c``, contract in ``csrc/include/lfs_scan.h``) uses ``lstat``
+and never follows a symlink. It keeps what a layer must carry: modes (with
+setuid/setgid/sticky), owners, mtimes in nanoseconds, xattrs of every namespace
+byte-exact (``trusted.*`` and ``security.capability`` need root to read), device numbers,
+hardlinks (same ``(st_dev, st_ino)`` → one inode) and holes of sparse files
+(``SEEK_DATA``/``SEEK_HOLE``, lseek(2)). File bytes are not read: each regular file
+points at itself, and the writer reads it later and refuses one that changed in between
+(its ``lstat`` identity is kept: a swapped, grown or rewritten file, or a symlink or
+device put in its place, is an error naming it). A directory that changes identity
+during the scan is an error too. A 0:0 character device (an overlay upper directory's
+whiteout) is kept as is, xattrs as the host has them.
+
+:func:`scan_directory` gives a :class:`DirScan`, which :func:`layerfs.writer.write_image`
+writes with no per-entry Python work (what ``layerfs build DIR`` does);
+:func:`load_directory` turns the same scan into a :class:`~layerfs.tree.Tree` for code
+that wants to look at or change the tree.
 """
 
 from __future__ import annotations
@@ -16,113 +23,96 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import Any
 
 from layerfs.errors import InvalidSourceError
+from layerfs.native import ffi, lib, new_error, raise_error
 from layerfs.tree import Data, Inode, SourceId, Tree
+from layerfs.writer import DIRENT, EXTENT, INODE, XATTR
 
-__all__ = ["load_directory"]
+__all__ = ["DirScan", "load_directory", "scan_directory"]
 
-_NO_XATTRS = (errno.ENOTSUP, errno.ENODATA)
-
-
-def _xattrs(path: bytes) -> dict[bytes, bytes]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError as exc:
-        if exc.errno in _NO_XATTRS:
-            return {}
-        raise
-    out: dict[bytes, bytes] = {}
-    for name in sorted(names):
-        try:
-            out[os.fsencode(name)] = os.getxattr(path, name, follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno == errno.ENODATA:  # removed between list and get
-                continue
-            raise
-    return out
+_NS = 1_000_000_000
 
 
-def _extents(path: bytes, size: int) -> tuple[tuple[int, int, int], ...] | None:
-    """Data extents of a file with holes, or None if it has none (lseek(2))."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        out: list[tuple[int, int, int]] = []
-        pos = 0
-        while pos < size:
-            try:
-                start = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole from pos to the end
-                    break
-                raise
-            if start >= size:
-                break
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-            out.append((start, end - start, start))
-            pos = end
-    finally:
-        os.close(fd)
-    if len(out) == 1 and out[0][:2] == (0, size):
-        return None
-    return tuple(out)
+class DirScan:
+    """A scanned host directory: the C writer's input (a
+    :class:`~layerfs.writer.WriterInput`), freed with this object. ``path`` is the
+    directory scanned; ``inodes`` the number of inodes found."""
+
+    def __init__(self, handle: Any, path: str) -> None:
+        self._handle = handle
+        self.path = path
+        self.inodes = int(lib.lfs_scan_input(handle).ninodes)
+
+    def writer_input(self) -> Any:
+        """The ``struct lfs_wr_input *`` of the scan (valid while this object lives)."""
+        return lib.lfs_scan_input(self._handle)
+
+    def tree(self) -> Tree:
+        """The scan as a new :class:`~layerfs.tree.Tree` (hardlinks as shared inodes)."""
+        inp = self.writer_input()
+
+        def table(ptr: Any, count: int, fmt: Any) -> list[tuple[Any, ...]]:
+            if not count:
+                return []
+            return list(fmt.iter_unpack(ffi.buffer(ptr, count * fmt.size)))
+
+        blob = bytes(ffi.buffer(inp.blob, inp.blob_len)) if inp.blob_len else b""
+        rows = table(inp.inodes, inp.ninodes, INODE)
+        dirents = table(inp.dirents, inp.ndirents, DIRENT)
+        xattrs = table(inp.xattrs, inp.nxattrs, XATTR)
+        extents = table(inp.extents, inp.nextents, EXTENT)
+        nodes: list[Inode] = []
+        for (mtime_sec, size, _src_offset, str_off, str_len, mode, uid, gid, mtime_nsec,
+             major, minor, flags, _dfirst, _dcount, xfirst, xcount, efirst, ecount,
+             _parent, _name_dirent, dev, ino, src_size, src_sec, src_nsec, _) in rows:
+            node = Inode(mode=mode, uid=uid, gid=gid, mtime_ns=mtime_sec * _NS + mtime_nsec,
+                         xattrs={blob[n:n + nl]: blob[v:v + vl]
+                                 for n, v, nl, vl in xattrs[xfirst:xfirst + xcount]})
+            fmt = stat.S_IFMT(mode)
+            if fmt == stat.S_IFREG:
+                node.size = size
+                ext = (tuple(extents[efirst:efirst + ecount])
+                       if flags & lib.LFS_WR_SPARSE else None)
+                node.data = Data(os.fsdecode(blob[str_off:str_off + str_len]), 0, ext,
+                                 SourceId(dev, ino, src_size, src_sec * _NS + src_nsec))
+            elif fmt == stat.S_IFLNK:
+                node.target = blob[str_off:str_off + str_len]
+                node.size = str_len
+            elif fmt in (stat.S_IFCHR, stat.S_IFBLK):
+                node.rdev_major, node.rdev_minor = major, minor
+            elif fmt == stat.S_IFDIR:
+                node.children = {}
+            nodes.append(node)
+        for row, node in zip(rows, nodes, strict=True):
+            if node.children is not None:
+                dfirst, dcount = row[12], row[13]
+                for name_off, name_len, child in dirents[dfirst:dfirst + dcount]:
+                    node.children[blob[name_off:name_off + name_len]] = nodes[child]
+        return Tree(nodes[0])
 
 
-def _inode(path: bytes, st: os.stat_result) -> Inode:
-    mode = st.st_mode
-    node = Inode(mode=mode, uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns,
-                 xattrs=_xattrs(path))
-    if stat.S_ISREG(mode):
-        node.size = st.st_size
-        extents = None
-        # Fewer allocated bytes than the size means holes (or inline/compressed
-        # storage; then SEEK_DATA just reports one extent).
-        if st.st_size and st.st_blocks * 512 < st.st_size:
-            extents = _extents(path, st.st_size)
-        node.data = Data(os.fsdecode(path), 0, extents, SourceId.of(st))
-    elif stat.S_ISLNK(mode):
-        node.target = os.readlink(path)
-        node.size = len(node.target)
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        node.rdev_major, node.rdev_minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    elif stat.S_ISDIR(mode):
-        node.children = {}
-    return node
+def scan_directory(path: str | os.PathLike[str] | bytes) -> DirScan:
+    """Scan the directory ``path`` (recursively, without following symlinks).
+
+    The result does not depend on readdir or listxattr order. Raises
+    :class:`InvalidSourceError` if ``path`` is not a directory (a symlink to one is not)
+    or an entry changed during the scan or cannot be kept, and ``OSError`` for
+    unreadable entries (the message names them).
+    """
+    raw = os.fsencode(path)
+    out = ffi.new("struct lfs_scan **")
+    err = new_error()
+    if lib.lfs_scan_dir(raw, out, err) < 0:
+        if err.code == errno.ENOTDIR:
+            raise InvalidSourceError(ffi.string(err.msg).decode("utf-8", "replace"))
+        raise_error(err, "scan directory", refused=InvalidSourceError)
+    return DirScan(ffi.gc(out[0], lib.lfs_scan_free), os.fsdecode(raw))
 
 
 def load_directory(path: str | os.PathLike[str] | bytes) -> Tree:
-    """Read the directory ``path`` (recursively, without following symlinks) into a
-    :class:`Tree` whose root carries the directory's own metadata.
-
-    The result does not depend on readdir or listxattr order (children and xattrs are
-    inserted sorted; the writer sorts anyway). Raises :class:`InvalidSourceError` if
-    ``path`` is not a directory and ``OSError`` for unreadable entries (the message
-    names them).
-    """
-    top = os.fsencode(path)
-    st = os.lstat(top)
-    if not stat.S_ISDIR(st.st_mode):
-        raise InvalidSourceError(f"{os.fsdecode(top)}: not a directory")
-    root = _inode(top, st)
-    tree = Tree(root)
-    links: dict[tuple[int, int], Inode] = {}
-    stack: list[tuple[bytes, Inode]] = [(top, root)]
-    while stack:
-        dpath, dnode = stack.pop()
-        assert dnode.children is not None
-        with os.scandir(dpath) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for entry in entries:
-            name, cpath = entry.name, entry.path
-            cst = entry.stat(follow_symlinks=False)
-            key = (cst.st_dev, cst.st_ino)
-            if not stat.S_ISDIR(cst.st_mode) and cst.st_nlink > 1:
-                node = links.get(key)
-                if node is None:
-                    node = links[key] = _inode(cpath, cst)
-            else:
-                node = _inode(cpath, cst)
-            dnode.children[name] = node
-            if node.children is not None:
-                stack.append((cpath, node))
-    return tree
+    """Read the directory ``path`` into a :class:`Tree` whose root carries the
+    directory's own metadata (see :func:`scan_directory` for what is kept and the
+    errors raised)."""
+    return scan_directory(path).tree()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pathlib
@@ -12,8 +13,8 @@ import pytest
 
 from layerfs.errors import InvalidSourceError
 from layerfs.mount import mounted_erofs
-from layerfs.sources.directory import load_directory
-from layerfs.writer import write_image
+from layerfs.sources.directory import load_directory, scan_directory
+from layerfs.writer import WriterOptions, write_image
 from tests.layerfs.conftest import DEBIAN_TAR, build_debian_tar, fsck_erofs
 from tests.layerfs.treecmp import assert_same, snapshot_dir, snapshot_tree
 
@@ -102,8 +103,40 @@ def test_every_kind_of_entry(scratch: pathlib.Path) -> None:
 
 def test_not_a_directory(scratch: pathlib.Path) -> None:
     (scratch / "f").write_bytes(b"")
-    with pytest.raises(InvalidSourceError):
-        load_directory(scratch / "f")
+    (scratch / "d").mkdir()
+    os.symlink("d", scratch / "link")
+    for path in (scratch / "f", scratch / "link"):  # a symlink to a directory is not one
+        with pytest.raises(InvalidSourceError, match="not a directory"):
+            load_directory(path)
+        with pytest.raises(InvalidSourceError, match="not a directory"):
+            scan_directory(path)
+    with pytest.raises(OSError, match="missing") as ei:
+        scan_directory(scratch / "missing")
+    assert ei.value.errno == errno.ENOENT
+
+
+@pytest.mark.root
+def test_scan_writes_what_its_tree_writes(scratch: pathlib.Path) -> None:
+    # `layerfs build DIR` writes the scan as is; load_directory() gives it as a Tree,
+    # which the writer flattens again: both must be the same image.
+    _make(scratch / "src", False)
+    os.mknod(scratch / "src" / "wh", stat.S_IFCHR, os.makedev(0, 0))
+    with open(scratch / "src" / "sparse", "wb") as f:
+        f.seek(1 << 20)
+        f.write(b"end")
+    with open(scratch / "src" / "hole", "wb") as f:
+        f.truncate(3 << 20)
+    scan = scan_directory(scratch / "src")
+    tree = scan.tree()
+    sparse = tree.get("sparse")
+    assert sparse is not None and sparse.data is not None and sparse.data.extents
+    hole = tree.get("hole")
+    assert hole is not None and hole.data is not None and hole.data.extents == ()
+    assert tree.get("h1") is tree.get("h2")
+    write_image(scan, scratch / "scan.erofs")
+    write_image(tree, scratch / "tree.erofs")
+    assert (scratch / "scan.erofs").read_bytes() == (scratch / "tree.erofs").read_bytes()
+    fsck_erofs(scratch / "scan.erofs")
 
 
 @pytest.mark.root
@@ -119,7 +152,7 @@ def test_debian_rootfs_roundtrip(debian_rootfs: pathlib.Path, scratch: pathlib.P
         assert_same(snapshot_dir(mp), expected)
         assert os.path.exists(os.path.join(mp, "usr/bin/python3"))
     again = scratch / "again.erofs"
-    write_image(load_directory(debian_rootfs), again)
+    write_image(scan_directory(debian_rootfs), again, WriterOptions(threaded=False))
     assert again.read_bytes() == img.read_bytes()
 
 

@@ -3,6 +3,7 @@ output is deterministic; bad input is refused with the entry named."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import pathlib
@@ -518,3 +519,42 @@ def test_tar_in_place_changed_after_scan_is_refused(scratch: pathlib.Path) -> No
         f.write(bytes(10240))
     with pytest.raises(ImageFormatError, match=r"entry /dir/f .*a.tar.* changed"):
         write_image(tree, scratch / "img.erofs")
+
+
+def test_writer_thread_gives_the_same_bytes(scratch: pathlib.Path) -> None:
+    # The second thread only pwrite()s buffers that carry their own offsets.
+    tree = feature_tree(scratch)
+    digests = set()
+    for threaded in (True, False, True):
+        img = scratch / f"{threaded}.erofs"
+        write_image(tree, img, WriterOptions(threaded=threaded))
+        digests.add(hashlib.sha256(img.read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+
+@pytest.mark.root
+@pytest.mark.mount
+@pytest.mark.parametrize("threaded", [True, False], ids=["writer-thread", "one-thread"])
+def test_full_disk_is_an_io_error_naming_the_offset(scratch: pathlib.Path,
+                                                    threaded: bool) -> None:
+    tree = Tree()
+    tree.put("big", reg(scratch, "big", os.urandom(6 << 20)))
+    for i in range(200):  # small files: many buffers handed to the writer thread
+        tree.put(f"f{i}", reg(scratch, f"f{i}", os.urandom(9000)))
+    mnt = scratch / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "lfs-writer-test", str(mnt)],
+                   check=True)
+    try:
+        fd = os.open(mnt / "img.erofs", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            with pytest.raises(NativeError, match="write image at offset") as ei:
+                write_image(tree, fd, WriterOptions(threaded=threaded))
+        finally:
+            os.close(fd)
+        assert ei.value.errno == errno.ENOSPC
+        with pytest.raises(NativeError, match="write image") as ei:  # through a path too
+            write_image(tree, mnt / "img2.erofs", WriterOptions(threaded=threaded))
+        assert sorted(os.listdir(mnt)) == ["img.erofs"]  # the temp file is gone
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
