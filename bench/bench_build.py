@@ -1,19 +1,29 @@
 #!/usr/bin/env python3
-"""Build benchmark: layerfs (load_directory + write_image) against mkfs.erofs.
+"""Build benchmark: layerfs against mkfs.erofs, the same tree in the same run.
 
-    .venv/bin/python bench/bench_build.py [--src DIR | --tar ROOTFS.tar] [--runs 3] [--json]
+    .venv/bin/python bench/bench_build.py [--src DIR | --tar ROOTFS.tar] [--runs 5] [--json]
 
 Default source: the cached Debian rootfs tarball (``mmdebstrap --variant=minbase
 --include=python3 bookworm``, see tests/layerfs/conftest.py), extracted as root into a
-temporary directory. Both builders run as child processes on the same tree in the same
-run, alternately, after one warm-up each (page cache warm for both: this measures the
-builders, not the disk). Reported per builder: median wall time of the child process,
-MB/s (regular file bytes / s), files/s (inodes / s), peak RSS (ru_maxrss of the child,
-from wait4) and image size; then the ratio mkfs.erofs time / layerfs time.
+temporary directory. Every builder runs as a child process (interpreter start-up
+included) on the same tree, in turn, after one warm-up each (page cache warm for all:
+this measures the builders, not the disk):
 
-mkfs.erofs 1.5 runs uncompressed with a fixed uuid and build time (``-T0 -U``), so it
-does the same work as ours. Importable: :func:`measure`, :func:`ours_cmd`,
-:func:`mkfs_cmd`, :func:`run_bench` (other benchmarks add modes, e.g. chunk storing).
+- ``layerfs``: the library build, ``write_image(scan_directory(SRC), fd)`` into a new
+  file: the C scan and the C writer, the same work as the baseline (an image in the
+  page cache);
+- ``layerfs durable``: ``write_image(scan_directory(SRC), IMAGE)``, which also makes the
+  image durable (fsync of a temp file, then the rename) as ``layerfs build -o`` does;
+- ``layerfs build``: the CLI, ``layerfs build SRC --kind base --no-store -o IMAGE``
+  (durable, and it also computes the image's sha256 digest, which it prints);
+- ``mkfs.erofs`` 1.5, uncompressed with a fixed uuid and build time (``-T0 -U``), the
+  baseline (it writes the same kind of image; it neither fsyncs nor hashes it).
+
+Reported per builder: median wall time of the child, MB/s (regular file bytes / s),
+files/s (inodes / s), peak RSS (ru_maxrss of the child, from wait4) and image size;
+then each ratio mkfs.erofs time / builder time, and the load average before and after
+(``/proc/loadavg``; the machine may be shared). Importable: :func:`measure`,
+:func:`ours_cmd`, :func:`mkfs_cmd`, :func:`run_bench` (other benchmarks add modes).
 """
 
 from __future__ import annotations
@@ -82,10 +92,20 @@ def measure(cmd: Sequence[str], image: pathlib.Path) -> Run:
     return Run(seconds, rusage.ru_maxrss, image.stat().st_size)
 
 
-def ours_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
-    """The layerfs build as a child process (interpreter start-up included)."""
-    return [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", str(src),
-            str(image)]
+def ours_cmd(src: pathlib.Path, image: pathlib.Path, *, durable: bool = False) -> list[str]:
+    """The layerfs library build as a child process (interpreter start-up included)."""
+    return [sys.executable, str(pathlib.Path(__file__).resolve()), "--child",
+            "durable" if durable else "page-cache", str(src), str(image)]
+
+
+def durable_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
+    return ours_cmd(src, image, durable=True)
+
+
+def cli_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
+    """``layerfs build`` as users run it, without a store (it still digests the image)."""
+    return [sys.executable, "-m", "layerfs.cli", "build", str(src), "--kind", "base",
+            "--no-store", "-o", str(image)]
 
 
 def mkfs_cmd(src: pathlib.Path, image: pathlib.Path) -> list[str]:
@@ -110,7 +130,8 @@ def _tree_size(src: pathlib.Path) -> tuple[int, int]:
 
 
 Builder = tuple[str, Callable[[pathlib.Path, pathlib.Path], list[str]]]
-BUILDERS: list[Builder] = [("layerfs", ours_cmd), ("mkfs.erofs", mkfs_cmd)]
+BUILDERS: list[Builder] = [("layerfs", ours_cmd), ("layerfs durable", durable_cmd),
+                           ("layerfs build", cli_cmd), ("mkfs.erofs", mkfs_cmd)]
 
 
 def run_bench(src: pathlib.Path, workdir: pathlib.Path, runs: int = 3,
@@ -131,10 +152,10 @@ def run_bench(src: pathlib.Path, workdir: pathlib.Path, runs: int = 3,
 
 def report(results: list[Result]) -> str:
     rows = [r.summary() for r in results]
-    lines = [f"{'builder':<12} {'median s':>9} {'MB/s':>8} {'files/s':>9} "
+    lines = [f"{'builder':<16} {'median s':>9} {'MB/s':>8} {'files/s':>9} "
              f"{'peak RSS MiB':>13} {'image MiB':>10}"]
     for r in rows:
-        lines.append(f"{r['name']:<12} {r['median_s']:>9.3f} {r['mb_per_s']:>8.1f} "
+        lines.append(f"{r['name']:<16} {r['median_s']:>9.3f} {r['mb_per_s']:>8.1f} "
                      f"{r['files_per_s']:>9} {r['peak_rss_mib']:>13.1f} "
                      f"{int(r['image_bytes']) / 2**20:>10.1f}")
     base = results[-1].median_s
@@ -144,12 +165,24 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _child(src: str, image: str) -> None:
+def _child(mode: str, src: str, image: str) -> None:
     sys.path.insert(0, str(ROOT))
-    from layerfs.sources.directory import load_directory
+    from layerfs.sources.directory import scan_directory
     from layerfs.writer import write_image
 
-    write_image(load_directory(src), image)
+    if mode == "durable":
+        write_image(scan_directory(src), image)
+        return
+    fd = os.open(image, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        write_image(scan_directory(src), fd)
+    finally:
+        os.close(fd)
+
+
+def _loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="rootfs tarball to extract when --src is not given")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         _child(*args.child)
@@ -179,7 +212,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             src.mkdir()
             subprocess.run(["tar", "-xpf", str(args.tar), "--xattrs", "--xattrs-include=*",
                             "--numeric-owner", "-C", str(src)], check=True)
+        load_before = _loadavg()
         results = run_bench(src, work, args.runs)
+        load_after = _loadavg()
     if args.json:
         base = results[-1].median_s
         print(json.dumps({"source": str(args.src or args.tar),
@@ -189,10 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "baseline": results[-1].name,
                           "ratios": {r.name: round(base / r.median_s, 3)
                                      for r in results[:-1]},
-                          "raw": {r.name: [asdict(x) for x in r.runs] for r in results}},
+                          "raw": {r.name: [asdict(x) for x in r.runs] for r in results},
+                          "loadavg_before": load_before, "loadavg_after": load_after},
                          indent=2))
     else:
         print(report(results))
+        print(f"load average before {load_before}, after {load_after}")
     return 0
 
 

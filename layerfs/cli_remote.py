@@ -4,7 +4,6 @@ stats, prefetch. Registered into :mod:`layerfs.cli` by :func:`add_parsers`."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import errno
 import json
@@ -21,7 +20,7 @@ from layerfs.store import Store, default_root
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
     """Add this module's subcommands to the ``layerfs`` subparsers ``sub``."""
-    from layerfs.lazy.client import default_cache
+    from layerfs.lazy import default_cache  # not .client: the parser is built on every run
 
     s = sub.add_parser("serve", parents=[common], help="serve the store to nodes (HTTP)")
     s.add_argument("--listen", required=True, type=_listen_arg, metavar="HOST:PORT|unix:PATH")
@@ -87,6 +86,8 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], human: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio  # here, not at the top: every `layerfs` run would pay ~40 ms for it
+
     from layerfs.remote.server import serve_forever
 
     store = Store(args.store or default_root(), create=True)
@@ -110,6 +111,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_push(args: argparse.Namespace) -> int:
+    import asyncio
+
     from layerfs.progress import Bar
     from layerfs.remote import open_remote, push
 
@@ -162,6 +165,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
           f"cache {c.cache})")
     if not args.foreground:
         return 0
+    import asyncio
+
     stop = asyncio.Event()
 
     async def wait() -> None:

@@ -715,20 +715,31 @@ static uint64_t inline_off(const struct wr_node *n)
 			      : sizeof(struct erofs_inode_compact)) + n->xattr_isize;
 }
 
+/* The queue between the building thread and the writer thread.  A slot holds either
+ * bytes to pwrite() (src_fd -1) or a copy job: `len` bytes of the open source src_fd
+ * (a dup the writer thread closes) from src_off, copied with copy_file_range(2), so
+ * that big files (most of the bytes) are copied by the writer thread and the two
+ * threads share the work; both writes to the image then come from one thread. */
 struct wr_pipe {
 	pthread_t thread;
 	pthread_mutex_t mu;
 	pthread_cond_t cv;
 	uint8_t *slot[WR_SLOTS];
 	uint64_t off[WR_SLOTS];
-	size_t len[WR_SLOTS];
+	uint64_t len[WR_SLOTS];
+	int src_fd[WR_SLOTS];
+	uint64_t src_off[WR_SLOTS];
+	uint32_t inode[WR_SLOTS];
 	uint64_t head, tail;    /* slots [tail, head) are queued; slot head is the builder's */
 	bool stop;
+	bool no_cfr;            /* copy_file_range(2) refused once: copy through the slot */
 	int fd;
 	bool writeback;
 	uint64_t wb_done, wb_end;       /* writeback started below wb_done */
-	int code;               /* the first failed pwrite: errno and offset */
+	int code;               /* the first failure: errno, offset, inode of a copy job */
 	uint64_t code_off;
+	uint32_t code_inode;    /* UINT32_MAX: writing the image */
+	bool code_eof;          /* the source ended early */
 };
 
 /* pwrite all of buf at off; 0 or an errno. */
@@ -750,6 +761,61 @@ static int pwrite_all(int fd, const uint8_t *buf, size_t len, uint64_t off, uint
 	return 0;
 }
 
+static bool cfr_refused(int e)
+{
+	/* EXDEV, EINVAL on odd filesystems, ENOSYS, EOPNOTSUPP, EBADF (some FUSE): the
+	 * buffer does it instead. */
+	return e == EXDEV || e == EINVAL || e == ENOSYS || e == EOPNOTSUPP || e == EBADF;
+}
+
+/* Run the copy job of slot k; 0 or an errno (with *at, and *eof for a short source). */
+static int pipe_copy(struct wr_pipe *p, uint32_t k, uint64_t *at, bool *eof)
+{
+	loff_t src = (loff_t)p->src_off[k], dst = (loff_t)p->off[k];
+	uint64_t len = p->len[k];
+
+	while (len && !p->no_cfr) {
+		ssize_t r = copy_file_range(p->src_fd[k], &src, p->fd, &dst, len, 0);
+
+		if (r < 0) {
+			if (errno == EINTR)
+				continue;
+			if (dst == (loff_t)p->off[k] && cfr_refused(errno)) {
+				p->no_cfr = true;
+				break;
+			}
+			*at = (uint64_t)dst;
+			return errno;
+		}
+		if (r == 0) {
+			*at = (uint64_t)src;
+			*eof = true;
+			return EIO;
+		}
+		len -= (uint64_t)r;
+	}
+	while (len) {   /* through this slot's buffer */
+		size_t piece = len > WR_BUF_SIZE ? WR_BUF_SIZE : (size_t)len;
+		ssize_t r = pread(p->src_fd[k], p->slot[k], piece, src);
+		int code;
+
+		if (r < 0 && errno == EINTR)
+			continue;
+		if (r <= 0) {
+			*at = (uint64_t)src;
+			*eof = r == 0;
+			return r == 0 ? EIO : errno;
+		}
+		code = pwrite_all(p->fd, p->slot[k], (size_t)r, (uint64_t)dst, at);
+		if (code)
+			return code;
+		src += r;
+		dst += r;
+		len -= (uint64_t)r;
+	}
+	return 0;
+}
+
 static void *pipe_main(void *arg)
 {
 	struct wr_pipe *p = arg;
@@ -758,7 +824,7 @@ static void *pipe_main(void *arg)
 	for (;;) {
 		uint32_t k;
 		uint64_t at = 0;
-		bool failed;
+		bool failed, eof, job;
 		int code;
 
 		while (p->tail == p->head && !p->stop)
@@ -768,7 +834,18 @@ static void *pipe_main(void *arg)
 		k = (uint32_t)(p->tail % WR_SLOTS);
 		failed = p->code != 0;  /* after a failure the rest is only drained */
 		pthread_mutex_unlock(&p->mu);
-		code = failed ? 0 : pwrite_all(p->fd, p->slot[k], p->len[k], p->off[k], &at);
+		eof = false;
+		job = p->src_fd[k] >= 0;
+		if (failed)
+			code = 0;
+		else if (job)
+			code = pipe_copy(p, k, &at, &eof);
+		else
+			code = pwrite_all(p->fd, p->slot[k], p->len[k], p->off[k], &at);
+		if (job) {
+			close(p->src_fd[k]);
+			p->src_fd[k] = -1;
+		}
 		if (!code && p->writeback) {
 			if (p->off[k] + p->len[k] > p->wb_end)
 				p->wb_end = p->off[k] + p->len[k];
@@ -784,6 +861,8 @@ static void *pipe_main(void *arg)
 		if (code && !p->code) {
 			p->code = code;
 			p->code_off = at;
+			p->code_inode = job ? p->inode[k] : UINT32_MAX;
+			p->code_eof = eof;
 		}
 		p->tail++;
 		pthread_cond_broadcast(&p->cv);
@@ -794,8 +873,20 @@ static void *pipe_main(void *arg)
 
 static int pipe_error(struct wr *w, struct wr_pipe *p)
 {
-	return lfs_error_set(w->err, p->code, "write image at offset %llu: %s",
-			     (unsigned long long)p->code_off, strerror(p->code));
+	const struct lfs_wr_inode *ino;
+
+	if (p->code_inode == UINT32_MAX)
+		return lfs_error_set(w->err, p->code, "write image at offset %llu: %s",
+				     (unsigned long long)p->code_off, strerror(p->code));
+	ino = &w->in->inodes[p->code_inode];
+	if (p->code_eof)
+		return wr_fail(w, p->code_inode, EIO, "source `%.*s` ended early at offset "
+			       "%llu (changed while building?)", (int)ino->str_len,
+			       (const char *)w->in->blob + ino->str_off,
+			       (unsigned long long)p->code_off);
+	return wr_fail(w, p->code_inode, p->code, "copy `%.*s` into the image: %s",
+		       (int)ino->str_len, (const char *)w->in->blob + ino->str_off,
+		       strerror(p->code));
 }
 
 /* Start the writer thread; without one (no memory, no thread) the builder writes. */
@@ -806,6 +897,7 @@ static void pipe_start(struct wr *w)
 	if (!p)
 		return;
 	for (int k = 0; k < WR_SLOTS; k++) {
+		p->src_fd[k] = -1;
 		p->slot[k] = malloc(WR_BUF_SIZE);
 		if (!p->slot[k])
 			goto fail;
@@ -854,6 +946,33 @@ static int pipe_finish(struct wr *w, bool report)
 	return r;
 }
 
+/* Queue the builder's slot (its buffer, or a copy job when src_fd >= 0) and wait
+ * for a free one, which becomes the builder's buffer. */
+static int pipe_push(struct wr *w, uint64_t off, uint64_t len, int src_fd, uint64_t src_off,
+		     uint32_t inode)
+{
+	struct wr_pipe *p = w->pipe;
+	uint32_t k = (uint32_t)(p->head % WR_SLOTS);
+	int code;
+
+	pthread_mutex_lock(&p->mu);
+	p->off[k] = off;
+	p->len[k] = len;
+	p->src_fd[k] = src_fd;
+	p->src_off[k] = src_off;
+	p->inode[k] = inode;
+	p->head++;
+	pthread_cond_broadcast(&p->cv);
+	while (p->head - p->tail >= WR_SLOTS && !p->code)
+		pthread_cond_wait(&p->cv, &p->mu);
+	code = p->code;
+	pthread_mutex_unlock(&p->mu);
+	if (code)
+		return pipe_error(w, p);
+	w->buf = p->slot[p->head % WR_SLOTS];
+	return 0;
+}
+
 /* Hand the filled buffer to the writer thread (or write it here) and start an empty
  * one after it. */
 static int out_flush(struct wr *w)
@@ -865,20 +984,8 @@ static int out_flush(struct wr *w)
 	if (!w->buf_len)
 		return 0;
 	if (p) {
-		uint32_t k = (uint32_t)(p->head % WR_SLOTS);
-
-		pthread_mutex_lock(&p->mu);
-		p->off[k] = w->buf_off;
-		p->len[k] = w->buf_len;
-		p->head++;
-		pthread_cond_broadcast(&p->cv);
-		while (p->head - p->tail >= WR_SLOTS && !p->code)
-			pthread_cond_wait(&p->cv, &p->mu);
-		code = p->code;
-		pthread_mutex_unlock(&p->mu);
-		if (code)
-			return pipe_error(w, p);
-		w->buf = p->slot[p->head % WR_SLOTS];
+		if (pipe_push(w, w->buf_off, w->buf_len, -1, 0, 0) < 0)
+			return -1;
 	} else {
 		code = pwrite_all(w->fd, w->buf, w->buf_len, w->buf_off, &at);
 		if (code)
@@ -996,15 +1103,23 @@ static int copy_direct(struct wr *w, uint32_t i, int fd, const char *path, uint6
 		return 0;
 	if (out_flush(w) < 0)
 		return -1;
+	if (w->pipe) {  /* a copy job for the writer thread, on its own fd */
+		int dfd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+
+		if (dfd < 0)
+			return 0;
+		if (pipe_push(w, at, len, dfd, (uint64_t)src, i) < 0)
+			return -1;
+		w->buf_off = at + len;
+		return 1;
+	}
 	while (len) {
 		ssize_t r = copy_file_range(fd, &src, w->fd, &dst, len, 0);
 
 		if (r < 0) {
 			if (errno == EINTR)
 				continue;
-			if (dst == (loff_t)at && (errno == EXDEV || errno == EINVAL ||
-						  errno == ENOSYS || errno == EOPNOTSUPP ||
-						  errno == EBADF)) {
+			if (dst == (loff_t)at && cfr_refused(errno)) {
 				w->no_cfr = true;
 				return 0;
 			}

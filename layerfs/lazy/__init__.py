@@ -7,3 +7,15 @@ server process, :mod:`layerfs.lazy.supervisor` keeps its FUSE connection across 
 :mod:`layerfs.lazy.client` talks to it and :mod:`layerfs.lazy.cache` owns the cache
 directory.
 """
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_CACHE = "/var/cache/layerfs"
+
+
+def default_cache() -> str:
+    """The node cache directory: ``$LAYERFS_CACHE`` or ``/var/cache/layerfs``. (Here,
+    not in :mod:`layerfs.lazy.client`, so the CLI's parser can name it cheaply.)"""
+    return os.environ.get("LAYERFS_CACHE") or DEFAULT_CACHE

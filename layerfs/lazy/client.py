@@ -27,14 +27,9 @@ import time
 from typing import Any
 
 from layerfs.errors import LayerfsError, NotFoundError
+from layerfs.lazy import DEFAULT_CACHE as DEFAULT_CACHE  # re-exported, used by others
+from layerfs.lazy import default_cache as default_cache
 from layerfs.lazy.cache import ChunkCache
-
-DEFAULT_CACHE = "/var/cache/layerfs"
-
-
-def default_cache() -> str:
-    """The node cache directory: ``$LAYERFS_CACHE`` or ``/var/cache/layerfs``."""
-    return os.environ.get("LAYERFS_CACHE") or DEFAULT_CACHE
 
 
 class LazyServerError(LayerfsError, OSError):
