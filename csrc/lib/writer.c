@@ -7,10 +7,13 @@
  *   2. lay out everything: inodes from byte 1152 (root nid 36), inline tails where
  *      they fit in one block, then data blocks (small files packed in inode order,
  *      files of at least chunk_align bytes each at a chunk_align boundary);
- *   3. stream data from the sources through one buffer, then encode the metadata
- *      (held in memory: it is small next to the data) and write it at offset 0.
+ *   3. stream data from the sources through a few buffers that a second thread
+ *      writes (big files go kernel to kernel, copied by that thread too), then
+ *      encode the metadata (held in memory: it is small next to the data) and
+ *      write it at offset 0.
  * Every byte of the output is a function of the input: padding is zero, the
- * epoch is the most common mtime, the uuid a hash of the metadata.
+ * epoch is the most common mtime, the uuid a hash of the metadata, and each write
+ * carries its own offset, so the order the threads run in changes nothing.
  */
 #include <endian.h>
 #include <errno.h>
