@@ -149,6 +149,10 @@ void child_run(const struct sbx_policy *pol, struct child_args *a)
 		child_fail(a->errpipe_w, errno, "chdir", a->cwd);
 	confine_child(pol, a->errpipe_w);
 	environ = a->envp;
+	/* "reached execve": an EOF without it is a child that died before (a
+	 * spare killed with the workload, say), never a program that ran */
+	if (write(a->errpipe_w, "X", 1) != 1)
+		child_fail(a->errpipe_w, errno, "report the start", "");
 	execvp(a->argv[0], a->argv);
 	child_fail(a->errpipe_w, errno, "exec", a->argv[0]);
 }

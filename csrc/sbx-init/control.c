@@ -33,10 +33,15 @@ void ctl_send(struct sbx *s, uint16_t type, uint32_t exec_id, const void *a, siz
 	struct sbx_hdr h = {.len = (uint32_t)(alen + blen), .type = type, .exec_id = exec_id};
 	struct sbx_buf *q = &s->ctl.outq;
 
-	if (s->ctl.rfd < 0)
+	if (s->ctl.rfd < 0 || s->ctl.broken)
 		return;
 	if (buf_reserve(q, sizeof(h) + alen + blen) < 0) {
+		/* Never a stream with a hole in it: the client sees the connection
+		 * go (its execs end as killed), not output missing before an END.
+		 * Dropped from the loop (ctl_drop_if_broken): callers go on with
+		 * their exec. */
 		logmsg("sbx-init: out of memory queueing a frame; dropping the client");
+		s->ctl.broken = 1;
 		return;
 	}
 	memcpy(q->p + q->len, &h, sizeof(h));
@@ -87,7 +92,14 @@ static void drop_client(struct sbx *s)
 	ep_close(s, &c->rfd);
 	c->outq.off = c->outq.len = 0;
 	c->inlen = 0;
+	c->broken = 0;
 	c->on_drop(s);
+}
+
+void ctl_drop_if_broken(struct sbx *s)
+{
+	if (s->ctl.rfd >= 0 && s->ctl.broken)
+		drop_client(s);
 }
 
 void ctl_on_readable(struct sbx *s)

@@ -3,7 +3,8 @@
  * high-water mark on the outgoing queue, its stdin is buffered, its denied
  * syscalls are answered and reported, and SBX_END goes out exactly once, after
  * all of its output, when its main process has been reaped and its pipes are
- * closed (or a short grace has passed: background processes may hold them). */
+ * closed (or a short grace has passed: background processes may hold them;
+ * what the main process itself wrote is read first, see held). */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -172,6 +173,19 @@ static void exec_finish(struct sbx *s, struct exec *e)
 	spare_make(s);
 }
 
+static ssize_t read_output(struct sbx *s, struct exec *e, int which);
+
+/* Read what the output fds held when the main process was reaped, as far as
+ * flow control lets us now. */
+static void drain_held(struct sbx *s, struct exec *e)
+{
+	int k;
+
+	for (k = 0; k < 2; k++)
+		while (e->held[k] && read_output(s, e, k ? K_ERR : K_OUT) > 0)
+			;
+}
+
 static void maybe_finish(struct sbx *s, struct exec *e, uint64_t now)
 {
 	if (!e->used || !e->reaped)
@@ -182,18 +196,20 @@ static void maybe_finish(struct sbx *s, struct exec *e, uint64_t now)
 	}
 	if (!e->started)
 		return; /* the error pipe tells first */
-	if (e->out_fd < 0 && e->err_fd < 0) {
-		exec_finish(s, e);
-		return;
-	}
-	if (now >= e->drain_deadline) {
+	if (e->out_fd >= 0 || e->err_fd >= 0) {
+		if (now < e->drain_deadline)
+			return;
 		/* Background processes may hold the pipes open for ever: after a
-		 * short grace, end once nothing is held back by flow control. */
-		if (e->window > 0 && ctl_pending(s) < OUTQ_HIGH)
-			exec_finish(s, e);
-		else
-			e->drain_deadline = now + DRAIN_NS;
+		 * short grace, end once everything the main process wrote is read.
+		 * The grace is wall time and sbx-init runs in the sandbox's CPU
+		 * quota: throttled, it may not have read a byte of it yet. */
+		drain_held(s, e);
+		if (e->held[0] || e->held[1]) {
+			e->drain_deadline = now + DRAIN_NS; /* held back by flow control */
+			return;
+		}
 	}
+	exec_finish(s, e);
 }
 
 /* The client that started them is gone: kill every exec's tree (no END). */
@@ -420,7 +436,20 @@ void exec_on_errpipe(struct sbx *s, struct exec *e)
 		}
 		return; /* the exec's start or failure follows */
 	}
+	if (n == 1 && msg[0] == 'X') {
+		e->execd = 1;
+		return; /* EOF follows at execve (close-on-exec), or the failure */
+	}
 	ep_close(s, &e->errpipe);
+	if (n <= 0 && !e->execd) {
+		e->failed = 1;
+		kill_tree(s, e);
+		ctl_error(s, e->id, ECHILD, "exec: its process ended before it could start the "
+			  "program (killed, or out of memory)");
+		exec_close_io(s, e);
+		maybe_finish(s, e, now_ns());
+		return;
+	}
 	if (n <= 0) {
 		struct sbx_started st = {.pid = (uint32_t)e->pid};
 
@@ -503,29 +532,44 @@ void exec_on_notif(struct sbx *s, struct exec *e, uint32_t events)
 	ctl_send(s, SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
 }
 
-void exec_on_output(struct sbx *s, struct exec *e, int which)
+static void close_output(struct sbx *s, struct exec *e, int k)
 {
-	int *fd = which == K_OUT ? &e->out_fd : &e->err_fd;
+	if (!k && e->pty && e->in_fd == e->out_fd)
+		e->in_fd = -1;
+	ep_close(s, k ? &e->err_fd : &e->out_fd);
+	e->held[k] = 0;
+}
+
+/* One read of an exec's stdout (K_OUT) or stderr (K_ERR) into frames.
+ * Returns the bytes read; 0 once the fd is closed (EOF, or the output limit);
+ * -1 if there is nothing to read now or flow control holds it back. */
+static ssize_t read_output(struct sbx *s, struct exec *e, int which)
+{
+	int k = which == K_ERR, *fd = k ? &e->err_fd : &e->out_fd;
 	uint8_t data[SBX_MAX_DATA];
 	size_t want = sizeof(data);
 	ssize_t n;
 
+	if (*fd < 0)
+		return 0;
 	if (e->window <= 0 || ctl_pending(s) >= OUTQ_HIGH) {
 		s->interest_dirty = 1;
-		return;
+		return -1;
 	}
 	if ((uint64_t)e->window < want)
 		want = (size_t)e->window;
-	n = read(*fd, data, want);
-	if (n < 0 && (errno == EAGAIN || errno == EINTR))
-		return;
-	if (n <= 0) { /* EOF; EIO on a pty master once the slave side is gone */
-		if (e->pty && e->in_fd == e->out_fd)
-			e->in_fd = -1;
-		ep_close(s, fd);
-		maybe_finish(s, e, now_ns());
-		return;
+	do
+		n = read(*fd, data, want);
+	while (n < 0 && errno == EINTR);
+	if (n < 0 && errno == EAGAIN) {
+		e->held[k] = 0; /* all the main process wrote has been read */
+		return -1;
 	}
+	if (n <= 0) { /* EOF; EIO on a pty master once the slave side is gone */
+		close_output(s, e, k);
+		return 0;
+	}
+	e->held[k] -= (uint64_t)n < e->held[k] ? (uint64_t)n : e->held[k];
 	if (e->limit && e->total + (uint64_t)n > e->limit) {
 		n = (ssize_t)(e->limit - e->total);
 		if (n > 0)
@@ -535,18 +579,22 @@ void exec_on_output(struct sbx *s, struct exec *e, int which)
 		if (!e->reason)
 			e->reason = SBX_OUTPUT_LIMIT;
 		kill_tree(s, e);
-		if (e->pty && e->in_fd == e->out_fd)
-			e->in_fd = -1;
-		ep_close(s, &e->out_fd);
-		ep_close(s, &e->err_fd);
-		maybe_finish(s, e, now_ns());
-		return;
+		close_output(s, e, 0);
+		close_output(s, e, 1);
+		return 0;
 	}
 	e->total += (uint64_t)n;
 	e->window -= n;
 	ctl_send(s, which == K_OUT ? SBX_STDOUT : SBX_STDERR, e->id, data, (size_t)n, NULL, 0);
 	if (e->window <= 0)
 		s->interest_dirty = 1;
+	return n;
+}
+
+void exec_on_output(struct sbx *s, struct exec *e, int which)
+{
+	if (read_output(s, e, which) == 0)
+		maybe_finish(s, e, now_ns());
 }
 
 void exec_on_stdin_writable(struct sbx *s, struct exec *e)
@@ -695,6 +743,26 @@ void exec_message(struct sbx *s, const struct sbx_hdr *h, const uint8_t *p)
 	}
 }
 
+/* At the main process's reaping: what its output fds hold is all it wrote
+ * (a write to a pipe is complete when it returns).  A pty's output may still
+ * be in the tty layer's flip buffers, which FIONREAD does not count: bounded
+ * by PTY_SLACK, and in practice ended by the first EAGAIN (see held). */
+static void note_held(struct exec *e)
+{
+	int k;
+
+	for (k = 0; k < 2; k++) {
+		int fd = k ? e->err_fd : e->out_fd, n = 0;
+
+		e->held[k] = 0;
+		if (fd < 0)
+			continue;
+		if (ioctl(fd, FIONREAD, &n) < 0 || n < 0)
+			n = PTY_SLACK;
+		e->held[k] = (uint64_t)n + (e->pty ? PTY_SLACK : 0);
+	}
+}
+
 /* A child ended: the spare, an exec's main process, or one of the orphans
  * that sbx-init, as PID 1, reaps. */
 void exec_on_reaped(struct sbx *s, pid_t pid, int status, const struct rusage *ru)
@@ -716,6 +784,7 @@ void exec_on_reaped(struct sbx *s, pid_t pid, int status, const struct rusage *r
 		e->ru = *ru;
 		e->t_end = now;
 		e->drain_deadline = now + DRAIN_NS;
+		note_held(e);
 		maybe_finish(s, e, now);
 		break;
 	}

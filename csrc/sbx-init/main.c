@@ -350,5 +350,6 @@ int main(int argc, char **argv)
 		exec_check_deadlines(s, now_ns());
 		if (ctl_pending(s))
 			ctl_flush(s);
+		ctl_drop_if_broken(s);
 	}
 }

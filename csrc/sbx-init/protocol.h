@@ -17,6 +17,14 @@
  * An exec belongs to the connection that started it: if that connection goes
  * away, sbx-init kills the exec's whole process tree (no END is sent).
  *
+ * Output: every byte an exec's main process wrote before it ended comes
+ * before its END, however long sbx-init was kept from running (it shares the
+ * sandbox's CPU quota); output of background processes still holding the
+ * pipes is sent for a short grace after that, then the exec ends.  An exec
+ * whose program never started (fork failed: EAGAIN at the pids limit; its
+ * process died before execve: ECHILD; the program could not be run: its
+ * errno) is answered with SBX_ERROR, never with STARTED.
+ *
  * Validation: a frame with an unknown type, a wrong payload size, bad strings
  * or an unknown exec id is answered with SBX_ERROR (exec_id echoed) and
  * ignored.  A header announcing more than SBX_MAX_PAYLOAD bytes cannot be

@@ -27,6 +27,7 @@
 #include "protocol.h"
 
 #define DRAIN_NS       (20 * 1000000ull) /* output grace after the main process ends */
+#define PTY_SLACK      (1u << 20)        /* bound on a pty's output still in flight (held) */
 #define OUTQ_HIGH      (1u << 20)        /* stop reading pipes above this much unsent */
 #define STDIN_MAX      (4u << 20)        /* stdin bytes buffered per exec */
 #define MAX_PENDING_RM 1024
@@ -52,6 +53,13 @@ struct exec {
 	uint32_t ev_dropped; /* its denials not sent since the last one sent */
 	int pty;             /* out_fd is the pty master; stdin goes there too */
 	int started, failed, reaped, orphan;
+	int execd;           /* the child reached execve ('X' on the error socket) */
+	/* Output bytes still owed from the main process: what each of out_fd and
+	 * err_fd held when it was reaped (everything it wrote is in the pipe by
+	 * then), counted down as read.  A read finding nothing (EAGAIN) clears
+	 * it: a pipe is FIFO, and on a pty master n_tty_read flushes the flip
+	 * buffers before it answers EAGAIN. */
+	uint64_t held[2];
 	int status;
 	struct rusage ru;
 	uint64_t t0, t_end, deadline, drain_deadline;
@@ -120,6 +128,7 @@ struct sbx_ctl {
 	void (*on_frame)(struct sbx *s, const struct sbx_hdr *h, uint8_t *payload);
 	void (*on_drop)(struct sbx *s);
 	struct sbx_buf outq;
+	int broken;       /* a frame could not be queued: the client is dropped */
 	uint8_t inbuf[sizeof(struct sbx_hdr) + SBX_MAX_PAYLOAD];
 	size_t inlen;
 };
@@ -179,6 +188,7 @@ int ctl_connected(const struct sbx *s);
 void ctl_open(struct sbx *s);
 void ctl_on_readable(struct sbx *s);
 void ctl_flush(struct sbx *s);
+void ctl_drop_if_broken(struct sbx *s);
 void ctl_update_interest(struct sbx *s);
 int ctl_transport_listen(struct sbx *s, int fd);
 void ctl_transport_stream(struct sbx *s, int rfd, int wfd);

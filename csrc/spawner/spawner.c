@@ -513,6 +513,13 @@ static void child_main(int sync)
 				goto out;
 			}
 		}
+		/* stdio before the placing: the log's number may be one of 3..3+n,
+		 * which the placing reuses (sbx-init's stderr was then a directory) */
+		nul = open("/dev/null", O_RDWR | O_CLOEXEC);
+		if (nul < 0 || dup3(nul, 0, 0) < 0 || dup3(nul, 1, 0) < 0 || dup3(f->log, 2, 0) < 0) {
+			lfs_error_set(&e, errno, "stdio for sbx-init");
+			goto out;
+		}
 		for (i = 0; i < nsrc; i++) {
 			if (*src[i] < 0)
 				continue;
@@ -521,11 +528,6 @@ static void child_main(int sync)
 				goto out;
 			}
 			*src[i] = 3 + n++;
-		}
-		nul = open("/dev/null", O_RDWR | O_CLOEXEC);
-		if (nul < 0 || dup3(nul, 0, 0) < 0 || dup3(nul, 1, 0) < 0 || dup3(f->log, 2, 0) < 0) {
-			lfs_error_set(&e, errno, "stdio for sbx-init");
-			goto out;
 		}
 		fcntl(f->init_exe, F_SETFD, FD_CLOEXEC);
 		syscall(SYS_close_range, (unsigned)(3 + n), (unsigned)(sync_hi - 1), 0u);

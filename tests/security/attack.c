@@ -312,6 +312,35 @@ static int do_forkbomb(void)
 			usleep(1000);
 }
 
+/* A fork bomb that churns: its children live a few ms, so the pids limit is
+ * full nearly always but a pid frees now and then (what a shell's fork bomb
+ * does as its processes fail and exit); the failed forks spin the CPU. */
+static int do_forkchurn(void)
+{
+	int fd, i;
+
+	if (fork() != 0)
+		return 0;
+	setsid();
+	fd = open("/dev/null", O_RDWR);
+	dup2(fd, 0);
+	dup2(fd, 1);
+	dup2(fd, 2);
+	for (i = 0; i < 3; i++)
+		if (fork() == 0)
+			break;
+	for (;;) {
+		pid_t pid = fork();
+
+		if (pid == 0) {
+			usleep(5000);
+			_exit(0);
+		}
+		while (waitpid(-1, NULL, WNOHANG) > 0)
+			;
+	}
+}
+
 /* A flood of denied syscalls: each one is a seccomp user notification. */
 static int do_denyflood(const char *count)
 {
@@ -344,9 +373,11 @@ int main(int argc, char **argv)
 		return do_inotify(argc == 3 && !strcmp(argv[2], "hold"));
 	if (argc == 2 && !strcmp(argv[1], "forkbomb"))
 		return do_forkbomb();
+	if (argc == 2 && !strcmp(argv[1], "forkchurn"))
+		return do_forkchurn();
 	if (argc == 3 && !strcmp(argv[1], "denyflood"))
 		return do_denyflood(argv[2]);
 	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify"
-			" | forkbomb | denyflood N\n");
+			" | forkbomb | forkchurn | denyflood N\n");
 	return 2;
 }

@@ -179,3 +179,50 @@ def test_a_flood_of_denied_syscalls_reaches_the_daemon_rate_limited(
         run(body)
     finally:
         assert_left_clean(b)
+
+
+
+@pytest.mark.parametrize("attempts", [160, pytest.param(1600, marks=pytest.mark.slow)])
+def test_execs_beside_a_fork_bomb_at_the_pids_limit_are_whole_or_refused(
+        node: Node, rootfs: Path, attempts: int) -> None:
+    # Bug (issue 9, item 1): with a fork bomb holding the pids limit, 1 of 3 `echo alive`
+    # ended "exited 0" with empty stdout and stderr (sbx-init, starved of CPU by the bomb,
+    # closed the pipes unread: see tests/edged/backends/container/test_exec_integrity.py).
+    # An exec must either run and deliver its output, or be refused as pids_exhausted.
+    from edged.errors import PidsExhausted
+
+    b = node.backend
+    ran, refused, wrong = 0, 0, []
+
+    async def attempt(i: int) -> None:
+        nonlocal ran, refused
+        try:
+            out, err, end = await sh(b, "bomb", f"echo alive{i}")
+        except PidsExhausted:
+            refused += 1
+            return
+        ran += 1
+        # (the shell failing to fork says so)
+        if (out, end.reason, end.exit_code) != (f"alive{i}\n", "exited", 0) and not (
+                end.exit_code and err):
+            wrong.append((out, err, end))
+
+    async def body() -> None:
+        await b.create(spec(rootfs, "bomb", pids=48, cpus=0.05))
+        try:
+            # the limit held full by forks whose children exit after a few ms: a pid
+            # frees now and then (some execs get one); the failed forks spin the CPU
+            _, _, end = await execv(b, "bomb", ("/usr/bin/attack", "forkchurn"))
+            assert end.reason == "exited", end
+            for i in range(0, attempts, 8):  # 8 at once
+                await asyncio.gather(*(attempt(j) for j in range(i, i + 8)))
+            assert await b.kill_processes("bomb") > 0
+            out, _, end = await sh(b, "bomb", "echo alive")
+            assert (out, end.exit_code) == ("alive\n", 0)
+        finally:
+            await b.destroy("bomb")
+
+    run(body, timeout=600)
+    assert ran and not wrong, f"{len(wrong)} of {ran} execs lost output: {wrong[:3]}"
+    assert refused, "the pids limit was never reached"
+    assert "pids_limit" in kinds(node.ledger, "bomb")

@@ -717,3 +717,20 @@ def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None
             await backend.destroy("sb1")
 
     run(body)
+
+
+def test_sbx_init_logs_to_init_log(backend: ContainerBackend, busybox_tree: Path) -> None:
+    # Bug: the spawner placed sbx-init's kept fds at 3.. after opening the log, and the log's
+    # number was one of them: sbx-init's stderr became a directory and every line it logged
+    # (cgroup failures, a dropped client) was lost.
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            pid = backend._sandboxes["sb1"].pid
+            log = backend.sandboxes_dir / "sb1" / "init.log"
+            assert os.path.samefile(f"/proc/{pid}/fd/2", log)
+            assert os.readlink(f"/proc/{pid}/fd/1") == "/dev/null"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
