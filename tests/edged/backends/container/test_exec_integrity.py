@@ -26,8 +26,8 @@ import pytest
 
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
-from edged.sbxinit import SbxExec
 from edged.errors import BackendError
+from edged.sbxinit import SbxExec
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
