@@ -5,7 +5,7 @@ Per sandbox, on the host:
   ``ctl.sock`` (sbx-init's control socket; host-only path), ``init.log`` (sbx-init's
   stderr), ``root/`` (an empty mount point: the rootfs is mounted on it only inside the
   sandbox's own mount namespace, so the host's mount table never changes);
-- cgroups beneath the daemon's own (see :mod:`.cgroups`);
+- cgroups beneath the daemon's own (see :mod:`edged.cgroups`);
 - nothing else: the overlay, its size-limited tmpfs upper and /dev, /proc, /sys all live in
   the sandbox's mount namespace and vanish with its last process.
 
@@ -48,10 +48,11 @@ from edged.backends.base import (
     SandboxSpec,
 )
 from edged.backends.container import confinement, files, scratch
-from edged.backends.container.cgroups import POOL_PREFIX, CgroupManager, SandboxCgroup
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
 from edged.backends.container.uidslots import UidSlots
 from edged.backends.container.uidslots import starttime as _starttime
+from edged.cgroups import POOL_PREFIX, SandboxCgroup
+from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
 from edged.node import memadvise
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
@@ -111,7 +112,7 @@ class ContainerBackend:
     ``record``. ``spawner_pool``: how many spawners to keep started ahead of demand (0: spawn
     one per create; each pooled one is two waiting processes and holds a uid range; call
     :meth:`close` to end them). ``swap_share``: on cgroup v2, the swap each sandbox may
-    hold as a share of its memory limit (see :func:`.cgroups.swap_allowance`). Raises
+    hold as a share of its memory limit (see :func:`edged.cgroups.swap_allowance`). Raises
     :class:`edged.errors` exceptions only.
     """
 
@@ -140,7 +141,7 @@ class ContainerBackend:
             import hashlib
 
             subdir += "-" + hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:10]
-        self.cgroups = CgroupManager(subdir=subdir, swap_share=swap_share)
+        self.cgroups = probe_cgroups(subdir=subdir, swap_share=swap_share)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._busy: set[str] = set()
         self._slots: set[int] = set()
@@ -462,8 +463,7 @@ class ContainerBackend:
             "overlay_layers_by_fd": ver >= (6, 13),
             "spawner": (self.bin_dir / "edged-spawner").exists(),
             "sbx_init": (self.bin_dir / "sbx-init").exists(),
-            "tree_kill": {"v1": "freezer", "v2": "cgroup.kill"}.get(self.cgroups.version,
-                                                                      "session sweep"),
+            "tree_kill": self.cgroups.tree_kill,
             "landlock_abi": landlock.abi(),
             "seccomp_notify": True,
             "apparmor": apparmor.probe(),
@@ -494,12 +494,11 @@ class ContainerBackend:
             (d / "root").mkdir()
             self._write_meta(d, meta)
             policy = confinement.prepare(spec)
-            joined = pooled is not None and pooled.cg is not None
             if pooled is not None and pooled.cg is not None:
-                cg = self.cgroups.claim(pooled.cg, sid, spec.resources, spec.qos)  # joined
+                cg = self.cgroups.claim(pooled.cg, sid, spec.resources, qos=spec.qos)
                 pooled.cg = None
             else:
-                cg = self.cgroups.create(sid, spec.resources, uid_base, spec.qos)
+                cg = self.cgroups.create(sid, spec.resources, uid_base, qos=spec.qos)
             argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
                     "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
@@ -519,14 +518,10 @@ class ContainerBackend:
                     await asyncio.to_thread(scratch.limit, mnt, scratch_path, uid_base,
                                             spec.resources.disk_bytes)
                 argv += ["--upper-dir", str(scratch_path)]
-            if not joined:
-                for j in cg.join:
-                    argv += ["--join", str(j)]
-            if cg.version == "v1":
-                argv += ["--cg-freezer", str(cg.dirs["freezer"]),
-                         "--cg-memory", str(cg.dirs["memory"])]
-            elif cg.version == "v2":
-                argv += ["--cg-v2", str(cg.dirs["v2"])]
+            for j in cg.join:  # what the spawner has not joined yet
+                argv += ["--join", str(j)]
+            for kind, path in cg.sbx_init_dirs().items():
+                argv += [f"--cg-{kind}", str(path)]
             p, pooled = pooled, None
             pid = await self._spawn(argv, p)
             meta.update(pid=pid, starttime=_starttime(pid))
@@ -670,10 +665,8 @@ class ContainerBackend:
         cg = sbx.cg
         before = cg.memory_usage().resident_bytes
         try:
-            if cg.version == "v2" and self.cgroups.features()["memory_reclaim"]:
-                cg.reclaim_v2(nbytes if nbytes is not None else before)
-            else:
-                for pid in cg.procs() if cg.version != "none" else [sbx.pid]:
+            if not cg.reclaim(nbytes if nbytes is not None else before):
+                for pid in cg.procs() or [sbx.pid]:
                     memadvise.advise(pid, memadvise.PAGEOUT)
         except OSError as exc:
             raise BackendError(f"sandbox {sbx.id}: reclaim: {exc}") from exc
@@ -681,11 +674,11 @@ class ContainerBackend:
 
     def totals(self) -> MemoryUsage:
         """Every sandbox's memory together (their parent cgroup)."""
-        return self.cgroups.totals() if self.cgroups.version != "none" else MemoryUsage()
+        return self.cgroups.totals()
 
     def set_memory_limit(self, nbytes: int) -> None:
         """Cap all sandboxes' memory together at ``nbytes`` (0: no cap); see
-        :meth:`.cgroups.CgroupManager.set_memory_limit`."""
+        :meth:`edged.cgroups.Hierarchy.set_memory_limit`."""
         self.cgroups.set_memory_limit(nbytes)
 
     async def prefetch(self, sandbox_id: str) -> None:
@@ -695,7 +688,7 @@ class ContainerBackend:
         sbx = self._get(sandbox_id)
 
         def run() -> None:
-            for pid in sbx.cg.procs() if sbx.cg.version != "none" else [sbx.pid]:
+            for pid in sbx.cg.procs() or [sbx.pid]:
                 memadvise.advise(pid, memadvise.WILLNEED)
 
         try:
@@ -754,7 +747,7 @@ class ContainerBackend:
         sbx = _Sandbox(sandbox_id, self.sandboxes_dir / sandbox_id, pid, pidfd,
                        int(meta["uid_base"]), int(meta["slot"]), cg,
                        limits=confinement.LimitWatch(cg))
-        sbx.paused = _is_frozen(cg)
+        sbx.paused = cg.frozen()
         if sbx.paused:
             await asyncio.to_thread(cg.freeze, False)  # sbx-init must answer the hello
         try:
@@ -847,17 +840,6 @@ def _policy_from_dir(d: Path) -> confinement.Policy | None:
                        task_profile=meta["task_profile"],
                        seccomp_profile=meta.get("seccomp_profile"))
     return confinement.prepare(spec)
-
-
-def _is_frozen(cg: SandboxCgroup) -> bool:
-    try:
-        if cg.version == "v1":
-            return Path(cg.dirs["freezer"], "freezer.state").read_text().strip() != "THAWED"
-        if cg.version == "v2":
-            return "frozen 1" in Path(cg.dirs["v2"], "cgroup.events").read_text()
-    except OSError:
-        pass
-    return False
 
 
 def _check_spec(spec: SandboxSpec) -> None:

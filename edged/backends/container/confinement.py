@@ -20,7 +20,6 @@ its trace only in the workload's own EACCES/EPERM.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edged.backends.base import EventSink, SandboxSpec
-from edged.backends.container.cgroups import SandboxCgroup
+from edged.cgroups import SandboxCgroup
 from edged.security import apparmor, landlock, seccomp, tasks
 from edged.security.confine import WORKLOAD_CAPS
 from edged.security.profile import profile_path
@@ -192,19 +191,7 @@ class LimitWatch:
         self.disk_full = False
 
     def _read(self) -> dict[str, int]:
-        d = self.cg.dirs
-        out = {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
-        pids = d.get("pids") or d.get("v2")
-        cpu = d.get("cpu") or d.get("v2")
-        with contextlib.suppress(OSError, ValueError):
-            if pids is not None:
-                out["pids_limit"] = _key(Path(pids, "pids.events"), "max")
-        with contextlib.suppress(OSError, ValueError):
-            if cpu is not None:
-                out["cpu_throttled"] = _key(Path(cpu, "cpu.stat"), "nr_throttled")
-        with contextlib.suppress(OSError, ValueError):
-            out["oom_kill"] = self.cg.oom_kills()
-        return out
+        return self.cg.limit_counters()
 
     def poll(self, sink: EventSink | None, sandbox_id: str, upper: str | None) -> None:
         """Record each counter that grew (``oom_kill`` is left to the exec end that reports
@@ -227,14 +214,6 @@ class LimitWatch:
             if full and not self.disk_full:
                 sink(sandbox_id, "disk_full", detail={"bytes": st.f_blocks * st.f_frsize})
             self.disk_full = full
-
-
-def _key(path: Path, key: str) -> int:
-    for line in path.read_text().splitlines():
-        k, _, v = line.partition(" ")
-        if k == key:
-            return int(v)
-    return 0
 
 
 _U_RE = re.compile(rb"(?:^|\0)-U\0(\d+)\0")

@@ -1,0 +1,60 @@
+"""No usable cgroups (no controllers we may use): sandboxes run without limits, cannot be
+frozen, and sbx-init kills an exec's tree by its session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edged.backends.base import MemoryUsage, Resources
+from edged.cgroups.base import Hierarchy, SandboxCgroup
+from edged.errors import BackendError
+
+
+class NoCgroup(SandboxCgroup):
+    """Nothing to make, read or remove."""
+
+    version = "none"
+
+    def sbx_init_dirs(self) -> dict[str, Path]:
+        return {}
+
+    def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
+        raise BackendError("no freezer cgroup for this sandbox")
+
+    def frozen(self) -> bool:
+        return False
+
+    def stats(self) -> dict[str, int]:
+        return {"memory_bytes": 0, "cpu_usage_ns": 0, "pids": 0}
+
+    def memory_usage(self) -> MemoryUsage:
+        return MemoryUsage()
+
+    def procs(self) -> list[int]:
+        return []
+
+    def set_qos(self, qos: str) -> None:
+        return None
+
+    def oom_kills(self) -> int:
+        return 0
+
+    def limit_counters(self) -> dict[str, int]:
+        return {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
+
+    def kill_all(self) -> None:
+        return None
+
+    def _thaw_after_kill(self) -> None:
+        return None
+
+
+class NoHierarchy(Hierarchy):
+    """A host where no cgroup can be made for sandboxes."""
+
+    def path_of(self, sandbox_id: str) -> SandboxCgroup:
+        return NoCgroup({})
+
+    def create(self, sandbox_id: str, res: Resources, root_uid: int, *,
+               qos: str = "best_effort", bpf: bool = False) -> SandboxCgroup:
+        return NoCgroup({})

@@ -1,0 +1,254 @@
+"""cgroup v1 (and hybrid) sandbox cgroups: one directory per controller (cpu, cpuacct,
+memory, pids, freezer), each in its own hierarchy. On a hybrid host (v1 controllers, and the
+v2 hierarchy mounted without controllers, e.g. at ``/sys/fs/cgroup/unified``) a sandbox may
+also get a directory in the v2 hierarchy: cgroup BPF programs attach to v2 cgroups only.
+
+Sources: Documentation/admin-guide/cgroup-v1/{cgroups,memory,freezer-subsystem,pids}.rst,
+scheduler/sched-bwc.rst (cfs quota and period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from edged.backends.base import MemoryUsage, Resources
+from edged.cgroups import fs
+from edged.cgroups.base import CFS_PERIOD_US, CGROUP_ROOT, POOL_PREFIX, Hierarchy, SandboxCgroup
+from edged.errors import BackendError
+
+CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")
+
+
+class V1Cgroup(SandboxCgroup):
+    """A sandbox's directories in the v1 hierarchies (``dirs`` by controller)."""
+
+    version = "v1"
+
+    def sbx_init_dirs(self) -> dict[str, Path]:
+        return {"freezer": self.dirs["freezer"], "memory": self.dirs["memory"]}
+
+    def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
+        d = self.dirs["freezer"]
+        deadline = time.monotonic() + timeout_s
+        want = "FROZEN" if frozen else "THAWED"
+        fs.write(d / "freezer.state", want)
+        while fs.read(d / "freezer.state").strip() != want:
+            if time.monotonic() > deadline:
+                raise BackendError(f"cgroup {d}: freezer did not reach {want}")
+            fs.write(d / "freezer.state", want)
+            time.sleep(0.001)
+
+    def frozen(self) -> bool:
+        try:
+            return fs.read(self.dirs["freezer"] / "freezer.state").strip() != "THAWED"
+        except OSError:
+            return False
+
+    def stats(self) -> dict[str, int]:
+        out = {"memory_bytes": 0, "cpu_usage_ns": 0, "pids": 0}
+        with contextlib.suppress(OSError, ValueError):
+            out["memory_bytes"] = int(fs.read(self.dirs["memory"] / "memory.usage_in_bytes"))
+            out["cpu_usage_ns"] = int(fs.read(self.dirs["cpuacct"] / "cpuacct.usage"))
+            out["pids"] = int(fs.read(self.dirs["pids"] / "pids.current"))
+        return out
+
+    def memory_usage(self) -> MemoryUsage:
+        """``memory.usage_in_bytes`` and ``memory.stat``'s hierarchical ``total_*``."""
+        try:
+            m = self.dirs["memory"]
+            st = fs.flat_keyed(m / "memory.stat")
+            shmem = st.get("total_shmem", 0)
+            return MemoryUsage(
+                resident_bytes=int(fs.read(m / "memory.usage_in_bytes")),
+                anon_bytes=st.get("total_rss", 0),
+                file_bytes=max(0, st.get("total_cache", 0) - shmem),
+                shmem_bytes=shmem,
+                swap_bytes=st.get("total_swap", 0),
+                major_faults=st.get("total_pgmajfault", 0),
+                cpu_usage_ns=int(fs.read(self.dirs["cpuacct"] / "cpuacct.usage")))
+        except (OSError, ValueError, KeyError):
+            return MemoryUsage()
+
+    def set_qos(self, qos: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            fs.write(self.dirs["cpu"] / "cpu.idle", "1" if qos == "best_effort" else "0")
+
+    def oom_kills(self) -> int:
+        try:
+            return fs.key(self.dirs["memory"] / "memory.oom_control", "oom_kill")
+        except (OSError, ValueError):
+            return 0
+
+    def limit_counters(self) -> dict[str, int]:
+        out = {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": self.oom_kills()}
+        with contextlib.suppress(OSError, ValueError):
+            out["pids_limit"] = fs.key(self.dirs["pids"] / "pids.events", "max")
+        with contextlib.suppress(OSError, ValueError):
+            out["cpu_throttled"] = fs.key(self.dirs["cpu"] / "cpu.stat", "nr_throttled")
+        return out
+
+    def kill_all(self) -> None:
+        """Thaws every level before and after: a frozen task does not die until thawed, and
+        sbx-init freezes an exec's own cgroup to kill its tree, so one killed mid-way leaves
+        that cgroup frozen (self-frozen: thawing the parent does not thaw it)."""
+        self._thaw_after_kill()
+        for d in self.dirs.values():
+            fs.kill_procs(d)
+        self._thaw_after_kill()
+
+    def _thaw_after_kill(self) -> None:
+        for sub, _dirs, _files in os.walk(self.dirs["freezer"]):
+            with contextlib.suppress(OSError):
+                fs.write(Path(sub) / "freezer.state", "THAWED")
+
+
+class V1Hierarchy(Hierarchy):
+    """Our place in each v1 hierarchy; ``unified``: our directory in the controller-less v2
+    hierarchy of a hybrid host (None if it has none), for the sandboxes' BPF directories."""
+
+    version = "v1"
+    tree_kill = "freezer"
+
+    def __init__(self, parents: dict[str, Path], unified: Path | None = None, *,
+                 root: Path = CGROUP_ROOT, subdir: str = "edged",
+                 swap_share: float = 1.0) -> None:
+        super().__init__(root, subdir, swap_share)
+        self.parents = parents
+        self.unified = unified
+        self.swap_accounting = (parents["memory"].parent / "memory.memsw.limit_in_bytes"
+                                ).exists()
+
+    @classmethod
+    def probe(cls, root: Path, subdir: str, own: dict[str, str],
+              swap_share: float = 1.0) -> V1Hierarchy | None:
+        """The v1 hierarchies of ``own`` (this process's cgroups), if every controller we
+        need is mounted under ``root``; None otherwise."""
+        parents: dict[str, Path] = {}
+        for c in CONTROLLERS:
+            mount = root / c
+            if c not in own or not (mount / "cgroup.procs").exists():
+                return None
+            parents[c] = mount.resolve() / own[c].lstrip("/") / subdir
+        unified = None
+        mnt = fs.v2_mount()
+        if mnt is not None and "" in own:
+            unified = mnt / own[""].lstrip("/") / subdir
+        return cls(parents, unified, root=root, subdir=subdir, swap_share=swap_share)
+
+    def features(self) -> dict[str, object]:
+        feats = super().features()
+        feats["cgroup_bpf_parent"] = str(self.unified) if self.unified else None
+        return feats
+
+    def _memory_parent(self) -> Path | None:
+        return self.parents["memory"]
+
+    def _cpu_parent(self) -> Path | None:
+        return self.parents["cpu"]
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        try:
+            self._ensure_parents()
+            fs.write(self.parents["memory"] / "memory.limit_in_bytes",
+                     str(nbytes) if nbytes else "-1")
+        except OSError as exc:
+            raise BackendError(f"cgroup memory limit of all sandboxes: {exc}") from exc
+
+    def totals(self) -> MemoryUsage:
+        return V1Cgroup({"memory": self.parents["memory"],
+                         "cpuacct": self.parents["cpuacct"]}).memory_usage()
+
+    def path_of(self, sandbox_id: str) -> SandboxCgroup:
+        return V1Cgroup({c: p / sandbox_id for c, p in self.parents.items()},
+                        self.unified / sandbox_id if self.unified else None)
+
+    def _ensure_parents(self) -> None:
+        for p in self.parents.values():
+            p.mkdir(exist_ok=True)
+
+    def _bpf_parent(self) -> Path | None:
+        return self.unified
+
+    def bpf_dir(self) -> Path | None:
+        if self.unified is None:
+            return None
+        self.unified.mkdir(exist_ok=True)
+        return self.unified
+
+    def _make_bpf_dir(self, cg: SandboxCgroup, bpf: bool) -> None:
+        """The sandbox's own v2 directory (to be joined), or none: ``bpf_dir`` None."""
+        if not bpf or cg.bpf_dir is None:
+            cg.bpf_dir = None
+            return
+        self.bpf_dir()
+        cg.bpf_dir.mkdir()
+        cg.join.append(cg.bpf_dir)
+
+    def create(self, sandbox_id: str, res: Resources, root_uid: int, *,
+               qos: str = "best_effort", bpf: bool = False) -> SandboxCgroup:
+        cg = self.path_of(sandbox_id)
+        try:
+            self._ensure_parents()
+            for d in cg.dirs.values():
+                d.mkdir()
+            self._limits(cg, res)
+            cg.set_qos(qos)
+            for c in ("freezer", "memory"):
+                os.chown(cg.dirs[c], root_uid, root_uid)
+            cg.join = list(dict.fromkeys(cg.dirs.values()))
+            self._make_bpf_dir(cg, bpf)
+        except OSError as exc:
+            with contextlib.suppress(BackendError):
+                cg.remove()
+            raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
+        return cg
+
+    def create_pooled(self, tag: str, root_uid: int) -> SandboxCgroup | None:
+        cg = self.path_of(POOL_PREFIX + tag)
+        cg.bpf_dir = None
+        try:
+            self._ensure_parents()
+            for d in dict.fromkeys(cg.dirs.values()):
+                d.mkdir()
+            for c in ("freezer", "memory"):
+                os.chown(cg.dirs[c], root_uid, root_uid)
+        except OSError as exc:
+            with contextlib.suppress(BackendError):
+                cg.remove()
+            raise BackendError(f"pooled cgroup {tag}: {exc}") from exc
+        cg.join = list(dict.fromkeys(cg.dirs.values()))
+        return cg
+
+    def claim(self, pooled: SandboxCgroup, sandbox_id: str, res: Resources, *,
+              qos: str = "best_effort", bpf: bool = False) -> SandboxCgroup:
+        cg = self.path_of(sandbox_id)
+        done: list[tuple[Path, Path]] = []
+        try:
+            for src, dst in {pooled.dirs[c]: cg.dirs[c] for c in pooled.dirs}.items():
+                os.rename(src, dst)
+                done.append((src, dst))
+            self._limits(cg, res)
+            cg.set_qos(qos)
+            self._make_bpf_dir(cg, bpf)  # the one directory the spawner still joins
+        except OSError as exc:
+            for src, dst in reversed(done):
+                with contextlib.suppress(OSError):
+                    os.rename(dst, src)
+            raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
+        return cg
+
+    def _limits(self, cg: SandboxCgroup, res: Resources) -> None:
+        cpu, mem = cg.dirs["cpu"], cg.dirs["memory"]
+        fs.write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+        fs.write(cpu / "cpu.cfs_quota_us", str(max(1000, int(res.cpus * CFS_PERIOD_US))))
+        fs.write(cpu / "cpu.shares", str(max(2, int(res.cpus * 1024))))
+        fs.write(mem / "memory.limit_in_bytes", str(res.memory_bytes))
+        if self.swap_accounting:
+            # memory + swap together: reclaim pages an idle sandbox out within it (the
+            # charge moves from memory to swap), so no swap beyond what it asked for
+            fs.write(mem / "memory.memsw.limit_in_bytes",
+                     str(res.memory_bytes + res.swap_bytes))
+        fs.write(cg.dirs["pids"] / "pids.max", str(res.pids))

@@ -1,0 +1,144 @@
+"""The cgroups room: one interface over v1 and v2. On this host (whatever it has): probe,
+create with limits, a task joined, stats and limit counters, freeze and thaw, kill the
+workload but one task, remove; the per-sandbox v2 directory for cgroup BPF (hybrid hosts: in
+the controller-less v2 hierarchy) and a pooled cgroup handed on with one. The v2 readers on
+a fake tree, so that they are checked on a v1 host too."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edged.backends.base import Resources
+from edged.cgroups import Hierarchy, SandboxCgroup, fs, probe
+from edged.cgroups.v1 import V1Hierarchy
+from edged.cgroups.v2 import V2Cgroup
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def hier(tmp_path: Path) -> Iterator[Hierarchy]:
+    h = probe(subdir=f"edged-test-{os.getpid()}-{tmp_path.name}")
+    if h.version == "none":
+        pytest.skip("no usable cgroups on this host")
+    yield h
+    for sid in h.existing():
+        h.path_of(sid).remove()
+    h.prune()
+    assert not any(p.exists() for p in h.parents.values())
+    if isinstance(h, V1Hierarchy) and h.unified is not None:
+        assert not h.unified.exists()
+
+
+def _join(cg: SandboxCgroup) -> subprocess.Popen[bytes]:
+    """A sleeping task moved into every directory of ``cg.join``."""
+    proc = subprocess.Popen(["sleep", "100"])
+    for d in cg.join:
+        (d / "cgroup.procs").write_text(str(proc.pid))
+    return proc
+
+
+def test_probe_matches_this_process(hier: Hierarchy) -> None:
+    own = fs.self_cgroups()
+    assert hier.version == ("v2" if set(own) == {""} else "v1")
+    assert hier.features()["cgroup"] == hier.version
+    assert hier.tree_kill in ("freezer", "cgroup.kill")
+
+
+def test_lifecycle_through_the_interface(hier: Hierarchy) -> None:
+    cg = hier.create("s1", Resources(cpus=0.5, memory_bytes=64 << 20, pids=32), os.getuid())
+    assert hier.existing() == {"s1"} and cg.join and cg.sbx_init_dirs()
+    assert all(p.is_dir() for p in cg.sbx_init_dirs().values())
+    proc = _join(cg)
+    try:
+        st = cg.stats()
+        assert st["pids"] == 1  # (memory charged before the move stays where it was, v1)
+        assert cg.limit_counters() == {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
+        assert not cg.frozen()
+        cg.freeze(True)
+        assert cg.frozen() and hier.path_of("s1").frozen()
+        cg.freeze(False)
+        assert not cg.frozen()
+        assert cg.kill_workload(keep_pid=-1) == 1
+        assert proc.wait(5) == -9
+    finally:
+        proc.kill()
+        proc.wait()
+    cg.remove()
+    cg.remove()  # idempotent
+    assert hier.existing() == set()
+
+
+def test_remove_kills_what_is_left(hier: Hierarchy) -> None:
+    cg = hier.create("s2", Resources(), os.getuid())
+    proc = _join(cg)
+    cg.remove()
+    assert proc.wait(5) == -9 and hier.existing() == set()
+
+
+def test_bpf_dir_per_sandbox(hier: Hierarchy) -> None:
+    """With ``bpf``, a sandbox has a v2 directory of its own beneath :meth:`bpf_dir` (on a
+    hybrid host one more to join), which its tasks are in and which goes with it."""
+    parent = hier.bpf_dir()
+    if parent is None:
+        pytest.skip("no cgroup v2 hierarchy on this host")
+    plain = hier.create("plain", Resources(), os.getuid())
+    assert plain.bpf_dir is None or hier.version == "v2"
+    cg = hier.create("net", Resources(), os.getuid(), bpf=True)
+    assert cg.bpf_dir is not None and cg.bpf_dir.parent == parent and cg.bpf_dir.is_dir()
+    proc = _join(cg)
+    try:
+        assert str(proc.pid) in (cg.bpf_dir / "cgroup.procs").read_text().split() or \
+            proc.pid in fs.procs(cg.bpf_dir)
+    finally:
+        proc.kill()
+        proc.wait()
+    cg.remove()
+    plain.remove()
+    assert not cg.bpf_dir.exists() and hier.existing() == set()
+
+
+def test_pooled_cgroup_claimed_with_a_bpf_dir(hier: Hierarchy) -> None:
+    """A pooled spawner's cgroups are renamed to the sandbox's; only the BPF directory is
+    left to join (v1 only: v2 cannot rename a cgroup)."""
+    pooled = hier.create_pooled("7", os.getuid())
+    if pooled is None:
+        assert hier.version == "v2"
+        return
+    proc = _join(pooled)
+    try:
+        want_bpf = hier.bpf_dir() is not None
+        cg = hier.claim(pooled, "s3", Resources(pids=64), bpf=want_bpf)
+        assert cg.join == ([cg.bpf_dir] if want_bpf else [])
+        assert cg.stats()["pids"] == 1  # the task came along
+        assert hier.existing() == {"s3"}
+    finally:
+        proc.kill()
+        proc.wait()
+    cg.remove()
+
+
+def test_v2_readers_on_a_fake_tree(tmp_path: Path) -> None:
+    d = tmp_path / "sb"
+    d.mkdir()
+    for name, text in {"memory.current": "4096\n", "pids.current": "3\n",
+                       "cpu.stat": "usage_usec 250\nnr_throttled 7\n",
+                       "memory.events": "low 0\noom 1\noom_kill 2\n",
+                       "pids.events": "max 5\n", "cgroup.events": "populated 1\nfrozen 1\n",
+                       "cgroup.freeze": "", "cgroup.kill": ""}.items():
+        (d / name).write_text(text)
+    cg = V2Cgroup({"v2": d}, d)
+    assert cg.stats() == {"memory_bytes": 4096, "cpu_usage_ns": 250_000, "pids": 3}
+    assert cg.limit_counters() == {"pids_limit": 5, "cpu_throttled": 7, "oom_kill": 2}
+    assert cg.frozen() and cg.sbx_init_dirs() == {"v2": d}
+    t0 = time.monotonic()
+    cg.freeze(True)  # cgroup.events already says frozen
+    assert (d / "cgroup.freeze").read_text() == "1" and time.monotonic() - t0 < 1
+    cg.kill_all()
+    assert (d / "cgroup.kill").read_text() == "1" and (d / "cgroup.freeze").read_text() == "0"
