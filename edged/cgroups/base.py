@@ -124,7 +124,7 @@ class SandboxCgroup(abc.ABC):
         but ``keep_pid`` is left. Returns the number of processes killed. Raises
         BackendError if tasks are still left after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        killed = 0
+        killed: set[int] = set()  # one killed but not yet gone is listed again next time
         while True:
             self.freeze(True, timeout_s=max(0.1, deadline - time.monotonic()))
             try:
@@ -132,11 +132,11 @@ class SandboxCgroup(abc.ABC):
                 for pid in left:
                     with contextlib.suppress(OSError):
                         os.kill(pid, 9)
-                        killed += 1
+                        killed.add(pid)
             finally:
                 self._thaw_after_kill()
             if not left:
-                return killed
+                return len(killed)
             if time.monotonic() > deadline:
                 raise BackendError(f"{len(left)} processes still alive after {timeout_s} s "
                                    f"of killing")

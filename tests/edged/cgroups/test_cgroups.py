@@ -16,6 +16,7 @@ import pytest
 
 from edged.backends.base import Resources
 from edged.cgroups import Hierarchy, SandboxCgroup, fs, probe
+from edged.cgroups.none import NoCgroup
 from edged.cgroups.v1 import V1Hierarchy
 from edged.cgroups.v2 import V2Cgroup
 
@@ -73,6 +74,26 @@ def test_lifecycle_through_the_interface(hier: Hierarchy) -> None:
     cg.remove()
     cg.remove()  # idempotent
     assert hier.existing() == set()
+
+
+def test_kill_workload_counts_each_process_once() -> None:
+    """A killed process that is slow to exit (a large address space to tear down; seen under
+    load) is listed again on the next pass: it was counted once per pass."""
+    proc = subprocess.Popen(["sleep", "100"])
+    passes = [{proc.pid}, {proc.pid}, set()]  # still listed once after its SIGKILL
+
+    class Slow(NoCgroup):
+        def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
+            pass
+
+        def _live_tasks(self) -> set[int]:
+            return passes.pop(0)
+
+    try:
+        assert Slow({}).kill_workload(keep_pid=-1) == 1 and not passes
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_remove_kills_what_is_left(hier: Hierarchy) -> None:
