@@ -37,6 +37,8 @@ log = logging.getLogger("edged.api")
 
 MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
 FILE_CHUNK = 256 << 10
+#: how often a streaming exec checks that its client is still there (seconds)
+DISCONNECT_POLL_S = 0.2
 MAX_JSON_BODY = 4 << 20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -70,12 +72,24 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             e.status, "bad_request")
         mgr.metrics.api_errors.labels(code=code).inc()
         return error_response(code, f"{request.method} {request.path}: {e.reason}", e.status)
-    except (ConnectionResetError, asyncio.CancelledError):
+    except asyncio.CancelledError:
         raise
     except Exception as e:
+        if isinstance(e, ConnectionError) and _client_gone(request):
+            # aiohttp says so in several ways (ConnectionResetError, "Cannot write to
+            # closing transport", ConnectionError("Connection lost") from a drain): none
+            # is an error of ours, and there is nobody left to answer
+            log.debug("%s %s: the client went away (%s)", request.method, request.path, e)
+            return web.Response(status=499)
         log.exception("unhandled error in %s %s", request.method, request.path)
         mgr.metrics.api_errors.labels(code="internal").inc()
         return error_response("internal", f"internal error: {type(e).__name__}: {e}", 500)
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Whether the request's client has closed (or lost) its connection."""
+    t = request.transport
+    return t is None or t.is_closing()
 
 
 async def json_body(request: web.Request) -> Any:
@@ -218,29 +232,44 @@ async def _events(handle: ExecHandle, enc: _Encoder) -> AsyncIterator[dict[str, 
             yield {stream: text}
 
 
-async def _abandon(handle: ExecHandle) -> None:
-    """The client went away: kill the exec and drain it so the backend can finish."""
-    with contextlib.suppress(Exception):
-        await handle.signal(9)
-
-    async def drain() -> None:
-        async for _ in handle.events():
-            pass
-
-    with contextlib.suppress(Exception):
-        await asyncio.wait_for(drain(), 10)
+class _ClientGone(ConnectionResetError):
+    """The client closed or lost its connection while its exec streamed."""
 
 
-async def _watch_disconnect(request: web.Request, handle: ExecHandle) -> None:
-    """Kill the exec if the client goes away. A silent process would otherwise run on until
-    its next write fails (aiohttp does not cancel handlers on disconnect)."""
-    while True:
-        await asyncio.sleep(0.5)
-        t = request.transport
-        if t is None or t.is_closing():
-            with contextlib.suppress(Exception):
-                await handle.signal(9)
-            return
+async def _until_gone(request: web.Request) -> None:
+    """Return once the request's client has gone. Polled: aiohttp neither cancels a handler
+    when its client goes nor tells it, and a silent exec (``sleep``) writes nothing that
+    could fail."""
+    while not _client_gone(request):
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _stream(events: AsyncIterator[dict[str, Any]],
+                  send: Callable[[dict[str, Any]], Awaitable[None]],
+                  gone: Awaitable[None]) -> None:
+    """``send`` every event, unless ``gone`` (the client's going) completes first: then
+    :class:`_ClientGone` (an error ``gone`` raised is raised as it is). The exec's
+    context (:meth:`SandboxManager.exec`) then kills what is left of the exec."""
+
+    async def pump() -> None:
+        async for ev in events:
+            await send(ev)
+
+    pumping = asyncio.ensure_future(pump())
+    watching = asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (pumping, watching):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+    if pumping.done() and not pumping.cancelled():
+        pumping.result()
+        return
+    watching.result()
+    raise _ClientGone("the client went away")
 
 
 async def exec_ndjson(request: web.Request) -> web.StreamResponse:
@@ -255,36 +284,41 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
         raise BadRequest("stdin: must be a string (fed, then closed) or a boolean")
     if stdin is True:
         raise BadRequest("stdin: interactive stdin needs the WebSocket endpoint (exec/ws)")
-    async with mgr.exec(sid, spec) as handle:
-        feeder = None
-        if isinstance(stdin, str) and stdin:
-            async def feed() -> None:
-                with contextlib.suppress(Exception):
-                    await handle.write_stdin(stdin.encode())
-                    await handle.close_stdin()
-            feeder = asyncio.ensure_future(feed())
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        ended: dict[str, Any] | None = None
-        watcher = asyncio.ensure_future(_watch_disconnect(request, handle))
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    resp.enable_chunked_encoding()
+    ended: dict[str, Any] | None = None
+
+    async def send(ev: dict[str, Any]) -> None:
+        nonlocal ended
+        if "end" in ev:
+            ended = ev["end"]
         try:
-            async for ev in _events(handle, enc):
-                if "end" in ev:
-                    ended = ev["end"]
-                await resp.write(json.dumps(ev).encode() + b"\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            await _abandon(handle)
-            raise
-        finally:
-            watcher.cancel()
-            if feeder is not None:
-                feeder.cancel()
-            if ended is not None:
-                mgr.metrics.execs.labels(reason=ended["reason"]).inc()
-                mgr.metrics.exec_seconds.observe(ended["duration_s"])
+            await resp.write(json.dumps(ev).encode() + b"\n")
+        except ConnectionError as e:
+            raise _ClientGone(str(e)) from e
+
+    try:
+        async with mgr.exec(sid, spec) as handle:
+            feeder = None
+            if isinstance(stdin, str) and stdin:
+                async def feed() -> None:
+                    with contextlib.suppress(Exception):
+                        await handle.write_stdin(stdin.encode())
+                        await handle.close_stdin()
+                feeder = asyncio.ensure_future(feed())
+            try:
+                await resp.prepare(request)
+                await _stream(_events(handle, enc), send, _until_gone(request))
+            finally:
+                if feeder is not None:
+                    feeder.cancel()
+                if ended is not None:
+                    mgr.metrics.execs.labels(reason=ended["reason"]).inc()
+                    mgr.metrics.exec_seconds.observe(ended["duration_s"])
         await resp.write_eof()
-        return resp
+    except _ClientGone as e:
+        log.debug("exec in %s: the client went away (%s)", sid, e)
+    return resp
 
 
 async def exec_ws(request: web.Request) -> web.StreamResponse:
@@ -301,26 +335,28 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
         msg.setdefault("stdin", True)
         spec = mgr.exec_spec(sid, msg)
         enc = _Encoder(msg.get("encoding", "text"))
+
+        async def send(ev: dict[str, Any]) -> None:
+            try:
+                await ws.send_json(ev)
+            except ConnectionError as e:
+                raise _ClientGone(str(e)) from e
+            if "end" in ev:
+                mgr.metrics.execs.labels(reason=ev["end"]["reason"]).inc()
+
         async with mgr.exec(sid, spec) as handle:
             if spec.pty and "rows" in msg and "cols" in msg:
                 await handle.resize(int(msg["rows"]), int(msg["cols"]))
-            reader = asyncio.ensure_future(_ws_input(ws, handle))
-            try:
-                async for ev in _events(handle, enc):
-                    await ws.send_json(ev)
-                    if "end" in ev:
-                        mgr.metrics.execs.labels(reason=ev["end"]["reason"]).inc()
-            except (ConnectionResetError, asyncio.CancelledError):
-                await _abandon(handle)
-                raise
-            finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await reader
+            # the reader ends when the client closes the WebSocket (or loses it)
+            await _stream(_events(handle, enc), send, _ws_input(ws, handle))
+    except _ClientGone as e:
+        log.debug("exec in %s: the client went away (%s)", sid, e)
     except EdgedError as e:
-        await ws.send_json({"error": {"code": e.code, "message": e.message}})
+        with contextlib.suppress(ConnectionError):
+            await ws.send_json({"error": {"code": e.code, "message": e.message}})
     except (ValueError, TypeError) as e:
-        await ws.send_json({"error": {"code": "bad_request", "message": str(e)}})
+        with contextlib.suppress(ConnectionError):
+            await ws.send_json({"error": {"code": "bad_request", "message": str(e)}})
     finally:
         await ws.close()
     return ws

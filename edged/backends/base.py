@@ -136,9 +136,11 @@ class ExecEnd:
 
 
 class ExecHandle(Protocol):
-    """A running exec. ``exec_id`` is unique within its sandbox."""
+    """A running exec. ``exec_id`` is unique within its sandbox; ``ended`` is True once its
+    :class:`ExecEnd` has come (whether or not it was consumed yet)."""
 
     exec_id: int
+    ended: bool
 
     def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
         """``("stdout", bytes)`` / ``("stderr", bytes)`` chunks in order, then exactly one
@@ -160,6 +162,12 @@ class ExecHandle(Protocol):
 
     async def resize(self, rows: int, cols: int) -> None:
         """Resize the pseudo-terminal (pty execs only)."""
+        ...
+
+    def abandon(self) -> None:
+        """Its consumer is gone (cancelled, disconnected): kill its whole process tree at
+        once, without waiting, and drop the output still to come. Idempotent; a no-op once
+        ended."""
         ...
 
 

@@ -683,26 +683,53 @@ class SandboxManager:
     @asynccontextmanager
     async def exec(self, sandbox_id: str, spec: ExecSpec) -> AsyncIterator[ExecHandle]:
         """Start ``spec`` in a running sandbox; yields the handle while the caller streams
-        its events. Counts as activity (no idle reaping while an exec runs)."""
+        its events. Counts as activity (no idle reaping while an exec runs).
+
+        An exec left before its end (the caller cancelled, e.g. a trainer's per-step
+        timeout; its client disconnected; an error) is abandoned: its whole process tree is
+        killed at once, its slot freed, and that is recorded once (``exec_abandoned`` in the
+        ledger, one log line, ``edged_execs{reason="abandoned"}``), however it went."""
         rec = await self._awake(sandbox_id, "exec")
         reclaimed = self.reclaimer.woke(sandbox_id)
         t0 = time.monotonic()
-        handle = await self.backend.exec(sandbox_id, spec)
+        try:
+            handle = await self.backend.exec(sandbox_id, spec)
+        except asyncio.CancelledError:
+            self._abandoned(sandbox_id, None, spec, "cancelled")  # the backend killed it
+            raise
         if reclaimed:  # the first exec on a reclaimed sandbox: its wake
             self.metrics.wake_seconds.observe(time.monotonic() - t0)
         rec.active_execs += 1
         rec.touch()
         execs = self._execs.setdefault(sandbox_id, {})
         execs[handle.exec_id] = handle
+        how = "left"
         try:
             yield handle
+        except BaseException as e:
+            how = _gone_how(e)
+            raise
         finally:
+            if not handle.ended:
+                handle.abandon()
+                self._abandoned(sandbox_id, handle.exec_id, spec, how)
             execs.pop(handle.exec_id, None)
             rec.active_execs -= 1
             rec.touch()
             start = self._starts.pop(sandbox_id, None)
             if start is not None:  # off the exec's path: the stream ends without waiting
                 self._background(self._observe_start(rec, start))
+
+    def _abandoned(self, sandbox_id: str, exec_id: int | None, spec: ExecSpec,
+                   how: str) -> None:
+        """Record an exec whose caller went away before its end (its tree is killed)."""
+        self.metrics.execs.labels(reason="abandoned").inc()
+        log.info("sandbox %s: exec %s abandoned (%s): its processes are killed", sandbox_id,
+                 exec_id if exec_id is not None else "(starting)", how,
+                 extra={"sandbox": sandbox_id})
+        if self.ledger is not None:
+            self.ledger.record(sandbox_id, "exec_abandoned", process=spec.argv[0][-64:],
+                               detail={"exec_id": exec_id, "how": how})
 
     async def _observe_start(self, rec: SandboxRecord,
                              start: dict[str, LayerCounters]) -> None:
@@ -952,6 +979,17 @@ class SandboxManager:
         }
         info["swap"] = (self.swap.features() | self.swap.usage()) if self.swap else None
         return info
+
+
+def _gone_how(e: BaseException) -> str:
+    """How an exec's caller went away, from what ended its stream: ``cancelled`` (e.g. an
+    ``asyncio.wait_for`` timeout), ``disconnected`` (the client's connection closed or
+    broke, however the transport says so), or the error's type."""
+    if isinstance(e, asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(e, ConnectionError):
+        return "disconnected"
+    return f"error: {type(e).__name__}"
 
 
 def _check_path(path: str) -> None:

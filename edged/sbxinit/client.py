@@ -61,12 +61,22 @@ class SbxExec:
         self._pty = pty
         self._q: asyncio.Queue[tuple[str, bytes] | ExecEnd] = asyncio.Queue()
         self._uncredited = 0
+        #: its end has come (queued, whether or not consumed yet)
         self.ended = False
+        #: its consumer went away (:meth:`abandon`)
+        self.abandoned = False
 
     def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
-        if not self.ended:
-            self._q.put_nowait(item)
-            self.ended = isinstance(item, ExecEnd)
+        if self.ended:
+            return
+        if self.abandoned and not isinstance(item, ExecEnd):
+            # nobody reads it: give the window back at once, so sbx-init reads on to the
+            # end instead of waiting for credit
+            self._client.write_now(P.frame(P.CREDIT, self.exec_id,
+                                           P.CREDIT_S.pack(len(item[1]), 0)))
+            return
+        self._q.put_nowait(item)
+        self.ended = isinstance(item, ExecEnd)
 
     async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
         """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
@@ -110,6 +120,25 @@ class SbxExec:
         """Kill the exec's whole process tree (ends with reason ``killed``)."""
         await self._client.send(P.frame(P.KILL, self.exec_id))
 
+    def abandon(self) -> None:
+        """The consumer is gone (cancelled, disconnected): kill the exec's whole process
+        tree now, without waiting, and drop its output still to come (credited back at once,
+        so that sbx-init ends the exec and frees its slot). Idempotent; a no-op once
+        ended."""
+        if self.ended or self.abandoned:
+            return
+        self.abandoned = True
+        owed = self._uncredited
+        while not self._q.empty():
+            item = self._q.get_nowait()
+            if not isinstance(item, ExecEnd):
+                owed += len(item[1])
+        self._uncredited = 0
+        data = P.frame(P.KILL, self.exec_id)
+        if owed:
+            data += P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(owed, 0))
+        self._client.write_now(data)
+
 
 class SbxClient:
     """The control connection to one sbx-init over ``reader``/``writer``.
@@ -148,6 +177,15 @@ class SbxClient:
         async with self._lock:
             self.writer.write(data)
             await self.writer.drain()
+
+    def write_now(self, data: bytes) -> bool:
+        """Queue encoded frames on the transport at once, without waiting for it to drain
+        (for a caller that is being cancelled: whole frames, in order). False once the
+        connection is closed."""
+        if self.closed or self.writer.is_closing():
+            return False
+        self.writer.write(data)
+        return True
 
     async def send_quiet(self, data: bytes) -> None:
         """:meth:`send`, ignoring a closed or broken connection."""
@@ -192,14 +230,23 @@ class SbxClient:
             raise BadRequest(str(exc)) from exc
         h = SbxExec(self, eid, pty)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if not self.write_now(data):
+            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
         self.handles[eid] = h
         self.pending[eid] = fut
         try:
-            await self.send(data)
+            async with self._lock:
+                await self.writer.drain()
             h.pid = await fut
         except BaseException:
-            self.handles.pop(eid, None)
             self.pending.pop(eid, None)
+            if fut.done():  # refused (ERROR) or the connection lost: nothing runs
+                self.handles.pop(eid, None)
+            else:
+                # Cancelled (a caller's timeout) with the request on its way: the exec may
+                # be starting. Killed, its handle kept until its END (or ERROR) comes.
+                fut.cancel()
+                h.abandon()
             raise
         return h
 
@@ -265,6 +312,10 @@ class SbxClient:
     def _on_error(self, f: P.Frame) -> None:
         code = P.ERROR_S.unpack_from(f.payload)[0]
         msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
+        h = self.handles.get(f.exec_id)
+        if h is not None and h.abandoned and f.exec_id not in self.pending:
+            self.handles.pop(f.exec_id)  # an abandoned exec that could not start
+            return
         fut = self.pending.pop(f.exec_id, None)
         if fut and not fut.done():
             self.handles.pop(f.exec_id, None)
@@ -274,6 +325,9 @@ class SbxClient:
             elif code == errno.EAGAIN:  # fork at the pids limit, or too many execs
                 cls = PidsExhausted
             fut.set_exception(cls(f"sandbox {self.sandbox_id}: {msg}"))
+            return
+        if code == errno.ESRCH:  # a message for an exec that has just ended: a benign race
+            log.debug("sandbox %s: sbx-init: %s", self.sandbox_id, msg)
             return
         log.warning("sandbox %s: sbx-init error (exec %d): %s", self.sandbox_id,
                     f.exec_id, msg)

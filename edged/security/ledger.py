@@ -53,6 +53,7 @@ KINDS = frozenset(
         "output_limit",  # an exec hit its output limit
         "timeout",  # an exec hit its wall-time limit
         "protocol_violation",  # a malformed or oversized control-channel frame
+        "exec_abandoned",  # its caller went away before its end: the exec's tree was killed
         "sandbox_gone",
     }
 )

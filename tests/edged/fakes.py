@@ -25,6 +25,8 @@ class FakeExec:
         self.spec = spec
         self.t0 = time.monotonic()
         self.killed_for: str | None = None
+        self.ended = False
+        self.abandoned = False
 
     def _kill(self, why: str) -> None:
         if self.killed_for is None:
@@ -72,6 +74,7 @@ class FakeExec:
             for t in tasks:
                 t.cancel()
         dur = time.monotonic() - self.t0
+        self.ended = True
         if self.killed_for:
             yield ExecEnd(self.killed_for, None, signal.SIGKILL, dur, None)
         elif rc < 0:
@@ -94,6 +97,11 @@ class FakeExec:
 
     async def resize(self, rows: int, cols: int) -> None:
         pass
+
+    def abandon(self) -> None:
+        if not self.ended:
+            self.abandoned = True
+            self._kill("killed")
 
 
 class FakeBackend:

@@ -4,9 +4,13 @@ busybox layer built by layerfs, file-backed EROFS mounted once per node (root)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import json
+import logging
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from edged.client import BadRequestError, InvalidStateError, NotFoundError, Sandbox
+from edged.client import AsyncSandbox, BadRequestError, InvalidStateError, NotFoundError, Sandbox
 from edged.config import Config
 from edged.daemon import Server, ServerThread
 
@@ -255,3 +259,118 @@ def test_websocket_pty(real_node, layer_store) -> None:
     out = "".join(e.get("stdout", "") for e in events)
     assert "40 100" in out and "/dev/pts/" in out
     assert events[-1]["end"]["exit_code"] == 4
+
+
+# -- abandoned execs (issue 9, item 2) ---------------------------------------------------------
+
+def _quiet_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Log lines that a gone client must not cause: tracebacks, "unhandled error"."""
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and r.name.startswith(("edged", "aiohttp"))]
+
+
+async def _settled(sbx: AsyncSandbox, base: int, timeout_s: float = 10.0) -> int:
+    """The sandbox's task count once it is back to ``base`` (or what it is at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = await sbx._t.json("GET", f"/v1/sandboxes/{sbx.id}/stats")
+        if st["pids"] <= base or time.monotonic() > deadline:
+            return int(st["pids"])
+        await asyncio.sleep(0.1)
+
+
+async def _abandoned(sbx: AsyncSandbox) -> list[dict]:
+    return await sbx.events(kind="exec_abandoned")
+
+
+def _cancel_loop(node: RealNode, digest: str, n: int, wait_s: float) -> None:
+    async def body() -> None:
+        async with await AsyncSandbox.create(layers=[digest], env={"PATH": "/bin"},
+                                             socket=node.socket) as sbx:
+            assert (await sbx.exec("true")).ok
+            base = await _settled(sbx, 0, 0)  # sbx-init and its spare
+            for i in range(n):
+                # a trainer's per-step timeout, on a loud and on a silent command
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(sbx.exec("yes" if i % 2 else "sleep 1000"), wait_s)
+            assert await _settled(sbx, base) <= base, "processes of abandoned execs live on"
+            r = await sbx.exec("echo next")
+            assert (r.stdout, r.exit_code) == ("next\n", 0)
+            info = await sbx.refresh()
+            assert info["active_execs"] == 0
+            evs = await _abandoned(sbx)
+            ids = [e["detail"]["exec_id"] for e in evs]
+            assert len(ids) == len(set(ids)) and n // 2 <= len(ids) <= n, ids
+            assert {e["detail"]["how"] for e in evs} <= {"cancelled", "disconnected"}
+
+    asyncio.run(asyncio.wait_for(body(), 60 + n * wait_s * 3))
+
+
+def test_cancelled_execs_are_killed_and_recorded(real_node, layer_store, caplog) -> None:
+    # Bug: asyncio.wait_for(sbx.exec("yes"), 0.3) 300 times leaked ~510 processes, then
+    # every exec failed with "256 execs already running"; 479 "unhandled error" log lines
+    # (aiohttp's ConnectionError("Connection lost") was not a gone client to the handler).
+    _, digest = layer_store
+    caplog.set_level(logging.INFO)
+    _cancel_loop(real_node(), digest, 40, 0.15)
+    assert not _quiet_logs(caplog), _quiet_logs(caplog)[:3]
+
+
+@pytest.mark.slow
+def test_300_cancelled_execs_leave_nothing_running(real_node, layer_store, caplog) -> None:
+    _, digest = layer_store
+    caplog.set_level(logging.INFO)
+    _cancel_loop(real_node(), digest, 300, 0.3)
+    assert not _quiet_logs(caplog), _quiet_logs(caplog)[:3]
+
+
+def _raw_exec(sock_path: str, sid: str, cmd: str) -> socket.socket:
+    """POST an exec over a raw connection; returns the socket once the stream started."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(sock_path)
+    body = json.dumps({"cmd": cmd}).encode()
+    s.sendall(f"POST /v1/sandboxes/{sid}/exec HTTP/1.1\r\nHost: edged\r\n"
+              f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+              + body)
+    got = b""
+    while b'"start"' not in got:
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    return s
+
+
+def test_dropped_connections_and_closed_websockets_kill_their_execs(
+        real_node, layer_store, caplog) -> None:
+    # A client that goes away, any way, gets its exec's whole tree killed (a daemonized
+    # grandchild too: the old handler only signalled the process group), once recorded.
+    import aiohttp
+
+    _, digest = layer_store
+    node = real_node()
+    caplog.set_level(logging.INFO)
+    tree = "setsid sleep 1000 & sleep 1000"
+
+    async def body() -> None:
+        async with await AsyncSandbox.create(layers=[digest], env={"PATH": "/bin"},
+                                             socket=node.socket) as sbx:
+            assert (await sbx.exec("true")).ok
+            base = await _settled(sbx, 0, 0)
+            for cmd in (tree, "yes"):  # silent (only a poll sees it go), and loud
+                s = await asyncio.to_thread(_raw_exec, node.socket, sbx.id, cmd)
+                s.close()
+                assert await _settled(sbx, base) <= base, cmd
+            async with (
+                aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=node.socket)) as cs,
+                cs.ws_connect(f"http://edged/v1/sandboxes/{sbx.id}/exec/ws") as ws,
+            ):
+                await ws.send_json({"cmd": tree})
+                assert "start" in (await ws.receive_json())
+            assert await _settled(sbx, base) <= base, "websocket"
+            evs = await _abandoned(sbx)
+            assert [e["detail"]["how"] for e in evs] == ["disconnected"] * 3, evs
+            assert (await sbx.exec("echo ok")).stdout == "ok\n"
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+    assert not _quiet_logs(caplog), _quiet_logs(caplog)[:3]
