@@ -279,6 +279,18 @@ async def _settled(sbx: AsyncSandbox, base: int, timeout_s: float = 10.0) -> int
         await asyncio.sleep(0.1)
 
 
+async def _baseline(sbx: AsyncSandbox) -> int:
+    """The sandbox's task count with no exec running: sbx-init and the spare child it forks
+    for the next exec just after an exec's end (given 2 s to appear)."""
+    assert (await sbx.exec("true")).ok
+    deadline = time.monotonic() + 2
+    while True:
+        n = int((await sbx._t.json("GET", f"/v1/sandboxes/{sbx.id}/stats"))["pids"])
+        if n >= 2 or time.monotonic() > deadline:
+            return n
+        await asyncio.sleep(0.05)
+
+
 async def _abandoned(sbx: AsyncSandbox) -> list[dict]:
     return await sbx.events(kind="exec_abandoned")
 
@@ -287,8 +299,7 @@ def _cancel_loop(node: RealNode, digest: str, n: int, wait_s: float) -> None:
     async def body() -> None:
         async with await AsyncSandbox.create(layers=[digest], env={"PATH": "/bin"},
                                              socket=node.socket) as sbx:
-            assert (await sbx.exec("true")).ok
-            base = await _settled(sbx, 0, 0)  # sbx-init and its spare
+            base = await _baseline(sbx)
             for i in range(n):
                 # a trainer's per-step timeout, on a loud and on a silent command
                 with contextlib.suppress(TimeoutError):
@@ -355,8 +366,7 @@ def test_dropped_connections_and_closed_websockets_kill_their_execs(
     async def body() -> None:
         async with await AsyncSandbox.create(layers=[digest], env={"PATH": "/bin"},
                                              socket=node.socket) as sbx:
-            assert (await sbx.exec("true")).ok
-            base = await _settled(sbx, 0, 0)
+            base = await _baseline(sbx)
             for cmd in (tree, "yes"):  # silent (only a poll sees it go), and loud
                 s = await asyncio.to_thread(_raw_exec, node.socket, sbx.id, cmd)
                 s.close()
