@@ -1,6 +1,6 @@
-/* Per-exec cgroups on a v1 hierarchy: a freezer cgroup (to stop a tree while
- * it is killed) and, when the sandbox has one, a memory cgroup (OOM kills and
- * peak memory of the exec). */
+/* Per-exec cgroups on a v1 hierarchy: a freezer cgroup, to stop a tree while
+ * it is killed (freezer cgroups are cheap: no per-cgroup shrinker tables).
+ * OOM kills are read from the sandbox's memory cgroup. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -26,8 +26,6 @@ static int v1_make(struct sbx_cg *cg, const char *name, int join[2], const char 
 	 * (milliseconds when no move happened lately). */
 	snprintf(path, sizeof(path), "%s/tasks", name);
 	join[0] = openat(cg->freezer, path, O_WRONLY | O_CLOEXEC);
-	if (cg->memory >= 0 && mkdirat(cg->memory, name, 0755) == 0)
-		join[1] = openat(cg->memory, path, O_WRONLY | O_CLOEXEC);
 	if (join[0] < 0) {
 		*what = "open freezer tasks";
 		return -1;
@@ -40,8 +38,6 @@ static int v1_remove(struct sbx_cg *cg, const char *name)
 	int rc = 0;
 
 	if (unlinkat(cg->freezer, name, AT_REMOVEDIR) < 0 && errno != ENOENT)
-		rc = -1;
-	if (cg->memory >= 0 && unlinkat(cg->memory, name, AT_REMOVEDIR) < 0 && errno != ENOENT)
 		rc = -1;
 	return rc;
 }
@@ -83,17 +79,14 @@ static int v1_kill(struct sbx_cg *cg, const char *name)
 	return 0;
 }
 
-static void v1_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak)
+static uint64_t v1_oom_kills(struct sbx_cg *cg)
 {
-	if (cg->memory < 0)
-		return;
-	*oom = cg_key(cg->memory, name, "memory.oom_control", "oom_kill") > 0;
-	*peak = cg_u64(cg->memory, name, "memory.max_usage_in_bytes");
+	return cg->memory < 0 ? 0 : cg_key(cg->memory, ".", "memory.oom_control", "oom_kill");
 }
 
 const struct cg_ops cg_v1_ops = {
 	.make = v1_make,
 	.remove = v1_remove,
 	.kill = v1_kill,
-	.stats = v1_stats,
+	.oom_kills = v1_oom_kills,
 };

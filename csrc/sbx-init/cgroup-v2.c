@@ -1,5 +1,7 @@
-/* Per-exec cgroups on the unified (v2) hierarchy: one cgroup, killed through
- * cgroup.kill. */
+/* Per-exec cgroups on the unified (v2) hierarchy: one cgroup without
+ * controllers (the sandbox's cgroup enables none in cgroup.subtree_control, so
+ * no memory cgroup is made per exec), killed through cgroup.kill.  OOM kills
+ * are the sandbox's (its memory.events). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -35,15 +37,14 @@ static int v2_kill(struct sbx_cg *cg, const char *name)
 	return cg_write(cg->v2, name, "cgroup.kill", "1");
 }
 
-static void v2_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak)
+static uint64_t v2_oom_kills(struct sbx_cg *cg)
 {
-	*oom = cg_key(cg->v2, name, "memory.events", "oom_kill") > 0;
-	*peak = cg_u64(cg->v2, name, "memory.peak");
+	return cg_key(cg->v2, ".", "memory.events", "oom_kill");
 }
 
 const struct cg_ops cg_v2_ops = {
 	.make = v2_make,
 	.remove = v2_remove,
 	.kill = v2_kill,
-	.stats = v2_stats,
+	.oom_kills = v2_oom_kills,
 };

@@ -1,9 +1,16 @@
 /* Per-exec cgroups, so that a timeout or a kill takes an exec's whole tree,
- * daemonized grandchildren included, and its OOM kills and peak memory are its
- * own.  They are made under the sandbox's cgroups (delegated to the sandbox's
- * root, passed to sbx-init as directory fds) by one of two implementations,
- * cgroup-v1.c or cgroup-v2.c; without either, execs get none and a tree is
- * killed by its session (exec.c). */
+ * daemonized grandchildren included.  They are made under the sandbox's cgroups
+ * (delegated to the sandbox's root, passed to sbx-init as directory fds) by one
+ * of two implementations, cgroup-v1.c or cgroup-v2.c; without either, execs get
+ * none and a tree is killed by its session (exec.c).
+ *
+ * They hold no memory controller: memory is the sandbox's one memory cgroup.
+ * Every memory cgroup costs the host shrinker tables sized by the number of
+ * superblocks on it (1 KiB per 64, per NUMA node: mm/shrinker.c), and both
+ * grow with the number of sandboxes, so a memory cgroup per exec, and one for
+ * the spare made ahead of the next exec, made the kernel's cost per sandbox
+ * grow with N.  An exec's OOM kills are the sandbox's counted while it ran;
+ * its peak memory is its main process's peak RSS (wait4). */
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -85,12 +92,9 @@ int cg_kill(struct sbx_cg *cg, const char *name)
 	return cg->ops->kill(cg, name);
 }
 
-void cg_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak)
+uint64_t cg_oom_kills(struct sbx_cg *cg)
 {
-	*oom = 0;
-	*peak = 0;
-	if (name[0] && cg->ops)
-		cg->ops->stats(cg, name, oom, peak);
+	return cg->ops ? cg->ops->oom_kills(cg) : 0;
 }
 
 /* ---- files of a cgroup, relative to a hierarchy's directory fd ---------- */
@@ -140,13 +144,4 @@ uint64_t cg_key(int dirfd, const char *cg, const char *file, const char *key)
 		if (!strncmp(p, key, klen) && p[klen] == ' ')
 			return strtoull(p + klen + 1, NULL, 10);
 	return 0;
-}
-
-uint64_t cg_u64(int dirfd, const char *cg, const char *file)
-{
-	char text[64];
-
-	if (cg_read(dirfd, cg, file, text, sizeof(text)) < 0)
-		return 0;
-	return strtoull(text, NULL, 10);
 }

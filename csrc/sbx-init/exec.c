@@ -138,12 +138,15 @@ static void kill_tree(struct sbx *s, struct exec *e)
 static void exec_finish(struct sbx *s, struct exec *e)
 {
 	struct sbx_end end = {.exit_code = -1};
-	uint64_t peak;
-	int oom;
+	uint64_t peak = (uint64_t)e->ru.ru_maxrss * 1024u;
+	/* The sandbox's OOM killer struck while this exec ran and its main
+	 * process died of SIGKILL (or was a shell whose child did: 128 + 9).
+	 * Counted per sandbox, see cgroup.c: an exec ending so while another
+	 * exec of the sandbox was the one OOM-killed is reported oom too. */
+	int killed = (WIFSIGNALED(e->status) && WTERMSIG(e->status) == SIGKILL) ||
+		     (WIFEXITED(e->status) && WEXITSTATUS(e->status) == 128 + SIGKILL);
+	int oom = killed && cg_oom_kills(&s->cg) > e->oom_base;
 
-	cg_stats(&s->cg, e->cg, &oom, &peak);
-	if (!peak)
-		peak = (uint64_t)e->ru.ru_maxrss * 1024u;
 	if (WIFEXITED(e->status))
 		end.exit_code = WEXITSTATUS(e->status);
 	else if (WIFSIGNALED(e->status))
@@ -331,6 +334,7 @@ void exec_start(struct sbx *s, uint32_t id, uint8_t *payload, uint32_t len)
 	e->used = 1;
 	e->id = id;
 	e->t0 = now_ns();
+	e->oom_base = cg_oom_kills(&s->cg);
 	pid = spare_take(s, e, &a, payload, len);
 	if (pid < 0) {
 		cg_make(&s->cg, e->cg, a.join);

@@ -1,11 +1,15 @@
-/* A grader exec's view (SBX_EXEC_GRADER).  The spawner gives sbx-init a
- * detached read-only mount of the lowers alone (-P: what the layers hold,
- * nothing the workload wrote) and the paths a grader sees from it (-G).  The
- * grader's child makes a mount namespace of its own and mounts clones of that
- * tree over them, so a sitecustomize.py or .pth file in /etc or /usr, or a
- * changed grader tool, never reaches the grader.  For this sbx-init holds
- * CAP_SYS_ADMIN in the sandbox's user namespace (never in the bounding set;
- * its inheritable set is emptied at start, so no exec gets it). */
+/* A grader exec's view (SBX_EXEC_GRADER).  The spawner gives sbx-init the
+ * sandbox's layers as detached, id-mapped, read-only mounts (-P) and the paths
+ * a grader sees from them (-G).  The grader's child makes a mount namespace of
+ * its own, a read-only overlay of the layers alone (what they hold, nothing the
+ * workload wrote) and mounts clones of that tree over the paths, so a
+ * sitecustomize.py or .pth file in /etc or /usr, or a changed grader tool,
+ * never reaches the grader.  The overlay lives only as long as the grader's
+ * mount namespace: a sandbox whose grader never runs holds no superblock for
+ * it (each superblock on the host grows every memory cgroup's shrinker
+ * tables, see cgroup.c).  For this sbx-init holds CAP_SYS_ADMIN in the
+ * sandbox's user namespace (never in the bounding set; its inheritable set is
+ * emptied at start, so no exec gets it). */
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -28,6 +32,68 @@
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x4
 #endif
+#ifndef SYS_fsopen
+#define SYS_fsopen 430
+#define SYS_fsconfig 431
+#define SYS_fsmount 432
+#endif
+#define FSOPEN_CLOEXEC_ 0x1
+#define FSCONFIG_SET_FD_ 5
+#define FSCONFIG_CMD_CREATE_ 6
+#define FSMOUNT_CLOEXEC_ 0x1
+#define MOUNT_ATTR_RDONLY_ 0x1
+#define MOUNT_ATTR_NOSUID_ 0x2
+#define MOUNT_ATTR_NODEV_ 0x4
+
+/* A read-only overlay of the layers alone (top first to lowerdir+), with the
+ * scratch dir's empty/ at the bottom: overlayfs wants two lowers at least
+ * without an upper.  Returns a detached mount fd, -1 with *f set. */
+static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
+{
+	int ovl, mnt, empty = -1, i, saved;
+
+	if (pol->scratch_fd < 0)
+		return sbx_fail(f, ENOENT, "grader view", "no scratch dir for the bottom layer");
+	empty = openat(pol->scratch_fd, "empty", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (empty < 0)
+		return sbx_fail(f, errno, "grader view", "empty bottom layer");
+	ovl = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC_);
+	if (ovl < 0) {
+		saved = errno;
+		close(empty);
+		return sbx_fail(f, saved, "grader view", "fsopen overlay");
+	}
+	for (i = pol->n_lowers - 1; i >= 0; i--)
+		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, pol->lowers[i]) < 0)
+			goto fail;
+	if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, empty) < 0 ||
+	    syscall(SYS_fsconfig, ovl, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0)
+		goto fail;
+	mnt = (int)syscall(SYS_fsmount, ovl, FSMOUNT_CLOEXEC_,
+			   MOUNT_ATTR_RDONLY_ | MOUNT_ATTR_NODEV_ | MOUNT_ATTR_NOSUID_);
+	if (mnt < 0)
+		goto fail;
+	close(ovl);
+	close(empty);
+	return mnt;
+fail:
+	saved = errno;
+	{
+		/* the kernel explains a refusal in the fs context's log */
+		static char log[256];
+		ssize_t n = read(ovl, log, sizeof(log) - 1);
+
+		close(ovl);
+		close(empty);
+		if (n > 0) {
+			log[n] = 0;
+			if (log[n - 1] == '\n')
+				log[n - 1] = 0;
+			return sbx_fail(f, saved, "grader view: overlay of the layers", log);
+		}
+	}
+	return sbx_fail(f, saved, "grader view", "overlay of the layers");
+}
 
 /* Does `path` name the same symlink in the pristine tree and in our view? */
 static int same_link(int pristine_fd, const char *path)
@@ -49,14 +115,18 @@ int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct
 	static char paths[128 << 10];
 	char *p, *save = NULL, opts[96];
 	struct stat want, have;
-	int pristine_fd = pol->pristine_fd;
+	int pristine_fd;
 
-	if (pristine_fd < 0)
-		return sbx_fail(f, ENOTSUP, "grader view", "no pristine tree in this sandbox");
+	if (!pol->n_lowers)
+		return sbx_fail(f, ENOTSUP, "grader view", "no layers for it in this sandbox");
 	if (unshare(CLONE_NEWNS) < 0)
 		return sbx_fail(f, errno, "grader view", "unshare the mount namespace");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return sbx_fail(f, errno, "grader view", "make / private");
+	/* kept open until this child execs: the clones below hold the overlay */
+	pristine_fd = pristine_tree(pol, f);
+	if (pristine_fd < 0)
+		return -1;
 	snprintf(paths, sizeof(paths), "%s", pol->grader_paths ? pol->grader_paths : "");
 	for (p = strtok_r(paths, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
 		int t;

@@ -8,7 +8,7 @@
  * Usage: sbx-init (-l LISTEN_FD | -c FD[:WFD])
  *                 [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
  *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
- *                 [-P PRISTINE_FD -G PATH[:PATH...]]
+ *                 [-P LOWER_FD[:LOWER_FD...] -G PATH[:PATH...]]
  *   LISTEN_FD      a bound unix (or vsock) stream socket (sbx-init calls
  *                  listen(), so that SO_PEERCRED on a client's connection names
  *                  sbx-init); each connection replaces the last;
@@ -26,11 +26,12 @@
  *   PROFILE        an AppArmor profile (loaded by the daemon) each exec changes
  *                  to at execve (aa_change_onexec), on kernels with AppArmor;
  *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
- *                  overlay): only kept open, so the daemon can inspect the
- *                  upper through /proc/<pid>/fd before a grader exec.
- *   PRISTINE_FD    a detached read-only mount of the lowers alone, and the
- *                  PATHs a grader exec (SBX_EXEC_GRADER) sees from it
- *                  (grader.c).
+ *                  overlay, dev/ and shm/, empty/): kept open, so the daemon
+ *                  can inspect the upper through /proc/<pid>/fd before a
+ *                  grader exec, and for the bottom of grader views;
+ *   LOWER_FD...    the layers, detached read-only mounts, bottom first, and
+ *                  the PATHs a grader exec (SBX_EXEC_GRADER) sees from an
+ *                  overlay of them alone (grader.c).
  * Every inherited fd is made close-on-exec at start-up: no workload process
  * inherits the control channel or a cgroup directory.  How each exec is
  * confined is in child.c; the child forked ahead of the next exec in spare.c.
@@ -146,6 +147,22 @@ static int drop_inheritable(void)
 		return -1;
 	}
 	return 0;
+}
+
+/* -P: the layers of grader views, as fds, bottom first. */
+static int parse_lowers(const char *arg, struct sbx_policy *pol)
+{
+	char buf[SBX_MAX_LOWERS * 12], *p, *save = NULL;
+
+	if (strlen(arg) >= sizeof(buf))
+		return -1;
+	strcpy(buf, arg);
+	for (p = strtok_r(buf, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
+		if (pol->n_lowers == SBX_MAX_LOWERS)
+			return -1;
+		pol->lowers[pol->n_lowers++] = parse_fd(p);
+	}
+	return pol->n_lowers ? 0 : -1;
 }
 
 static void on_sigchld(struct sbx *s)
@@ -265,7 +282,7 @@ int main(int argc, char **argv)
 	s->ctl.on_frame = on_frame;
 	s->ctl.on_drop = exec_orphan_all;
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
-	s->pol.ll_ruleset = s->pol.pristine_fd = -1;
+	s->pol.ll_ruleset = s->pol.scratch_fd = -1;
 	s->spare.sock = -1;
 	while ((opt = getopt(argc, argv, "l:c:f:m:u:L:S:U:A:P:G:")) != -1) {
 		switch (opt) {
@@ -281,21 +298,27 @@ int main(int argc, char **argv)
 		case 'u': s->cg.v2 = parse_fd(optarg); break;
 		case 'L': ll_fd = parse_fd(optarg); break;
 		case 'S': sc_fd = parse_fd(optarg); break;
-		case 'U': parse_fd(optarg); break; /* kept open, close-on-exec */
+		case 'U': s->pol.scratch_fd = parse_fd(optarg); break;
 		case 'A': s->pol.aa_profile = optarg; break;
-		case 'P': s->pol.pristine_fd = parse_fd(optarg); break;
+		case 'P':
+			if (parse_lowers(optarg, &s->pol) < 0) {
+				logmsg("sbx-init: -P `%s`: FD[:FD...], at most %d", optarg,
+				       SBX_MAX_LOWERS);
+				return 2;
+			}
+			break;
 		case 'G': s->pol.grader_paths = optarg; break;
 		default:
 			logmsg("usage: sbx-init (-l LISTEN_FD | -c FD[:WFD]) "
 			       "[-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
 			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
-			       "[-P PRISTINE_FD -G PATHS]");
+			       "[-P LOWER_FD[:LOWER_FD...] -G PATHS]");
 			return 2;
 		}
 	}
 	if (load_policies(&s->pol, ll_fd, sc_fd) < 0)
 		return 1;
-	if (s->pol.pristine_fd >= 0 && drop_inheritable() < 0)
+	if (s->pol.n_lowers && drop_inheritable() < 0)
 		return 1; /* fail closed: an exec could inherit CAP_SYS_ADMIN */
 	if ((listen_fd < 0) == (rfd < 0)) {
 		logmsg("sbx-init: one of -l LISTEN_FD and -c FD[:WFD] is required");

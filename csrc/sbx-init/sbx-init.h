@@ -32,6 +32,7 @@
 #define STDIN_MAX      (4u << 20)        /* stdin bytes buffered per exec */
 #define MAX_PENDING_RM 1024
 #define CG_NAME_MAX    24
+#define SBX_MAX_LOWERS 64                /* layers of a grader view */
 
 /* What an epoll event is about: the kind in the low byte, the exec's slot above. */
 enum sbx_kind {
@@ -69,6 +70,7 @@ struct exec {
 	int stdin_wanted, stdin_eof;
 	struct sbx_buf in;
 	char cg[CG_NAME_MAX]; /* per-exec cgroup name, "" if none */
+	uint64_t oom_base;    /* the sandbox's OOM kills when it started */
 };
 
 struct sbx_cg;
@@ -83,8 +85,8 @@ struct cg_ops {
 	int (*remove)(struct sbx_cg *cg, const char *name);
 	/* Kill every process in it; -1 if that could not be done. */
 	int (*kill)(struct sbx_cg *cg, const char *name);
-	/* Whether the OOM killer struck in it, and its peak memory (bytes, 0 unknown). */
-	void (*stats)(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak);
+	/* OOM kills in the sandbox's memory cgroup so far. */
+	uint64_t (*oom_kills)(struct sbx_cg *cg);
 };
 
 struct sbx_cg {
@@ -103,7 +105,9 @@ struct sbx_policy {
 	uint8_t *sc_prog;         /* seccomp program, NULL: none */
 	size_t sc_len;
 	const char *aa_profile;   /* AppArmor profile for execs, NULL: none */
-	int pristine_fd;          /* the lowers-only tree for grader views, -1: none */
+	int lowers[SBX_MAX_LOWERS]; /* the layers for grader views (detached, bottom first) */
+	int n_lowers;             /* 0: no grader views in this sandbox */
+	int scratch_fd;           /* the scratch dir (upper/, work/, empty/), -1: none */
 	const char *grader_paths; /* ':'-separated paths a grader view replaces */
 };
 
@@ -229,11 +233,10 @@ void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2]);
 void cg_release(struct sbx_cg *cg, char name[CG_NAME_MAX]);
 void cg_retry_pending(struct sbx_cg *cg);
 int cg_kill(struct sbx_cg *cg, const char *name);
-void cg_stats(struct sbx_cg *cg, const char *name, int *oom, uint64_t *peak);
+uint64_t cg_oom_kills(struct sbx_cg *cg);
 int cg_write(int dirfd, const char *cg, const char *file, const char *val);
 ssize_t cg_read(int dirfd, const char *cg, const char *file, char *out, size_t size);
 uint64_t cg_key(int dirfd, const char *cg, const char *file, const char *key);
-uint64_t cg_u64(int dirfd, const char *cg, const char *file);
 extern const struct cg_ops cg_v1_ops, cg_v2_ops;
 
 #endif

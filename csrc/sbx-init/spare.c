@@ -50,7 +50,8 @@ static void spare_main(const struct sbx_policy *pol, int sock, const int join[2]
 	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf,
 			   .msg_controllen = sizeof(c.buf)};
 	struct cmsghdr *cm;
-	int keep[8] = {0, 1, 2, sock}, nk = 4, fds[4] = {-1, -1, -1, -1}, got[4], i, n = 0;
+	int keep[8 + SBX_MAX_LOWERS] = {0, 1, 2, sock}, nk = 4, fds[4] = {-1, -1, -1, -1}, got[4];
+	int i, n = 0;
 	ssize_t r;
 
 	/* Nothing of sbx-init's but what an exec needs: a copy of a running
@@ -60,8 +61,10 @@ static void spare_main(const struct sbx_policy *pol, int sock, const int join[2]
 			keep[nk++] = join[i];
 	if (pol->ll_ruleset >= 0)
 		keep[nk++] = pol->ll_ruleset;
-	if (pol->pristine_fd >= 0)
-		keep[nk++] = pol->pristine_fd;
+	for (i = 0; i < pol->n_lowers; i++) /* a grader view is made from these */
+		keep[nk++] = pol->lowers[i];
+	if (pol->n_lowers && pol->scratch_fd >= 0)
+		keep[nk++] = pol->scratch_fd;
 	qsort(keep, (size_t)nk, sizeof(int), cmp_int);
 	for (i = 0, n = 0; i < nk; i++) {
 		if (keep[i] > n)

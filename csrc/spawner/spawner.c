@@ -14,6 +14,8 @@
  *                 [--protect PATH...]    (sandbox paths made read-only mounts)
  *                 [--pristine PATH...]   (sandbox paths a grader exec sees as the
  *                                         layers have them: see "grader view" below)
+ *                 [--sysfs 1]            (a sysfs of the sandbox's netns on /sys;
+ *                                         without it /sys is an empty directory)
  *                 [--caps MASK]          (capabilities kept, bit n = capability n)
  *                 [--landlock FILE] [--seccomp FILE] [--apparmor PROFILE]
  *                                        (policies sbx-init applies per exec)
@@ -49,8 +51,10 @@
  *     CAP_SYS_ADMIN in the initial namespace, hence here and not in the
  *     child), a per-sandbox tmpfs of --disk-bytes holding upper and work, and
  *     an overlay over them configured by fd (lowerdir+, Linux >= 6.13).  The
- *     overlay's mount fd goes to the child over a socketpair.
- *  5. The child attaches it (sent with the setup message), mounts /proc, /dev, /sys, sets the hostname,
+ *     overlay's mount fd goes to the child over a socketpair, with clones of
+ *     the tmpfs's dev/ and shm/ directories and, for a grader view, the lowers.
+ *  5. The child attaches it (sent with the setup message), mounts /proc, /dev
+ *     (and /sys with --sysfs), sets the hostname,
  *     brings loopback up, pivots into it and execs sbx-init from an fd opened
  *     on the host.  Confinement (seccomp, Landlock, capability drop,
  *     no_new_privs) belongs between pivot_root and the exec: see the
@@ -66,14 +70,24 @@
  *
  * Grader view (--pristine): the workload may write much that a grader runs
  * (/etc/python3.11/sitecustomize.py, a .pth file, a grader tool it can
- * reach), and listing such paths one by one never ends.  So the parent also
- * makes a read-only overlay of the lowers alone (no upper: what the layers
- * hold, nothing the workload wrote) and sbx-init keeps it as a detached mount
- * that no workload process can reach (an fd of its own).  For a grader exec
- * sbx-init's child makes a mount namespace of its own and mounts clones of
- * that tree over each --pristine path.  sbx-init keeps CAP_SYS_ADMIN in the
- * sandbox's user namespace for this (permitted and effective, never in the
- * bounding set, dropped from its inheritable set at start, so no exec gets it).
+ * reach), and listing such paths one by one never ends.  So sbx-init keeps
+ * the id-mapped lowers as detached mounts that no workload process can reach
+ * (fds of its own), and for a grader exec its child makes a mount namespace
+ * of its own, a read-only overlay of the lowers alone (no upper: what the
+ * layers hold, nothing the workload wrote) and mounts clones of that tree
+ * over each --pristine path.  sbx-init keeps CAP_SYS_ADMIN in the sandbox's
+ * user namespace for this (permitted and effective, never in the bounding
+ * set, dropped from its inheritable set at start, so no exec gets it).
+ *
+ * Kernel objects per sandbox are a density budget: every memory cgroup on the
+ * host gets shrinker tables sized by the number of superblocks on the host
+ * (mm/shrinker.c: 1 KiB per 64 per NUMA node), so each superblock a sandbox
+ * holds costs a little in every memory cgroup, and the host's cost grows as
+ * N squared.  Hence one tmpfs per sandbox for the upper, /dev and /dev/shm
+ * (directories of it, bound), no sysfs unless the task profile asks for one,
+ * and the grader's overlay only while a grader exec runs (it dies with that
+ * exec's mount namespace).  What is left: the overlay, the tmpfs, proc,
+ * devpts and the IPC namespace's mqueue.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -125,7 +139,7 @@ struct opts {
 	int n_protect;
 	const char *pristine[MAX_PROTECT];
 	int n_pristine;
-	int has_caps;
+	int has_caps, sysfs;
 	unsigned long long caps;
 };
 
@@ -156,28 +170,33 @@ static int fs_fail(struct lfs_error *e, int fsfd, int code, const char *what)
 }
 
 /* The setup message: a u32 mask of which of the SETUP_* fds follow (in that
- * order, as SCM_RIGHTS), then the options, NUL-separated. */
+ * order, as SCM_RIGHTS), then the lowers for the grader view, if any (bottom
+ * first), then the options, NUL-separated. */
 enum { SETUP_ROOT, SETUP_SCRATCH, SETUP_LISTEN, SETUP_INIT, SETUP_LOG, SETUP_CG_A, SETUP_CG_B,
-       SETUP_LL, SETUP_SC, SETUP_PRISTINE, SETUP_NFDS };
+       SETUP_LL, SETUP_SC, SETUP_DEV, SETUP_SHM, SETUP_NFDS };
+#define SETUP_MAX_FDS (SETUP_NFDS + MAX_LOWERS)
 
-static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS])
+static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS],
+		      const int *lowers, int n_lowers)
 {
 	uint32_t mask = 0;
 	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
 			       {.iov_base = (void *)args, .iov_len = len}};
 	union {
 		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * SETUP_NFDS)];
+		char buf[CMSG_SPACE(sizeof(int) * SETUP_MAX_FDS)];
 	} c;
 	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf};
 	struct cmsghdr *cm;
-	int i, n = 0, sent[SETUP_NFDS];
+	int i, n = 0, sent[SETUP_MAX_FDS];
 
 	for (i = 0; i < SETUP_NFDS; i++)
 		if (fds[i] >= 0) {
 			mask |= 1u << i;
 			sent[n++] = fds[i];
 		}
+	for (i = 0; i < n_lowers && i < MAX_LOWERS; i++)
+		sent[n++] = lowers[i];
 	memset(c.buf, 0, sizeof(c.buf));
 	m.msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)n);
 	cm = CMSG_FIRSTHDR(&m);
@@ -188,38 +207,43 @@ static int send_setup(int sock, const char *args, size_t len, const int fds[SETU
 	return sendmsg(sock, &m, MSG_NOSIGNAL) == (ssize_t)(sizeof(mask) + len) ? 0 : -1;
 }
 
-/* Receive the setup message into args (NUL-terminated) and fds (-1: absent).
- * Returns the length of the options, -1 on error (errno set). */
-static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS])
+/* Receive the setup message into args (NUL-terminated), fds (-1: absent) and
+ * lowers (*n_lowers of them).  Returns the length of the options, -1 on error
+ * (errno set). */
+static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS],
+			  int lowers[MAX_LOWERS], int *n_lowers)
 {
 	uint32_t mask;
 	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
 			       {.iov_base = args, .iov_len = cap - 1}};
 	union {
 		struct cmsghdr h;
-		char buf[CMSG_SPACE(sizeof(int) * SETUP_NFDS)];
+		char buf[CMSG_SPACE(sizeof(int) * SETUP_MAX_FDS)];
 	} c;
 	struct msghdr m = {.msg_iov = iov, .msg_iovlen = 2, .msg_control = c.buf,
 			   .msg_controllen = sizeof(c.buf)};
 	struct cmsghdr *cm;
-	int i, n = 0, got[SETUP_NFDS];
+	int i, n = 0, total, fixed, got[SETUP_MAX_FDS];
 	ssize_t r;
 
 	for (i = 0; i < SETUP_NFDS; i++)
 		fds[i] = -1;
+	*n_lowers = 0;
 	r = recvmsg(sock, &m, MSG_CMSG_CLOEXEC);
 	if (r < 0)
 		return -1;
 	cm = CMSG_FIRSTHDR(&m);
 	if (cm && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS)
 		n = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
-	if (n > SETUP_NFDS)
-		n = SETUP_NFDS;
+	if (n > SETUP_MAX_FDS)
+		n = SETUP_MAX_FDS;
 	if (n)
 		memcpy(got, CMSG_DATA(cm), sizeof(int) * (size_t)n);
+	total = n;
+	fixed = r < (ssize_t)sizeof(mask) ? total + 1 : __builtin_popcount(mask);
 	if (r < (ssize_t)sizeof(mask) || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
-	    __builtin_popcount(mask) != n || mask >> SETUP_NFDS) {
-		for (i = 0; i < n; i++)
+	    fixed > total || total - fixed > MAX_LOWERS || mask >> SETUP_NFDS) {
+		for (i = 0; i < total; i++)
 			close(got[i]);
 		errno = EPROTO;
 		return -1;
@@ -227,6 +251,8 @@ static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS])
 	for (i = 0, n = 0; i < SETUP_NFDS; i++)
 		if (mask & (1u << i))
 			fds[i] = got[n++];
+	for (i = fixed; i < total; i++)
+		lowers[(*n_lowers)++] = got[i];
 	r -= (ssize_t)sizeof(mask);
 	args[r] = 0;
 	return r;
@@ -263,7 +289,9 @@ struct child_fds {
 	int ll, sc;      /* policy files for sbx-init, or -1 */
 	int scratch;     /* the scratch dir (upper/, work/) */
 	int rootmnt;     /* the detached overlay */
-	int pristine;    /* the detached lowers-only overlay, or -1 */
+	int dev, shm;    /* the scratch tmpfs's dev/ and shm/, detached */
+	int lowers[MAX_LOWERS]; /* the lowers for grader views (bottom first) */
+	int n_lowers;
 };
 
 static int bind_dev(const char *name, struct lfs_error *e)
@@ -297,7 +325,10 @@ static int ensure_dir(const char *path, mode_t mode, struct lfs_error *e)
 	return 0;
 }
 
-static int make_dev(struct lfs_error *e)
+/* /dev and /dev/shm are directories of the sandbox's scratch tmpfs (made and
+ * cloned by the parent: `dev`, `shm`), so they share its size limit and cost
+ * no superblock of their own. */
+static int make_dev(int dev, int shm, struct lfs_error *e)
 {
 	static const char *const nodes[] = {"null", "zero", "full", "random", "urandom", "tty"};
 	static const char *const links[][2] = {
@@ -307,19 +338,18 @@ static int make_dev(struct lfs_error *e)
 	};
 	size_t i;
 
-	if (mount("tmpfs", "dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64") < 0)
-		return lfs_error_set(e, errno, "mount tmpfs on `/dev`");
+	if (move_mount(dev, "", AT_FDCWD, "dev", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return lfs_error_set(e, errno, "mount `/dev`");
 	for (i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++)
 		if (bind_dev(nodes[i], e) < 0)
 			return -1;
 	if (mkdir("dev/pts", 0755) < 0 || mkdir("dev/shm", 01777) < 0)
 		return lfs_error_set(e, errno, "mkdir in `/dev`");
-	chmod("dev/shm", 01777);
 	if (mount("devpts", "dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
 		  "newinstance,ptmxmode=0666,mode=0620") < 0)
 		return lfs_error_set(e, errno, "mount devpts on `/dev/pts`");
-	if (mount("shm", "dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m") < 0)
-		return lfs_error_set(e, errno, "mount tmpfs on `/dev/shm`");
+	if (move_mount(shm, "", AT_FDCWD, "dev/shm", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return lfs_error_set(e, errno, "mount `/dev/shm`");
 	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++)
 		if (symlink(links[i][0], links[i][1]) < 0)
 			return lfs_error_set(e, errno, "symlink `%s`", links[i][1]);
@@ -377,12 +407,53 @@ static int protect_paths(const struct opts *o, struct lfs_error *e)
 	return 0;
 }
 
+/* The lowers sbx-init keeps for grader views, and the scratch mount whose
+ * empty/ is their bottom layer, must be detached mounts whose (anonymous)
+ * mount namespace belongs to the sandbox's user namespace: overlayfs clones
+ * its layers (clone_private_mount), which needs CAP_SYS_ADMIN over the
+ * namespace of a detached layer, and the parent's mounts belong to the host's.
+ * So each is attached here for an instant, on /proc before proc is mounted
+ * there (inside this private mount namespace, nothing else sees it), cloned
+ * again from there by this child, and detached. */
+static int reclone(int *fd, const char *what, struct lfs_error *e)
+{
+	int t;
+
+	if (move_mount(*fd, "", AT_FDCWD, "proc", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return lfs_error_set(e, errno, "grader view: attach %s", what);
+	t = open_tree(AT_FDCWD, "proc", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+	if (t < 0)
+		return lfs_error_set(e, errno, "grader view: clone %s", what);
+	if (umount2("proc", MNT_DETACH) < 0) {
+		close(t);
+		return lfs_error_set(e, errno, "grader view: detach %s", what);
+	}
+	close(*fd);
+	*fd = t;
+	return 0;
+}
+
+static int reclone_lowers(struct child_fds *f, struct lfs_error *e)
+{
+	int i;
+
+	if (!f->n_lowers)
+		return 0;
+	if (reclone(&f->scratch, "the scratch dir", e) < 0)
+		return -1;
+	for (i = 0; i < f->n_lowers; i++)
+		if (reclone(&f->lowers[i], "a lower", e) < 0)
+			return -1;
+	return 0;
+}
+
 static int child_setup(const struct opts *o, struct child_fds *f, struct lfs_error *e)
 {
 	cleanup_close int rootmnt = f->rootmnt;
 
 	f->rootmnt = -1;
-	if (rootmnt < 0 || f->scratch < 0 || f->listen < 0 || f->init_exe < 0 || f->log < 0)
+	if (rootmnt < 0 || f->scratch < 0 || f->listen < 0 || f->init_exe < 0 || f->log < 0 ||
+	    f->dev < 0 || f->shm < 0)
 		return lfs_error_set(e, EPROTO, "setup message without the rootfs, scratch, socket or log");
 	/* Moved into the sandbox's cgroups by the parent before the setup
 	 * message: the cgroup namespace is rooted there. */
@@ -405,11 +476,14 @@ static int child_setup(const struct opts *o, struct child_fds *f, struct lfs_err
 	if (ensure_dir("proc", 0555, e) || ensure_dir("dev", 0755, e) || ensure_dir("sys", 0555, e) ||
 	    ensure_dir("tmp", 01777, e))
 		return -1;
+	if (reclone_lowers(f, e) < 0)
+		return -1;
 	if (mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
 		return lfs_error_set(e, errno, "mount proc on `/proc`");
-	if (make_dev(e) < 0)
+	if (make_dev(f->dev, f->shm, e) < 0)
 		return -1;
-	if (mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+	if (o->sysfs &&
+	    mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
 		return lfs_error_set(e, errno, "mount sysfs on `/sys`");
 	if (sethostname(o->hostname, strlen(o->hostname)) < 0)
 		return lfs_error_set(e, errno, "sethostname `%s`", o->hostname);
@@ -448,7 +522,7 @@ static void child_main(int sync)
 	ssize_t len;
 
 	f->sync = sync;
-	len = recv_setup(sync, args, sizeof(args), got);
+	len = recv_setup(sync, args, sizeof(args), got, f->lowers, &f->n_lowers);
 	if (len < 0)
 		_exit(1); /* the spawner went away before the sandbox was known */
 	f->rootmnt = got[SETUP_ROOT];
@@ -460,7 +534,8 @@ static void child_main(int sync)
 	f->cg_b = got[SETUP_CG_B];
 	f->ll = got[SETUP_LL];
 	f->sc = got[SETUP_SC];
-	f->pristine = got[SETUP_PRISTINE];
+	f->dev = got[SETUP_DEV];
+	f->shm = got[SETUP_SHM];
 	oargc = split_args(args, (size_t)len, oargv);
 	if (oargc < 0) {
 		lfs_error_set(&e, E2BIG, "too many options");
@@ -486,7 +561,7 @@ static void child_main(int sync)
 	}
 	if (o->has_caps) {
 		/* CAP_SYS_ADMIN is sbx-init's own when it makes grader views */
-		uint64_t held = f->pristine >= 0 ? 1ULL << CAP_SYS_ADMIN : 0;
+		uint64_t held = f->n_lowers ? 1ULL << CAP_SYS_ADMIN : 0;
 
 		if (lfs_caps_restrict_held(o->caps, held & ~o->caps, &e) < 0)
 			goto out;
@@ -496,10 +571,15 @@ static void child_main(int sync)
 	 * clobbers another) and close everything else.  The sync socket stays
 	 * open, close-on-exec: the spawner sees the exec happen as EOF. */
 	{
-		int *src[] = {&f->listen, &f->cg_a, &f->cg_b, &f->ll, &f->sc, &f->scratch,
-			      &f->pristine, &f->init_exe};
-		const int nsrc = (int)(sizeof(src) / sizeof(src[0]));
-		int i, n = 0, sync_hi = fcntl(f->sync, F_DUPFD_CLOEXEC, 200);
+		int *src[8 + MAX_LOWERS] = {&f->listen, &f->cg_a, &f->cg_b, &f->ll, &f->sc,
+					    &f->scratch, &f->init_exe};
+		int i, n = 0, nsrc = 7, sync_hi;
+
+		close(f->dev);
+		close(f->shm);
+		for (i = 0; i < f->n_lowers; i++)
+			src[nsrc++] = &f->lowers[i];
+		sync_hi = fcntl(f->sync, F_DUPFD_CLOEXEC, 200);
 
 		if (sync_hi < 0)
 			_exit(1);
@@ -534,7 +614,8 @@ static void child_main(int sync)
 		syscall(SYS_close_range, (unsigned)(sync_hi + 1), ~0u, 0u);
 	}
 	{
-		static char lfd[16], afd[16], bfd[16], llfd[16], scfd[16], upfd[16], prfd[16];
+		static char lfd[16], afd[16], bfd[16], llfd[16], scfd[16], upfd[16];
+		static char prfd[MAX_LOWERS * 12];
 		static char gpaths[MAX_SETUP];
 
 		argv[argc++] = "sbx-init";
@@ -569,11 +650,14 @@ static void child_main(int sync)
 			argv[argc++] = "-A";
 			argv[argc++] = (char *)o->apparmor;
 		}
-		if (f->pristine >= 0) {
+		if (f->n_lowers && o->n_pristine) {
 			size_t off = 0;
 			int i;
 
-			snprintf(prfd, sizeof(prfd), "%d", f->pristine);
+			for (i = 0; i < f->n_lowers; i++)
+				off += (size_t)snprintf(prfd + off, sizeof(prfd) - off, "%s%d",
+							i ? ":" : "", f->lowers[i]);
+			off = 0;
 			argv[argc++] = "-P";
 			argv[argc++] = prfd;
 			for (i = 0; i < o->n_pristine; i++)
@@ -633,47 +717,35 @@ static int idmapped_lower(const char *path, int userns, struct lfs_error *e)
 	return fd;
 }
 
-/* The grader's tree: a read-only overlay of the lowers alone.  Overlayfs
- * wants two lowers at least without an upper, hence an empty tmpfs at the
- * bottom.  Made with fsmount, so that sbx-init's children, in mount namespaces
- * of their own, may clone parts of it (open_tree refuses detached trees that
- * open_tree made in another namespace). */
-static int pristine_tree(const struct opts *o, const int *lowers, struct lfs_error *e)
+/* A detached clone of directory `name` of the scratch mount `scratch`, with
+ * mount attributes `attr_set`. */
+static int scratch_clone(int scratch, const char *name, uint64_t attr_set, struct lfs_error *e)
 {
-	cleanup_close int tfs = -1, empty = -1, ovl = -1;
-	int i, mnt;
+	struct mount_attr attr = {.attr_set = attr_set};
+	int fd = open_tree(scratch, name, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
 
-	tfs = fsopen("tmpfs", FSOPEN_CLOEXEC);
-	if (tfs < 0)
-		return lfs_error_set(e, errno, "fsopen tmpfs (grader view)");
-	if (fsconfig(tfs, FSCONFIG_SET_STRING, "size", "4k", 0) < 0 ||
-	    fsconfig(tfs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
-		return fs_fail(e, tfs, errno, "empty tmpfs (grader view)");
-	empty = fsmount(tfs, FSMOUNT_CLOEXEC, MOUNT_ATTR_RDONLY);
-	if (empty < 0)
-		return lfs_error_set(e, errno, "fsmount empty tmpfs (grader view)");
-	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
-	if (ovl < 0)
-		return lfs_error_set(e, errno, "fsopen overlay (grader view)");
-	for (i = o->n_lowers - 1; i >= 0; i--)
-		if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, lowers[i]) < 0)
-			return fs_fail(e, ovl, errno, "overlay lowerdir+ (grader view)");
-	if (fsconfig(ovl, FSCONFIG_SET_FD, "lowerdir+", NULL, empty) < 0 ||
-	    fsconfig(ovl, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
-		return fs_fail(e, ovl, errno, "overlay (grader view)");
-	mnt = fsmount(ovl, FSMOUNT_CLOEXEC,
-		      MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID);
-	if (mnt < 0)
-		return lfs_error_set(e, errno, "fsmount overlay (grader view)");
-	return mnt;
+	if (fd < 0)
+		return lfs_error_set(e, errno, "clone scratch `%s`", name);
+	if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0) {
+		int saved = errno;
+
+		close(fd);
+		return lfs_error_set(e, saved, "mount attributes of scratch `%s`", name);
+	}
+	return fd;
 }
 
-static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int *pristine_out,
-			struct lfs_error *e)
+/* The rootfs overlay (returned), the scratch mount (upper/, work/, dev/,
+ * shm/, empty/; in *scratch_out), clones of its dev/ and shm/ (dev_out[2]) and,
+ * when a grader view is wanted, the id-mapped lowers (lowers_out, bottom
+ * first: the caller closes them). */
+static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int dev_out[2],
+			int *lowers_out, struct lfs_error *e)
 {
 	char path[64], num[32];
 	cleanup_close int userns = -1;
 	cleanup_close int tmpfs = -1, tmpmnt = -1, upper = -1, work = -1, ovl = -1;
+	cleanup_close int dev = -1, shm = -1;
 	int lowers[MAX_LOWERS];
 	int i, rc = -1, mnt = -1;
 
@@ -691,8 +763,9 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 
 	if (o->upper_dir) {
 		/* a host directory (e.g. on an XFS filesystem of the node's scratch
-		 * storage, whose own size limits the upper) */
-		tmpmnt = open(o->upper_dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+		 * storage, whose own size limits the upper), as a detached bind
+		 * mount of its own, like the tmpfs: the child attaches clones of it */
+		tmpmnt = open_tree(AT_FDCWD, o->upper_dir, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
 		if (tmpmnt < 0) {
 			lfs_error_set(e, errno, "open upper dir `%s`", o->upper_dir);
 			goto out;
@@ -716,12 +789,24 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 			goto out;
 		}
 	}
-	/* upper's root becomes the sandbox's "/": owned by sandbox root */
+	/* upper's root becomes the sandbox's "/", dev/ and shm/ its /dev and
+	 * /dev/shm: owned by sandbox root; empty/ is the bottom layer of grader
+	 * views (overlayfs wants two lowers without an upper), which no workload
+	 * process can reach (the scratch root is mounted nowhere it can see) */
 	if (mkdirat(tmpmnt, "upper", 0755) < 0 || mkdirat(tmpmnt, "work", 0700) < 0 ||
-	    fchownat(tmpmnt, "upper", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0) {
-		lfs_error_set(e, errno, "scratch upper/work");
+	    mkdirat(tmpmnt, "dev", 0755) < 0 || mkdirat(tmpmnt, "shm", 01777) < 0 ||
+	    mkdirat(tmpmnt, "empty", 0555) < 0 ||
+	    fchmodat(tmpmnt, "shm", 01777, 0) < 0 ||
+	    fchownat(tmpmnt, "upper", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0 ||
+	    fchownat(tmpmnt, "dev", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0 ||
+	    fchownat(tmpmnt, "shm", (uid_t)o->uid_base, (gid_t)o->uid_base, 0) < 0) {
+		lfs_error_set(e, errno, "scratch upper/work/dev/shm");
 		goto out;
 	}
+	dev = scratch_clone(tmpmnt, "dev", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV, e);
+	shm = dev < 0 ? -1 : scratch_clone(tmpmnt, "shm", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, e);
+	if (shm < 0)
+		goto out;
 	upper = openat(tmpmnt, "upper", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	work = openat(tmpmnt, "work", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (upper < 0 || work < 0) {
@@ -753,16 +838,11 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		lfs_error_set(e, errno, "fsmount overlay");
 		goto out;
 	}
-	if (o->n_pristine) {
-		*pristine_out = pristine_tree(o, lowers, e);
-		if (*pristine_out < 0) {
-			close(mnt);
-			mnt = -1;
-			goto out;
-		}
-	}
-	*scratch_out = tmpmnt;
-	tmpmnt = -1;
+	*scratch_out = steal_fd(&tmpmnt);
+	dev_out[0] = steal_fd(&dev);
+	dev_out[1] = steal_fd(&shm);
+	for (i = 0; i < o->n_lowers; i++)
+		lowers_out[i] = lowers[i];
 	rc = mnt;
 out:
 	/* On success the lower clones stay open until this process exits, after
@@ -912,7 +992,9 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 		  pid_t *out_pid, struct lfs_error *e)
 {
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
-	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1, pristine = -1;
+	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1;
+	int devs[2] = {-1, -1}, lowers[MAX_LOWERS];
+	int rc;
 	char reply[600];
 	ssize_t n;
 	int status;
@@ -948,16 +1030,22 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 	listen_fd = open_listen(o->ctl, e);
 	if (listen_fd < 0)
 		return -1;
-	rootmnt = build_rootfs(o, p->pid, &scratch, &pristine, e);
+	rootmnt = build_rootfs(o, p->pid, &scratch, devs, lowers, e);
 	if (rootmnt < 0)
 		return -1;
 	{
 		int fds[SETUP_NFDS] = {[SETUP_ROOT] = rootmnt, [SETUP_SCRATCH] = scratch,
 				       [SETUP_LISTEN] = listen_fd, [SETUP_INIT] = init_exe,
 				       [SETUP_LOG] = log_fd, [SETUP_CG_A] = cg_a, [SETUP_CG_B] = cg_b,
-				       [SETUP_LL] = ll, [SETUP_SC] = sc, [SETUP_PRISTINE] = pristine};
+				       [SETUP_LL] = ll, [SETUP_SC] = sc, [SETUP_DEV] = devs[0],
+				       [SETUP_SHM] = devs[1]};
 
-		if (send_setup(p->sync, args, len, fds) < 0)
+		/* the lowers go along only for a grader view: sbx-init keeps them */
+		rc = send_setup(p->sync, args, len, fds, lowers, o->n_pristine ? o->n_lowers : 0);
+		close(devs[0]);
+		close(devs[1]);
+		/* the lowers stay open until this process exits (see build_rootfs) */
+		if (rc < 0)
 			return lfs_error_set(e, errno, "send the rootfs to the child");
 	}
 	n = read(p->sync, reply, sizeof(reply) - 1);
@@ -1046,6 +1134,8 @@ static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e
 			if (v[0] != '/' || strchr(v, ':'))
 				return lfs_error_set(e, EINVAL, "grader-view path `%s`: absolute, without ':'", v);
 			o->pristine[o->n_pristine++] = v;
+		} else if (!strcmp(k, "--sysfs")) {
+			o->sysfs = atoi(v) != 0;
 		} else if (!strcmp(k, "--protect")) {
 			if (o->n_protect == MAX_PROTECT)
 				return lfs_error_set(e, EINVAL, "more than %d protected paths", MAX_PROTECT);

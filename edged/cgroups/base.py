@@ -7,7 +7,11 @@ Rules (from the host notes): never remount cgroups; create only beneath the cgro
 ``/proc/self/cgroup`` names for each controller; never write to a cgroup we did not create.
 Our tree: ``<own cgroup>/<subdir>/<sandbox id>`` in each hierarchy. A sandbox's directory is
 delegated to the sandbox's root uid (chown) so that sbx-init can make one cgroup per exec
-beneath it (tree kill, peak memory, OOM).
+beneath it for tree kills: freezer cgroups on v1, controller-less ones on v2, never memory
+cgroups. A sandbox has one memory cgroup: the kernel gives every memory cgroup shrinker tables
+sized by the number of superblocks on the host (1 KiB per 64 per NUMA node, mm/shrinker.c), so
+the host's kernel memory grows with memory cgroups × superblocks, both proportional to the
+sandboxes (see sbx-init's cgroup.c and the spawner's header).
 """
 
 from __future__ import annotations

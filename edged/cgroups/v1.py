@@ -196,8 +196,9 @@ class V1Hierarchy(Hierarchy):
                 d.mkdir()
             self._limits(cg, res)
             cg.set_qos(qos)
-            for c in ("freezer", "memory"):
-                os.chown(cg.dirs[c], root_uid, root_uid)
+            # freezer only: sbx-init makes its exec cgroups there; the memory cgroup it only
+            # reads (OOM kills), and one made per exec would cost the host (see base.py)
+            os.chown(cg.dirs["freezer"], root_uid, root_uid)
             cg.join = list(dict.fromkeys(cg.dirs.values()))
             self._make_bpf_dir(cg, bpf)
         except OSError as exc:
@@ -213,8 +214,9 @@ class V1Hierarchy(Hierarchy):
             self._ensure_parents()
             for d in dict.fromkeys(cg.dirs.values()):
                 d.mkdir()
-            for c in ("freezer", "memory"):
-                os.chown(cg.dirs[c], root_uid, root_uid)
+            # freezer only: sbx-init makes its exec cgroups there; the memory cgroup it only
+            # reads (OOM kills), and one made per exec would cost the host (see base.py)
+            os.chown(cg.dirs["freezer"], root_uid, root_uid)
         except OSError as exc:
             with contextlib.suppress(BackendError):
                 cg.remove()

@@ -201,8 +201,9 @@ class V2Hierarchy(Hierarchy):
             with contextlib.suppress(FileNotFoundError):
                 fs.write(d / "memory.swap.max", str(swap_allowance(res, self.swap_share)))
             fs.write(d / "pids.max", str(res.pids))
+            # sbx-init's cgroup and, beneath, one per exec, without controllers (none is
+            # enabled in subtree_control): one memory cgroup per sandbox (see base.py)
             (d / "init").mkdir()
-            fs.write(d / "cgroup.subtree_control", "+memory +pids")
             # systemd-style delegation: the dir and the files that move processes
             for p in (d, d / "cgroup.procs", d / "cgroup.subtree_control",
                       d / "cgroup.threads", d / "init", d / "init" / "cgroup.procs"):

@@ -4,7 +4,10 @@ Keys: ``seccomp`` (profile name), ``protected`` (absolute paths the workload may
 execute but never change), ``grader`` (absolute paths of programs the grader exec runs; treated
 as protected), ``grader_view`` (absolute paths that a grader exec sees as the layers hold
 them, whatever the workload wrote there, which it may: default :data:`DEFAULT_GRADER_VIEW`),
-``tcp_bind`` / ``tcp_connect`` (port lists; absent means TCP not restricted by Landlock).
+``tcp_bind`` / ``tcp_connect`` (port lists; absent means TCP not restricted by Landlock),
+``sysfs`` (true: a sysfs of the sandbox's network namespace on /sys; default false, /sys
+empty: each sysfs is a superblock, and every superblock on the host grows the kernel's tables
+of every memory cgroup, so it costs the node in proportion to its sandboxes).
 Unknown keys are an error, so a typo cannot silently weaken a policy.
 """
 
@@ -37,6 +40,7 @@ class TaskProfile:
     tcp_bind: tuple[int, ...] | None
     tcp_connect: tuple[int, ...] | None
     grader_view: tuple[str, ...] = DEFAULT_GRADER_VIEW
+    sysfs: bool = False
 
     def all_protected(self) -> tuple[str, ...]:
         """``protected`` plus the grader's programs, sorted, without duplicates."""
@@ -79,12 +83,15 @@ def load(name: str = "default") -> TaskProfile:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ProfileError(f"task profile {path}: {e}") from e
     unknown = set(doc) - {"seccomp", "protected", "grader", "grader_view", "tcp_bind",
-                          "tcp_connect"}
+                          "tcp_connect", "sysfs"}
     if unknown:
         raise ProfileError(f"task profile {name}: unknown keys {sorted(unknown)}")
     sc = doc.get("seccomp", "default")
     if not isinstance(sc, str):
         raise ProfileError(f"task profile {name}: seccomp must be a profile name")
+    sysfs = doc.get("sysfs", False)
+    if not isinstance(sysfs, bool):
+        raise ProfileError(f"task profile {name}: sysfs must be true or false")
     return TaskProfile(
         name=name,
         seccomp=sc,
@@ -95,6 +102,7 @@ def load(name: str = "default") -> TaskProfile:
         grader_view=tuple(sorted(set(_paths(doc.get("grader_view", list(DEFAULT_GRADER_VIEW)),
                                             f"task profile {name}: grader_view"))
                                  - {"/"})),
+        sysfs=sysfs,
     )
 
 

@@ -165,6 +165,8 @@ def spawner_args(policy: Policy, policy_dir: Path) -> list[str]:
     """Write the policy files (once) into ``policy_dir``, which must be host-only (in the
     0700 state dir); return the spawner's options for them."""
     args = ["--caps", str(policy.caps)]
+    if policy.task.sysfs:
+        args += ["--sysfs", "1"]
     for p in policy.protected:
         args += ["--protect", p]
     for p in policy.task.grader_view:

@@ -83,9 +83,11 @@ def test_lifecycle_and_exit_code(backend: ContainerBackend, busybox_tree: Path) 
         assert out.split() == [b"0", b"host-sb1", b"0"]  # layer files owned by sandbox root
         assert err == b"oops\n"
         assert (end.reason, end.exit_code, end.signal) == ("exited", 3, None)
-        # network "none": an empty netns with loopback up (IFF_UP = 0x1)
-        out, _, _ = await sh(backend, "sb1", "ls /sys/class/net; cat /sys/class/net/lo/flags")
-        assert out.split()[0] == b"lo" and len(out.split()) == 2 and int(out.split()[1], 16) & 1
+        # network "none": an empty netns with loopback up; no sysfs unless the task
+        # profile asks for one (a superblock per sandbox)
+        out, _, _ = await sh(backend, "sb1", "ip -o link; ls /sys | wc -l")
+        lines = out.decode().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("1: lo: <LOOPBACK,UP") and lines[1] == "0"
         out, _, _ = await sh(backend, "sb1", "cat /proc/1/cmdline | tr '\\0' ' '; echo; "
                                              "ls /dev; grep -c ' / overlay ' /proc/mounts")
         lines = out.decode().splitlines()
@@ -730,6 +732,67 @@ def test_sbx_init_logs_to_init_log(backend: ContainerBackend, busybox_tree: Path
             log = backend.sandboxes_dir / "sb1" / "init.log"
             assert os.path.samefile(f"/proc/{pid}/fd/2", log)
             assert os.readlink(f"/proc/{pid}/fd/1") == "/dev/null"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def _superblocks(pid: int) -> dict[str, str]:
+    """Superblock (st_dev as major:minor) -> filesystem type of every mount in the mount
+    namespace of ``pid``, the host's devtmpfs (the device nodes bound into /dev) left out."""
+    out = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        f = line.split()
+        fstype = f[f.index("-") + 1]
+        if fstype != "devtmpfs":
+            out[f[2]] = fstype
+    return out
+
+
+def test_kernel_objects_per_sandbox(backend: ContainerBackend, busybox_tree: Path) -> None:
+    """A sandbox is one memory cgroup (none per exec, none for the spare) and four
+    superblocks of its own (overlay, the tmpfs of upper + /dev + /dev/shm, proc, devpts):
+    each memory cgroup's kernel tables grow with the superblocks on the host, so the host's
+    cost grew as N squared with the 2-3 memory cgroups and ~10 superblocks it had. A grader
+    view lives only while its exec does."""
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            out, _, end = await sh(backend, "sb1", "sleep 30 > /dev/null 2>&1 & echo started")
+            assert out == b"started\n" and end.reason == "exited"
+            sbx = backend._sandboxes["sb1"]
+            if "memory" in sbx.cg.dirs:  # v1
+                mem = sbx.cg.dirs["memory"]
+                # exec cgroups (the leftover `sleep`'s, the spare's) are freezer cgroups only
+                assert [d for d, _, _ in os.walk(mem)] == [str(mem)]
+                assert len([d for d, _, _ in os.walk(sbx.cg.dirs["freezer"])]) >= 2
+            sbs = _superblocks(sbx.pid)
+            assert sorted(sbs.values()) == ["devpts", "overlay", "proc", "tmpfs"], sbs
+            h = await backend.exec("sb1", ExecSpec(argv=("/bin/sh", "-c", "cat /etc/hostname"),
+                                                   env=ENV, trusted=True))
+            async for ev in h.events():
+                if isinstance(ev, ExecEnd):
+                    assert ev.reason == "exited" and ev.exit_code == 0, ev
+            assert _superblocks(sbx.pid) == sbs  # the grader's overlay went with its exec
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+def test_sysfs_only_when_the_task_profile_asks(backend: ContainerBackend, busybox_tree: Path,
+                                               tmp_path: Path) -> None:
+    prof = tmp_path / "withsys.toml"
+    prof.write_text('seccomp = "default"\nsysfs = true\n')
+
+    async def body() -> None:
+        await backend.create(dataclasses.replace(spec((str(busybox_tree),)),
+                                                 task_profile=str(prof)))
+        try:
+            out, _, _ = await sh(backend, "sb1", "cat /sys/class/net/lo/flags")
+            assert int(out, 16) & 1  # loopback up, seen through the sandbox's own sysfs
+            assert "sysfs" in _superblocks(backend._sandboxes["sb1"].pid).values()
         finally:
             await backend.destroy("sb1")
 
