@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -100,7 +101,8 @@ struct wr {
 	uint64_t buf_off;
 	struct wr_pipe *pipe;   /* the writer thread, or NULL: pwrite() here */
 	uint8_t *own_buf;       /* the buffer when there is no writer thread */
-	uint8_t *meta;          /* blocks [0, data_start) of the image */
+	uint8_t *meta;          /* blocks [0, data_start) of the image (mmap'd) */
+	uint64_t meta_len;
 	uint8_t *scratch;       /* a directory's content */
 	size_t scratch_cap;
 };
@@ -732,6 +734,7 @@ struct wr_pipe {
 	uint64_t len[WR_SLOTS];
 	int src_fd[WR_SLOTS];
 	uint64_t src_off[WR_SLOTS];
+	const uint8_t *mem[WR_SLOTS];   /* or bytes to write from here (the metadata) */
 	uint32_t inode[WR_SLOTS];
 	uint64_t head, tail;    /* slots [tail, head) are queued; slot head is the builder's */
 	bool stop;
@@ -844,7 +847,8 @@ static void *pipe_main(void *arg)
 		else if (job)
 			code = pipe_copy(p, k, &at, &eof);
 		else
-			code = pwrite_all(p->fd, p->slot[k], p->len[k], p->off[k], &at);
+			code = pwrite_all(p->fd, p->mem[k] ? p->mem[k] : p->slot[k], p->len[k],
+					  p->off[k], &at);
 		if (job) {
 			close(p->src_fd[k]);
 			p->src_fd[k] = -1;
@@ -949,10 +953,11 @@ static int pipe_finish(struct wr *w, bool report)
 	return r;
 }
 
-/* Queue the builder's slot (its buffer, or a copy job when src_fd >= 0) and wait
- * for a free one, which becomes the builder's buffer. */
+/* Queue the builder's slot (its buffer; or a copy job when src_fd >= 0; or `len`
+ * bytes at `mem`, which must live until pipe_finish) and wait for a free one, which
+ * becomes the builder's buffer. */
 static int pipe_push(struct wr *w, uint64_t off, uint64_t len, int src_fd, uint64_t src_off,
-		     uint32_t inode)
+		     uint32_t inode, const uint8_t *mem)
 {
 	struct wr_pipe *p = w->pipe;
 	uint32_t k = (uint32_t)(p->head % WR_SLOTS);
@@ -964,6 +969,7 @@ static int pipe_push(struct wr *w, uint64_t off, uint64_t len, int src_fd, uint6
 	p->src_fd[k] = src_fd;
 	p->src_off[k] = src_off;
 	p->inode[k] = inode;
+	p->mem[k] = mem;
 	p->head++;
 	pthread_cond_broadcast(&p->cv);
 	while (p->head - p->tail >= WR_SLOTS && !p->code)
@@ -987,7 +993,7 @@ static int out_flush(struct wr *w)
 	if (!w->buf_len)
 		return 0;
 	if (p) {
-		if (pipe_push(w, w->buf_off, w->buf_len, -1, 0, 0) < 0)
+		if (pipe_push(w, w->buf_off, w->buf_len, -1, 0, 0, NULL) < 0)
 			return -1;
 	} else {
 		code = pwrite_all(w->fd, w->buf, w->buf_len, w->buf_off, &at);
@@ -997,6 +1003,23 @@ static int out_flush(struct wr *w)
 	}
 	w->buf_off += w->buf_len;
 	w->buf_len = 0;
+	return 0;
+}
+
+/* Write `n` bytes of `src` (alive until pipe_finish) at `off`, not through a buffer. */
+static int out_direct(struct wr *w, uint64_t off, const uint8_t *src, uint64_t n)
+{
+	uint64_t at = 0;
+	int code;
+
+	if (out_flush(w) < 0)
+		return -1;
+	if (w->pipe)
+		return pipe_push(w, off, n, -1, 0, 0, src);
+	code = pwrite_all(w->fd, src, n, off, &at);
+	if (code)
+		return lfs_error_set(w->err, code, "write image at offset %llu: %s",
+				     (unsigned long long)at, strerror(code));
 	return 0;
 }
 
@@ -1111,7 +1134,7 @@ static int copy_direct(struct wr *w, uint32_t i, int fd, const char *path, uint6
 
 		if (dfd < 0)
 			return 0;
-		if (pipe_push(w, at, len, dfd, (uint64_t)src, i) < 0)
+		if (pipe_push(w, at, len, dfd, (uint64_t)src, i, NULL) < 0)
 			return -1;
 		w->buf_off = at + len;
 		return 1;
@@ -1534,6 +1557,20 @@ static void encode_super(struct wr *w, struct lfs_wr_stats *stats)
 	memcpy(stats->uuid, sb.uuid, 16);
 }
 
+/* Zeroed memory for the metadata, tens of MB for a rootfs (inline tails are most of
+ * it): in huge pages where the kernel has them (THP "madvise" mode), so that the preads
+ * of inline tails into it do not fault 4 KiB at a time (5,000 faults for a Debian
+ * rootfs, 2% of the build). */
+static uint8_t *meta_alloc(uint64_t len)
+{
+	void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+
+	if (p == MAP_FAILED)
+		return NULL;
+	(void)madvise(p, len, MADV_HUGEPAGE);   /* a hint; EINVAL without THP */
+	return p;
+}
+
 static int write_all(struct wr *w, struct lfs_wr_stats *stats)
 {
 	const struct lfs_wr_input *in = w->in;
@@ -1553,7 +1590,8 @@ static int write_all(struct wr *w, struct lfs_wr_stats *stats)
 	if (prepare_tree(w) < 0 || choose_epoch(w) < 0 || layout(w) < 0)
 		return -1;
 	meta_len = w->data_start * w->blksz;
-	w->meta = calloc(1, meta_len);
+	w->meta = meta_alloc(meta_len);
+	w->meta_len = meta_len;
 	if (!w->meta)
 		return lfs_error_set(w->err, ENOMEM, "metadata of %llu bytes",
 				     (unsigned long long)meta_len);
@@ -1566,7 +1604,7 @@ static int write_all(struct wr *w, struct lfs_wr_stats *stats)
 		return -1;
 	encode_inodes(w);
 	encode_super(w, stats);
-	if (out_bytes(w, 0, w->meta, meta_len) < 0 || out_flush(w) < 0 ||
+	if (out_direct(w, 0, w->meta, meta_len) < 0 || out_flush(w) < 0 ||
 	    pipe_finish(w, true) < 0)
 		return -1;
 	if (ftruncate(w->fd, (off_t)(w->total_blocks * w->blksz)) < 0)
@@ -1613,7 +1651,8 @@ int lfs_writer_write(const struct lfs_wr_input *in, const struct lfs_wr_options 
 	free(w.order);
 	free(w.xorder);
 	free(w.own_buf);
-	free(w.meta);
+	if (w.meta)
+		munmap(w.meta, w.meta_len);
 	free(w.scratch);
 	return r;
 }
