@@ -338,7 +338,7 @@ static int sc_read_dir(struct lfs_scan *s, size_t q)
 	struct dirent *de;
 	cleanup_free char **names = NULL;
 	cleanup_free char *pool = NULL;
-	size_t nnames = 0, cap_names = 0, pool_len = 0, pool_cap = 0;
+	size_t nnames = 0, cap_names = 0, pool_len = 0, pool_cap = 0, base;
 	int fd, r = -1;
 	DIR *dir;
 
@@ -412,6 +412,9 @@ static int sc_read_dir(struct lfs_scan *s, size_t q)
 	}
 	qsort(names, nnames, sizeof(*names), sc_name_cmp);
 
+	/* Children's paths: this one, a '/' (none after a root of "/"), the name. */
+	base = d.path_len == 1 && path[0] == '/' ? 1 : d.path_len + 1;
+	path[base - 1] = '/';
 	sc_inode(s, d.inode)->dirent_first = (uint32_t)s->dirents.n;
 	for (size_t k = 0; k < nnames; k++) {
 		size_t nlen = strlen(names[k]);
@@ -419,13 +422,12 @@ static int sc_read_dir(struct lfs_scan *s, size_t q)
 		struct stat cst;
 		uint32_t child, dirent = (uint32_t)s->dirents.n;
 
-		if (d.path_len + 1 + nlen > PATH_MAX) {
-			r = lfs_error_set(s->err, ENAMETOOLONG, "`%s/%s`: path longer than %d "
-					  "bytes", path, names[k], PATH_MAX);
+		if (base + nlen > PATH_MAX) {
+			r = lfs_error_set(s->err, ENAMETOOLONG, "`%.*s%s`: path longer than %d "
+					  "bytes", (int)base, path, names[k], PATH_MAX);
 			goto out;
 		}
-		path[d.path_len] = '/';
-		memcpy(path + d.path_len + 1, names[k], nlen + 1);
+		memcpy(path + base, names[k], nlen + 1);
 		if (fstatat(dirfd(dir), names[k], &cst, AT_SYMLINK_NOFOLLOW) < 0) {
 			r = lfs_error_set(s->err, errno, "lstat `%s`: %s", path, strerror(errno));
 			goto out;
@@ -434,7 +436,7 @@ static int sc_read_dir(struct lfs_scan *s, size_t q)
 			? sc_link_find(s, cst.st_dev, cst.st_ino) : UINT32_MAX;
 		if (child == UINT32_MAX) {
 			child = (uint32_t)s->inodes.n;
-			if (sc_entry(s, path, d.path_len + 1 + nlen, &cst, dirfd(dir), names[k],
+			if (sc_entry(s, path, base + nlen, &cst, dirfd(dir), names[k],
 				     d.inode, dirent) < 0)
 				goto out;
 		}

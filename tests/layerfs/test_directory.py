@@ -133,6 +133,10 @@ def test_scan_writes_what_its_tree_writes(scratch: pathlib.Path) -> None:
     hole = tree.get("hole")
     assert hole is not None and hole.data is not None and hole.data.extents == ()
     assert tree.get("h1") is tree.get("h2")
+    again = scan_directory(f"{scratch}/src//").tree()  # trailing slashes: the same paths
+    for node in (again.get("a.txt"), again.get("sub/deep/x")):
+        assert node is not None and node.data is not None
+        assert "//" not in node.data.path and os.path.isfile(node.data.path)
     write_image(scan, scratch / "scan.erofs")
     write_image(tree, scratch / "tree.erofs")
     assert (scratch / "scan.erofs").read_bytes() == (scratch / "tree.erofs").read_bytes()
