@@ -21,6 +21,7 @@
 #include <limits.h>
 #include <stdarg.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -900,6 +901,8 @@ static int pipe_error(struct wr *w, struct wr_pipe *p)
 static void pipe_start(struct wr *w)
 {
 	struct wr_pipe *p = calloc(1, sizeof(*p));
+	sigset_t all, old;
+	bool started;
 
 	if (!p)
 		return;
@@ -913,7 +916,13 @@ static void pipe_start(struct wr *w)
 	p->writeback = w->opt->flags & LFS_WR_OPT_WRITEBACK;
 	pthread_mutex_init(&p->mu, NULL);
 	pthread_cond_init(&p->cv, NULL);
-	if (pthread_create(&p->thread, NULL, pipe_main, p) != 0) {
+	/* The thread blocks every signal, so the caller's threads get them as they would
+	 * without it (a SIGINT for Python's main thread is not taken by this one). */
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	started = pthread_create(&p->thread, NULL, pipe_main, p) == 0;
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (!started) {
 		pthread_mutex_destroy(&p->mu);
 		pthread_cond_destroy(&p->cv);
 		goto fail;
