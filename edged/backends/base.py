@@ -19,6 +19,12 @@ from typing import Protocol
 #: :meth:`edged.security.ledger.Ledger.record` (what the daemon passes).
 EventSink = Callable[..., object]
 
+#: Where a backend reports a sandbox that died on its own (its init ended: killed, crashed,
+#: out of memory), at once: ``sink(sandbox_id, cause)``; ``cause`` is a JSON object,
+#: ``{"what": str, "signal": int, "exit_status": int, "oom_kill": bool, "log": str}`` with
+#: the fields that are known. The sandbox stays until it is destroyed.
+FailureSink = Callable[[str, Mapping[str, object]], None]
+
 
 @dataclass(frozen=True)
 class Resources:
@@ -176,6 +182,8 @@ class Backend(Protocol):
     :mod:`edged.errors` exceptions; ``NotFound`` for an unknown sandbox id."""
 
     name: str
+    #: set by the daemon: told when a sandbox dies on its own (None: nobody listens)
+    on_failure: FailureSink | None
 
     async def probe(self) -> dict[str, object]:
         """Features found on this host (cgroup v1/v2, userns, idmapped mounts...)."""

@@ -183,6 +183,7 @@ class SandboxManager:
     ) -> None:
         self.config = config
         self.backend = backend
+        backend.on_failure = self._sandbox_failed
         self.images = images
         self.layers = layers
         self.metrics = metrics or Metrics()
@@ -719,6 +720,29 @@ class SandboxManager:
             start = self._starts.pop(sandbox_id, None)
             if start is not None:  # off the exec's path: the stream ends without waiting
                 self._background(self._observe_start(rec, start))
+
+    def _sandbox_failed(self, sandbox_id: str, cause: Mapping[str, object]) -> None:
+        """The backend says the sandbox died on its own (its init ended): ``failed`` now,
+        with the cause in its record and in the ledger (``sandbox_failed``), rather than
+        ``running`` with every exec refused. A delete still removes everything."""
+        rec = self._sandboxes.get(sandbox_id)
+        if rec is None or rec.state not in (State.CREATING, State.RUNNING, State.PAUSED):
+            return  # being deleted, or already failed
+        what = str(cause.get("what", "the sandbox died"))
+        known = [f"{k} {cause[k]}" for k in ("signal", "exit_status") if k in cause]
+        if cause.get("oom_kill"):
+            known.append("out of memory")
+        rec.transition(State.FAILED)
+        rec.error = f"{what} ({', '.join(known) or 'status unknown'})"
+        log.warning("sandbox %s failed: %s", sandbox_id, rec.error,
+                    extra={"sandbox": sandbox_id})
+        if self.ledger is not None:
+            self.ledger.record(sandbox_id, "sandbox_failed", detail={"cause": dict(cause)})
+        try:
+            self._save(rec)
+        except OSError as e:
+            log.warning("sandbox %s: cannot save its record: %s", sandbox_id, e)
+        self._update_gauges()
 
     def _abandoned(self, sandbox_id: str, exec_id: int | None, spec: ExecSpec,
                    how: str) -> None:

@@ -54,6 +54,7 @@ KINDS = frozenset(
         "timeout",  # an exec hit its wall-time limit
         "protocol_violation",  # a malformed or oversized control-channel frame
         "exec_abandoned",  # its caller went away before its end: the exec's tree was killed
+        "sandbox_failed",  # the sandbox's init (sbx-init) ended on its own: detail["cause"]
         "sandbox_gone",
     }
 )

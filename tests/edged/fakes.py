@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from edged.backends.base import ExecEnd, ExecSpec, SandboxSpec
+from edged.backends.base import ExecEnd, ExecSpec, FailureSink, SandboxSpec
 from edged.errors import BackendError, BadRequest, NotFound
 from edged.images.mounts import LayerMounts, LayerOps
 
@@ -121,6 +121,7 @@ class FakeBackend:
         self.leftovers: set[str] = set()
         self.fail_create: set[str] = set()
         self.create_delay = 0.0
+        self.on_failure: FailureSink | None = None
         self._next = 1
 
     def _get(self, sid: str) -> Path:

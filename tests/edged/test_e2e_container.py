@@ -384,3 +384,33 @@ def test_dropped_connections_and_closed_websockets_kill_their_execs(
 
     asyncio.run(asyncio.wait_for(body(), 60))
     assert not _quiet_logs(caplog), _quiet_logs(caplog)[:3]
+
+
+def test_a_sandbox_whose_sbx_init_died_fails_and_deletes_clean(real_node, layer_store) -> None:
+    # Bug (issue 9, item 4): kill -9 of sbx-init left the sandbox "running" for ever, every
+    # exec failing with "sbx-init is not connected", nothing recorded.
+    _, digest = layer_store
+    node = real_node()
+    sbx = Sandbox.create(layers=[digest], id="dies", env={"PATH": "/bin"}, socket=node.socket)
+    try:
+        assert sbx.exec("echo up").stdout == "up\n"
+        pid = node.server.manager.backend._sandboxes["dies"].pid  # type: ignore[attr-defined]
+        os.kill(pid, 9)
+        deadline = time.monotonic() + 3
+        while sbx.refresh()["state"] != "failed" and time.monotonic() < deadline:
+            time.sleep(0.02)  # promptly: not only when the next exec is tried
+        info = sbx.refresh()
+        assert info["state"] == "failed" and "sbx-init ended" in info["error"], info
+        (ev,) = sbx.events(kind="sandbox_failed")
+        assert ev["detail"]["cause"]["what"] == "sbx-init ended"
+        assert ev["detail"]["cause"].get("signal") in (None, 9)
+        with pytest.raises(InvalidStateError):
+            sbx.exec("true")
+        runtime = Path(node.server.config.runtime_dir)
+        assert (runtime / "sandboxes" / "dies").exists()
+    finally:
+        sbx.kill()
+    assert Sandbox.list(socket=node.socket) == []
+    assert not (runtime / "sandboxes" / "dies").exists()
+    assert node.server.manager.layers.refs() == {}
+    # (the fixture checks that no cgroup or mount is left)

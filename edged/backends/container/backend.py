@@ -43,6 +43,7 @@ from edged.backends.base import (
     QOS_CLASSES,
     EventSink,
     ExecSpec,
+    FailureSink,
     MemoryUsage,
     Resources,
     SandboxSpec,
@@ -92,6 +93,10 @@ class _Sandbox:
     paused: bool = False
     policy: confinement.Policy | None = None
     limits: confinement.LimitWatch | None = None
+    starttime: int | None = None  # sbx-init's, with pid naming it across pid reuse
+    #: why its sbx-init ended, once it has (see ContainerBackend.on_failure)
+    dead: dict[str, object] | None = None
+    watched: asyncio.AbstractEventLoop | None = None  # whose loop watches its pidfd
 
 
 class ContainerBackend:
@@ -109,10 +114,14 @@ class ContainerBackend:
     that filesystem (per sandbox ``resources.disk_bytes`` where it is XFS with project quotas,
     see :mod:`.scratch`); default: a tmpfs of ``resources.disk_bytes`` per sandbox.
     ``on_event``: where security events go (see :mod:`.confinement`), e.g. a ledger's
-    ``record``. ``spawner_pool``: how many spawners to keep started ahead of demand (0: spawn
-    one per create; each pooled one is two waiting processes and holds a uid range; call
-    :meth:`close` to end them). ``swap_share``: on cgroup v2, the swap each sandbox may
-    hold as a share of its memory limit (see :func:`edged.cgroups.swap_allowance`). Raises
+    ``record``. ``on_failure``: told at once when a sandbox's sbx-init ends on its own
+    (killed, crashed, out of memory), with what is known of why (see
+    :data:`edged.backends.base.FailureSink`); its execs then fail with InvalidState, and
+    :meth:`destroy` still removes everything. ``spawner_pool``: how many spawners to keep
+    started ahead of demand (0: spawn one per create; each pooled one is two waiting
+    processes and holds a uid range; call :meth:`close` to end them). ``swap_share``: on
+    cgroup v2, the swap each sandbox may hold as a share of its memory limit (see
+    :func:`edged.cgroups.swap_allowance`). Raises
     :class:`edged.errors` exceptions only.
     """
 
@@ -129,6 +138,7 @@ class ContainerBackend:
         self.state_dir = Path(state_dir)
         self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.on_event = on_event
+        self.on_failure: FailureSink | None = None
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.uid_base = uid_base
         self.id_count = id_count
@@ -282,6 +292,38 @@ class ContainerBackend:
             self._reap(pid, then)
         for p in stale:
             self._drop_pooled(p)
+        for sbx in self._sandboxes.values():
+            self._watch(sbx)
+
+    def _watch(self, sbx: _Sandbox) -> None:
+        """Learn at once when the sandbox's sbx-init ends (its pidfd becomes readable)."""
+        loop = asyncio.get_running_loop()
+        if sbx.dead is not None or sbx.watched is loop:
+            return
+        self._unwatch(sbx)
+        loop.add_reader(sbx.pidfd, self._init_ended, sbx)
+        sbx.watched = loop
+
+    @staticmethod
+    def _unwatch(sbx: _Sandbox) -> None:
+        if sbx.watched is not None and not sbx.watched.is_closed():
+            sbx.watched.remove_reader(sbx.pidfd)
+        sbx.watched = None
+
+    def _init_ended(self, sbx: _Sandbox) -> None:
+        """sbx-init is gone, and with it every process of the sandbox (PID 1 of its pid
+        namespace): the sandbox has failed. A destroy in progress is not a failure."""
+        self._unwatch(sbx)
+        if self._sandboxes.get(sbx.id) is not sbx or sbx.id in self._busy:
+            return
+        sbx.dead = _death_cause(sbx)
+        log.warning("sandbox %s: sbx-init ended (%s); the sandbox has failed", sbx.id,
+                    _cause_text(sbx.dead))
+        if self.on_failure is not None:
+            try:
+                self.on_failure(sbx.id, dict(sbx.dead))
+            except Exception:
+                log.exception("sandbox %s: failure report", sbx.id)
 
     def _take_pooled(self) -> _Pooled | None:
         """A ready pooled spawner (removed from the pool), or None."""
@@ -528,13 +570,15 @@ class ContainerBackend:
             self._write_meta(d, meta)
             self.uid_slots.bind(slot, sid, pid)  # the claim now outlives this daemon
             sbx = _Sandbox(sid, d, pid, os.pidfd_open(pid), uid_base, slot, cg, policy=policy,
-                           limits=confinement.LimitWatch(cg, fresh=True))
+                           limits=confinement.LimitWatch(cg, fresh=True),
+                           starttime=meta["starttime"])
             try:
                 await self._connect(sbx)
             except BaseException:
                 os.close(sbx.pidfd)
                 raise
             self._sandboxes[sid] = sbx
+            self._watch(sbx)
         except BaseException as exc:
             if pooled is not None:  # failed before the spawner was used: it holds the slot
                 self._drop_pooled(pooled)
@@ -556,6 +600,8 @@ class ContainerBackend:
         sbx = self._get(sandbox_id)
         if sbx.paused:
             raise InvalidState(f"sandbox {sandbox_id} is paused")
+        if sbx.dead is not None:
+            raise InvalidState(f"sandbox {sandbox_id} has failed: {_cause_text(sbx.dead)}")
         if sbx.conn is None or sbx.conn.closed:
             raise InvalidState(f"sandbox {sandbox_id}: sbx-init is not connected")
         if not (0 <= spec.uid < self.id_count and 0 <= spec.gid < self.id_count):
@@ -634,6 +680,7 @@ class ContainerBackend:
         self._busy.add(sandbox_id)
         try:
             if sbx is not None:
+                self._unwatch(sbx)
                 if sbx.conn is not None:
                     await sbx.conn.close()
                 os.close(sbx.pidfd)
@@ -746,7 +793,7 @@ class ContainerBackend:
         cg = self.cgroups.path_of(sandbox_id)
         sbx = _Sandbox(sandbox_id, self.sandboxes_dir / sandbox_id, pid, pidfd,
                        int(meta["uid_base"]), int(meta["slot"]), cg,
-                       limits=confinement.LimitWatch(cg))
+                       limits=confinement.LimitWatch(cg), starttime=meta.get("starttime"))
         sbx.paused = cg.frozen()
         if sbx.paused:
             await asyncio.to_thread(cg.freeze, False)  # sbx-init must answer the hello
@@ -764,6 +811,7 @@ class ContainerBackend:
             log.warning("sandbox %s: uid slot %d: cannot update its claim: %s", sandbox_id,
                         sbx.slot, exc)
         self._sandboxes[sandbox_id] = sbx
+        self._watch(sbx)
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Tear down every sandbox found in the state dir or our cgroups that is neither in
@@ -810,6 +858,7 @@ class ContainerBackend:
                 then()
         self._reaping.clear()
         for sbx in list(self._sandboxes.values()):
+            self._unwatch(sbx)
             if sbx.conn is not None:
                 await sbx.conn.close()
             os.close(sbx.pidfd)
@@ -817,6 +866,45 @@ class ContainerBackend:
         if not self._metas() and not self._busy:
             self.cgroups.prune()
         self._closed = False
+
+
+def _death_cause(sbx: _Sandbox) -> dict[str, object]:
+    """What can be known of why sbx-init ended: its exit status if it is still a zombie
+    (it is not our child: its reaper, the host's init, may have been first), whether the
+    sandbox's memory cgroup OOM-killed a process since the last exec's end, and the last
+    line sbx-init logged."""
+    cause: dict[str, object] = {"what": "sbx-init ended"}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        data = Path(f"/proc/{sbx.pid}/stat").read_text()
+        fields = data[data.rindex(")") + 2 :].split()
+        # state (field 3) a zombie, the same process (starttime, field 22), exit_code (52)
+        if fields[0] == "Z" and int(fields[19]) == sbx.starttime:
+            status = int(fields[49])
+            if os.WIFSIGNALED(status):
+                cause["signal"] = os.WTERMSIG(status)
+            elif os.WIFEXITED(status):
+                cause["exit_status"] = os.WEXITSTATUS(status)
+    if sbx.limits is not None:
+        with contextlib.suppress(OSError, ValueError, BackendError):
+            if sbx.cg.oom_kills() > sbx.limits.last.get("oom_kill", 0):
+                cause["oom_kill"] = True
+    with contextlib.suppress(OSError):
+        with open(sbx.dir / "init.log", "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+        if lines:
+            cause["log"] = lines[-1][-300:]
+    return cause
+
+
+def _cause_text(cause: dict[str, object]) -> str:
+    """A failure cause in words: ``sbx-init ended: signal 9``."""
+    bits = [f"signal {cause['signal']}" if "signal" in cause else "",
+            f"exit status {cause['exit_status']}" if "exit_status" in cause else "",
+            "out of memory" if cause.get("oom_kill") else ""]
+    known = ", ".join(b for b in bits if b) or "status unknown"
+    return f"{cause['what']} ({known})"
 
 
 def _remove_quietly(cg: SandboxCgroup) -> None:

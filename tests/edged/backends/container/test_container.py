@@ -797,3 +797,38 @@ def test_sysfs_only_when_the_task_profile_asks(backend: ContainerBackend, busybo
             await backend.destroy("sb1")
 
     run(body)
+
+
+def test_a_killed_sbx_init_fails_the_sandbox_at_once(backend: ContainerBackend,
+                                                    busybox_tree: Path) -> None:
+    # Bug (issue 9, item 4): after kill -9 of sbx-init the sandbox stayed as it was, every
+    # exec failing with "sbx-init is not connected", nothing recorded. The backend now
+    # watches sbx-init's pidfd and says so at once, with what it knows of the cause.
+    failed: list[tuple[str, dict[str, object]]] = []
+    backend.on_failure = lambda sid, cause: failed.append((sid, dict(cause)))
+
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            running = await backend.exec("sb1", ExecSpec(argv=("sleep", "1000"), env=ENV))
+            pid = backend._sandboxes["sb1"].pid
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            while not failed and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.01)
+            assert failed and failed[0][0] == "sb1", failed
+            assert time.monotonic() - t0 < 2
+            cause = failed[0][1]
+            assert cause["what"] == "sbx-init ended" and cause.get("signal") in (None, 9)
+            _, _, end = await collect(running)  # its execs end, killed with their sandbox
+            assert end.reason == "killed"
+            with pytest.raises(InvalidState, match="has failed: sbx-init ended"):
+                await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
+        finally:
+            await backend.destroy("sb1")
+        assert not (backend.sandboxes_dir / "sb1").exists()
+        assert not cgroup_dirs(backend)
+        assert len(failed) == 1  # reported once; a destroy is no failure
+
+    run(body)
+    assert not sandbox_processes(backend)
