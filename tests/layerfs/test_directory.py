@@ -126,6 +126,8 @@ def test_scan_writes_what_its_tree_writes(scratch: pathlib.Path) -> None:
         f.write(b"end")
     with open(scratch / "src" / "hole", "wb") as f:
         f.truncate(3 << 20)
+    with open(os.path.join(os.fsencode(scratch / "src"), b"not-utf8-\xff\xfe"), "wb") as f:
+        f.write(b"raw name")
     scan = scan_directory(scratch / "src")
     tree = scan.tree()
     sparse = tree.get("sparse")
@@ -133,6 +135,10 @@ def test_scan_writes_what_its_tree_writes(scratch: pathlib.Path) -> None:
     hole = tree.get("hole")
     assert hole is not None and hole.data is not None and hole.data.extents == ()
     assert tree.get("h1") is tree.get("h2")
+    raw = tree.get(b"not-utf8-\xff\xfe")
+    assert raw is not None and raw.data is not None
+    with open(raw.data.path, "rb") as f:
+        assert f.read() == b"raw name"
     again = scan_directory(f"{scratch}/src//").tree()  # trailing slashes: the same paths
     for node in (again.get("a.txt"), again.get("sub/deep/x")):
         assert node is not None and node.data is not None
