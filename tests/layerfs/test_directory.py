@@ -175,3 +175,30 @@ def test_build_debian_rootfs_cache() -> None:
     if not DEBIAN_TAR.exists():
         build_debian_tar()
     assert DEBIAN_TAR.stat().st_size > 100 << 20
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_hardlinks_across_many_directories_are_one_inode(scratch: pathlib.Path) -> None:
+    # Directories are read by two threads: a file linked from everywhere must still
+    # become one inode, whichever thread sees it first.
+    src = scratch / "src"
+    src.mkdir()
+    (src / "target").write_bytes(b"shared")
+    for i in range(300):
+        (src / f"d{i}" / "sub").mkdir(parents=True)
+        os.link(src / "target", src / f"d{i}" / "sub" / "link")
+        (src / f"d{i}" / "own").write_bytes(b"%d" % i)
+    for attempt in range(3):
+        tree = scan_directory(src).tree()
+        target = tree.get("target")
+        assert all(tree.get(f"d{i}/sub/link") is target for i in range(300)), attempt
+        assert tree.get("d7/own").data is not None  # type: ignore[union-attr]
+    img = scratch / "img.erofs"
+    write_image(scan_directory(src), img)
+    fsck_erofs(img)
+    with mounted_erofs(img) as mp:
+        st = os.stat(os.path.join(mp, "target"))
+        assert st.st_nlink == 301
+        assert os.stat(os.path.join(mp, "d299/sub/link")).st_ino == st.st_ino
+        assert pathlib.Path(mp, "d42/own").read_bytes() == b"42"
