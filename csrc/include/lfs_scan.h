@@ -9,11 +9,14 @@
  * regular file, its path and identity (LFS_WR_SRC_ID: the writer refuses a file
  * that changed between the scan and the write).  File bytes are not read.
  *
- * Each directory's children are sorted by name (memcmp) and directories are read
- * breadth-first, so the input, and every message, is the same whatever the readdir
- * order.  A directory is opened by its path with O_NOFOLLOW and checked to be the
- * one its parent listed (st_dev/st_ino), so a directory swapped for a symlink or
- * for another directory during the scan is an error, not a walk elsewhere.
+ * Directories are read breadth-first by two threads (one without a second core),
+ * each directory's names sorted (memcmp).  The order of the input depends on which
+ * thread read what, the image written from it does not: the writer sorts names and
+ * numbers inodes itself.  (A hardlinked file's source path is the name a thread
+ * reached first: the same file either way.)  A directory is opened by its path with
+ * O_NOFOLLOW and checked to be the one its parent listed (st_dev/st_ino), so a
+ * directory swapped for a symlink or for another directory during the scan is an
+ * error, not a walk elsewhere.
  */
 #ifndef LFS_SCAN_H
 #define LFS_SCAN_H

@@ -96,7 +96,8 @@ class DirScan:
 def scan_directory(path: str | os.PathLike[str] | bytes) -> DirScan:
     """Scan the directory ``path`` (recursively, without following symlinks).
 
-    The result does not depend on readdir or listxattr order. Raises
+    The image written from it does not depend on readdir or listxattr order, nor on
+    which of the scan's two threads read which directory. Raises
     :class:`InvalidSourceError` if ``path`` is not a directory (a symlink to one is not)
     or an entry changed during the scan or cannot be kept, and ``OSError`` for
     unreadable entries (the message names them).
