@@ -51,7 +51,10 @@ class Config:
     layers_remote: str = ""
     layers_cache_bytes: int = 0  # size limit of the node's layer cache; 0 = none
     layers_fetch_timeout_s: float = 30.0  # a read of an unreachable chunk fails (EIO) after
-    backend: str = "container"
+    backend: str = "container"  # the backend of a create that names none
+    # Backends to run side by side (comma-separated names; "" = only `backend`); a create
+    # picks one with "backend", GET /v1/node lists them.
+    backends: str = ""
     # Capacity: 0 means "what this machine has" (cores, MemTotal).
     cpus: float = 0.0
     memory_bytes: int = 0
@@ -192,7 +195,8 @@ _HELP = {
                      "('' = the local store)",
     "layers_cache_bytes": "size limit of the node's layer cache in bytes (0 = none)",
     "layers_fetch_timeout_s": "seconds before a read of an unreachable chunk fails (EIO)",
-    "backend": "sandbox backend (container)",
+    "backend": "the backend of a create that names none (container)",
+    "backends": "backends run side by side, comma-separated ('' = only --backend)",
     "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",
     "memory_bytes": "memory capacity in bytes (0 = MemTotal)",
     "cpu_overcommit": "sum of CPU limits admitted up to capacity times this (0 = no cap)",

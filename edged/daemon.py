@@ -20,7 +20,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,6 +28,7 @@ from aiohttp import web
 
 from edged.api.app import make_app
 from edged.backends.base import Backend
+from edged.backends.registry import Backends
 from edged.config import Config, mem_total
 from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
@@ -73,29 +73,17 @@ def setup_logging(level: str) -> None:
     root.propagate = False
 
 
-def make_backend(config: Config, on_event: Callable[..., object] | None = None) -> Backend:
-    """The backend named by ``config.backend``, keeping its per-sandbox state under
-    ``runtime_dir`` (imported lazily: the container backend needs the C helpers). Raises
-    :class:`BackendError` if it is unknown or unavailable."""
-    if config.backend == "container":
-        try:
-            from edged.backends.container import ContainerBackend
-        except ImportError as e:
-            raise BackendError(f"backend container: not available: {e}") from e
-        return ContainerBackend(config.runtime_dir, on_event=on_event,
-                                spawner_pool=config.spawner_pool,
-                                swap_share=config.sandbox_swap_share)
-    raise BackendError(f"backend {config.backend!r}: unknown (have: container)")
-
-
 class Server:
-    """One edged daemon. Inject ``backend`` and ``layers`` in tests; by default they come
-    from the config (:func:`make_backend`, :meth:`LayerMounts.for_layerfs`)."""
+    """One edged daemon. Inject ``backend`` (or several, ``backends``) and ``layers`` in
+    tests; by default they come from the config (:meth:`Backends.from_config`,
+    :meth:`LayerMounts.for_layerfs`)."""
 
     def __init__(self, config: Config, backend: Backend | None = None,
-                 layers: LayerMounts | None = None) -> None:
+                 layers: LayerMounts | None = None, *,
+                 backends: Backends | None = None) -> None:
         self.config = config
         self._backend = backend
+        self._backends = backends
         self._layers = layers
         self.should_exit = False
         self.force_exit = False
@@ -110,7 +98,7 @@ class Server:
         self._owns_socket = False
         self.swap: SwapManager | None = None
 
-    def _start_swap(self, backend: Backend) -> SwapManager:
+    def _start_swap(self, backends: Backends) -> SwapManager:
         """The node's swap (recovered now, set up at the first reclaim) and the cap on all
         sandboxes' memory together (capacity less the host's reserve)."""
         cfg = self.config
@@ -120,10 +108,9 @@ class Server:
                            zram_mem_limit_bytes=cfg.zram_mem_limit_bytes or cap * 3 // 4,
                            algorithm=cfg.zram_algorithm, file_bytes=cfg.swap_file_bytes)
         swap.start()
-        limit = getattr(backend, "set_memory_limit", None)
-        if callable(limit):
+        for b in backends:
             try:
-                limit(max(0, min(cap, mem_total() - cfg.memory_reserve())))
+                b.set_memory_limit(max(0, min(cap, mem_total() - cfg.memory_reserve())))
             except BackendError as e:
                 log.warning("%s", e)
         return swap
@@ -188,9 +175,13 @@ class Server:
             raise Conflict(f"another daemon answers on {sock}; not starting")
         # security events are kept under the state dir and outlive their sandbox
         ledger = Ledger(state, retention_s=cfg.events_retention_s)
-        backend = self._backend or make_backend(cfg, on_event=ledger.record)
-        if getattr(backend, "on_event", False) is None:  # an injected backend
-            backend.on_event = ledger.record  # type: ignore[attr-defined]
+        if self._backends is not None:
+            backends = self._backends
+            backends.set_sink(ledger.record)
+        elif self._backend is not None:
+            backends = Backends.single(self._backend, ledger.record)
+        else:
+            backends = Backends.from_config(cfg, ledger.record)
         layers = self._layers
         if layers is None:
             layers = await asyncio.to_thread(
@@ -202,9 +193,9 @@ class Server:
         metrics = Metrics()
         if layers.ops.collector is not None:
             metrics.registry.register(layers.ops.collector)
-        self.manager = SandboxManager(cfg, backend, images, layers, metrics)
+        self.manager = SandboxManager(cfg, backends, images, layers, metrics)
         self.manager.ledger = ledger
-        self.swap = await asyncio.to_thread(self._start_swap, backend)
+        self.swap = await asyncio.to_thread(self._start_swap, backends)
         self.manager.swap = self.swap
         self.recovered = await self.manager.recover()
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
@@ -302,9 +293,8 @@ class Server:
         if self.manager is not None:
             left = max(0.5, deadline - loop.time())
             await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
-            close = getattr(self.manager.backend, "close", None)
-            if close is not None:  # drop control connections; kept sandboxes live on
-                await close()
+            # pools and control connections; kept sandboxes live on
+            await self.manager.backends.close()
         if self.swap is not None:  # after the sandboxes: swapoff reads back what is left
             kept = self.manager is not None and bool(self.manager.find())
             await asyncio.to_thread(self.swap.stop, kept)

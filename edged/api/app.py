@@ -27,9 +27,10 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
+from edged.api import requests
 from edged.backends.base import ExecEnd, ExecHandle
 from edged.errors import BadRequest, EdgedError, PayloadTooLarge
-from edged.node.manager import SandboxManager, parse_labels
+from edged.node.manager import SandboxManager
 from edged.security import http as security_http
 from edged.security.ledger import Ledger
 
@@ -127,7 +128,7 @@ def _sid(request: web.Request) -> str:
 
 async def create_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes → 201 sandbox (spec: createSandbox)."""
-    rec = await _m(request).create(await json_body(request))
+    rec = await _m(request).create(requests.parse_create(await json_body(request)))
     return web.json_response(rec.to_json(), status=201)
 
 
@@ -139,7 +140,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
         if not sep:
             raise BadRequest(f"label {sel!r}: must be key=value")
         want[k] = v
-    parse_labels(want)
+    requests.labels(want)
     recs = _m(request).find(want)
     return web.json_response({"sandboxes": [r.to_json() for r in recs]})
 
@@ -167,13 +168,19 @@ async def resume_sandbox(request: web.Request) -> web.Response:
 
 async def set_timeout(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/timeout {ttl_s, idle_timeout_s} → the sandbox."""
-    rec = _m(request).set_timeout(_sid(request), await json_body(request))
+    mgr, sid = _m(request), _sid(request)
+    body = await json_body(request)
+    mgr.get(sid)  # an unknown sandbox is a 404 whatever the body
+    rec = mgr.set_timeout(sid, requests.parse_timeout(body))
     return web.json_response(rec.to_json())
 
 
 async def signal_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/signal {signal, exec_id?, all?} → {exec_ids, killed?}."""
-    return web.json_response(await _m(request).signal(_sid(request), await json_body(request)))
+    mgr, sid = _m(request), _sid(request)
+    body = await json_body(request)
+    mgr.get(sid)
+    return web.json_response(await mgr.signal(sid, requests.parse_signal(body)))
 
 
 async def sandbox_stats(request: web.Request) -> web.Response:
@@ -196,8 +203,6 @@ class _Encoder:
     character split across chunks kept whole) or base64."""
 
     def __init__(self, encoding: str) -> None:
-        if encoding not in ("text", "base64"):
-            raise BadRequest(f"encoding: {encoding!r} is not 'text' or 'base64'")
         self.b64 = encoding == "base64"
         self.dec = {s: codecs.getincrementaldecoder("utf-8")("replace")
                     for s in ("stdout", "stderr")}
@@ -277,11 +282,11 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
     mgr = _m(request)
     sid = _sid(request)
     body = await json_body(request)
-    spec = mgr.exec_spec(sid, body)
-    enc = _Encoder(body.get("encoding", "text"))
-    stdin = body.get("stdin")
-    if stdin is not None and not isinstance(stdin, str | bool):
-        raise BadRequest("stdin: must be a string (fed, then closed) or a boolean")
+    mgr.get(sid)  # an unknown sandbox is a 404 whatever the body
+    req = requests.parse_exec(body)
+    spec = mgr.exec_spec(sid, req)
+    enc = _Encoder(req.encoding)
+    stdin = req.stdin
     if stdin is True:
         raise BadRequest("stdin: interactive stdin needs the WebSocket endpoint (exec/ws)")
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -332,9 +337,9 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
         msg = await ws.receive_json(timeout=30)
         if not isinstance(msg, dict):
             raise BadRequest("first message: must be the exec object")
-        msg.setdefault("stdin", True)
-        spec = mgr.exec_spec(sid, msg)
-        enc = _Encoder(msg.get("encoding", "text"))
+        req = requests.parse_exec(msg, stdin_default=True)
+        spec = mgr.exec_spec(sid, req)
+        enc = _Encoder(req.encoding)
 
         async def send(ev: dict[str, Any]) -> None:
             try:
@@ -345,8 +350,8 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
                 mgr.metrics.execs.labels(reason=ev["end"]["reason"]).inc()
 
         async with mgr.exec(sid, spec) as handle:
-            if spec.pty and "rows" in msg and "cols" in msg:
-                await handle.resize(int(msg["rows"]), int(msg["cols"]))
+            if spec.pty and req.rows is not None and req.cols is not None:
+                await handle.resize(req.rows, req.cols)
             # the reader ends when the client closes the WebSocket (or loses it)
             await _stream(_events(handle, enc), send, _ws_input(ws, handle))
     except _ClientGone as e:

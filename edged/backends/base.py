@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
 #: syscall=, path=, address=, detail=)``, the signature of
@@ -24,6 +24,11 @@ EventSink = Callable[..., object]
 #: ``{"what": str, "signal": int, "exit_status": int, "oom_kill": bool, "log": str}`` with
 #: the fields that are known. The sandbox stays until it is destroyed.
 FailureSink = Callable[[str, Mapping[str, object]], None]
+
+#: What a backend needs of each layer of a sandbox: ``"tree"``, the layer mounted (a
+#: read-only directory, e.g. an overlay lower), or ``"image"``, the layer's EROFS image
+#: file (e.g. a microVM's read-only disk). The daemon gives it that and nothing else.
+LayerForm = Literal["tree", "image"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,9 @@ class SandboxSpec:
     """What a backend needs to create one sandbox.
 
     ``id``: matches ``[a-z0-9][a-z0-9_.-]{0,62}`` (checked by the daemon).
-    ``lowers``: host paths of read-only layer mounts (EROFS mountpoints or plain directories),
-    BOTTOM FIRST (base, workspace, toolkit). ``env``: default environment of every exec.
+    ``lowers``: host paths of the layers, BOTTOM FIRST (base, workspace, toolkit), in the
+    backend's :data:`LayerForm`: read-only directories (EROFS mountpoints or plain
+    directories) or EROFS image files. ``env``: default environment of every exec.
     ``network``: only ``"none"`` for now: an empty netns with loopback up.
     ``task_profile``: name of the task profile (``profiles/tasks``) that confines the
     sandbox (protected paths, Landlock, seccomp, capabilities); None runs it unconfined
@@ -179,11 +185,20 @@ class ExecHandle(Protocol):
 
 class Backend(Protocol):
     """One kind of sandbox (``name``: ``"container"``, ...). All methods raise
-    :mod:`edged.errors` exceptions; ``NotFound`` for an unknown sandbox id."""
+    :mod:`edged.errors` exceptions; ``NotFound`` for an unknown sandbox id.
+
+    ``layer_form``: what it needs of a layer (:data:`LayerForm`). ``on_event``: where it
+    sends security events (:data:`EventSink`); set by whoever builds it (the registry,
+    :mod:`edged.backends.registry`), None: dropped. ``can_reclaim``: whether
+    :meth:`reclaim` pages anything out (the node's reclaim leaves it alone otherwise).
+    """
 
     name: str
+    layer_form: LayerForm
+    on_event: EventSink | None
     #: set by the daemon: told when a sandbox dies on its own (None: nobody listens)
     on_failure: FailureSink | None
+    can_reclaim: bool
 
     async def probe(self) -> dict[str, object]:
         """Features found on this host (cgroup v1/v2, userns, idmapped mounts...)."""
@@ -219,10 +234,31 @@ class Backend(Protocol):
         """Current usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
         ...
 
-    # Optional, for the node's reclaim (edged.node.reclaim); a backend without them is
-    # never reclaimed: ``memory(id) -> MemoryUsage``, ``reclaim(id, nbytes) -> int`` (page
-    # up to ``nbytes`` out to swap, None = all it can; returns bytes moved out),
-    # ``prefetch(id) -> None`` (read swapped pages back ahead of a resume).
+    # -- memory, for the node's density policy (edged.node.reclaim, admission) ----------
+
+    async def memory(self, sandbox_id: str) -> MemoryUsage:
+        """The sandbox's memory as the backend counts it (zeros where it cannot tell)."""
+        ...
+
+    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
+        """Page up to ``nbytes`` (None: all it can) of the sandbox's cold memory out to swap;
+        returns the bytes its resident memory went down by (0 where it cannot, see
+        :attr:`can_reclaim`)."""
+        ...
+
+    async def prefetch(self, sandbox_id: str) -> None:
+        """Start reading the sandbox's swapped pages back ahead of a resume (nothing where
+        it cannot)."""
+        ...
+
+    def totals(self) -> MemoryUsage:
+        """Every sandbox of this backend together (zeros where it cannot tell)."""
+        ...
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        """Cap all of this backend's sandboxes together at ``nbytes`` (0: no cap), the
+        backstop that keeps the host's share free (nothing where it cannot)."""
+        ...
 
     async def put_file(
         self,
@@ -240,8 +276,7 @@ class Backend(Protocol):
     async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """Open the file at ``path`` resolved strictly inside the sandbox root
         (``BadRequest`` if it escapes, ``NotFound`` if absent) and return an iterator of its
-        chunks (await the call, then ``async for``). The daemon also accepts an async
-        generator method (the call returns the iterator directly)."""
+        chunks (await the call, then ``async for``)."""
         ...
 
     async def list_existing(self) -> list[str]:
@@ -254,4 +289,14 @@ class Backend(Protocol):
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Remove half-made or orphaned sandboxes not in ``keep``; returns the ids removed."""
+        ...
+
+    async def warm(self) -> None:
+        """Start what serves creates ahead of demand (e.g. pooled spawners); called once
+        the daemon has recovered. Nothing to do is fine."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the backend holds for itself (pools, control connections) at
+        daemon shutdown; live sandboxes keep running for a later :meth:`adopt`."""
         ...

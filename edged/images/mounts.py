@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from edged.backends.base import LayerForm
 from edged.errors import BackendError, EdgedError, NotFound
 from edged.images.registry import check_digest
 
@@ -64,13 +65,16 @@ class LayerOps:
 
 
 class LayerMounts:
-    """Refcounted node-wide layer mounts. ``acquire`` → mountpoint path; ``release`` → unmount
-    when the count drops to zero. Concurrent acquires of one digest mount it once."""
+    """Refcounted node-wide layers, in the form a backend needs (:data:`LayerForm`): a
+    ``"tree"`` is the layer mounted (``acquire`` → mountpoint; ``release`` → unmount when the
+    count drops to zero; concurrent acquires of one digest mount it once), an ``"image"``
+    the layer's image file made available (``acquire`` → its path; nothing to undo)."""
 
     def __init__(self, ops: LayerOps, mount_dir: Path) -> None:
         self.ops = ops
         self.mount_dir = mount_dir
         self._refs: dict[str, int] = {}
+        self._images: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
 
     @classmethod
@@ -145,10 +149,15 @@ class LayerMounts:
         """Digest → number of holders, for ``GET /v1/node``."""
         return dict(self._refs)
 
-    async def acquire(self, digest: str) -> str:
-        """Mount ``digest`` if not yet mounted, count one more holder, return the mountpoint.
-        Raises :class:`NotFound` if the store lacks the layer, :class:`BackendError` if the
-        export or mount fails (nothing is left mounted or counted then)."""
+    async def acquire(self, digest: str, form: LayerForm = "tree") -> str:
+        """Mount ``digest`` if not yet mounted (``"image"``: make its image file available),
+        count one more holder, return the mountpoint (the image file's path). Raises
+        :class:`NotFound` if the store lacks the layer, :class:`BackendError` if the export
+        or mount fails (nothing is left mounted or counted then)."""
+        if form == "image":
+            path = await asyncio.to_thread(self._image, check_digest(digest))
+            self._images[digest] = self._images.get(digest, 0) + 1
+            return path
         mp = self.mountpoint(digest)
         lock = self._locks.setdefault(digest, asyncio.Lock())
         async with lock:
@@ -158,19 +167,32 @@ class LayerMounts:
             self._refs[digest] = n + 1
         return str(mp)
 
-    async def acquire_all(self, digests: list[str]) -> list[str]:
+    async def acquire_all(self, digests: list[str], form: LayerForm = "tree") -> list[str]:
         """:meth:`acquire` each digest in order; on failure release the ones taken."""
         taken: list[str] = []
+        paths: list[str] = []
         try:
             for d in digests:
-                await self.acquire(d)
+                paths.append(await self.acquire(d, form))
                 taken.append(d)
         except BaseException:
             for d in reversed(taken):
                 with contextlib.suppress(EdgedError):
-                    await self.release(d)
+                    await self.release(d, form)
             raise
-        return [str(self.mountpoint(d)) for d in digests]
+        return paths
+
+    def _image(self, digest: str) -> str:
+        try:
+            if not self.ops.has(digest):
+                raise NotFound(f"layer {digest}: not in the layer store")
+            return self.ops.image(digest)
+        except EdgedError:
+            raise
+        except KeyError as e:
+            raise NotFound(f"layer {digest}: not in the layer store") from e
+        except Exception as e:
+            raise BackendError(f"layer {digest}: no image file: {e}") from e
 
     def _mount(self, digest: str, mp: Path) -> None:
         if self.ops.is_mounted(str(mp)):
@@ -202,9 +224,14 @@ class LayerMounts:
             return None
         return {d: per[d] for d in digests if d in per}
 
-    async def release(self, digest: str) -> None:
+    async def release(self, digest: str, form: LayerForm = "tree") -> None:
         """Count one holder less; unmount at zero. Raises :class:`BackendError` if the
         unmount fails (the count is still dropped; :meth:`close` retries)."""
+        if form == "image":
+            n = self._images.pop(digest, 0) - 1
+            if n > 0:
+                self._images[digest] = n
+            return
         lock = self._locks.setdefault(digest, asyncio.Lock())
         async with lock:
             n = self._refs.get(digest, 0)

@@ -1,24 +1,22 @@
 """The sandbox manager: the daemon's one owner of sandbox state.
 
-It validates requests, admits them against :class:`~edged.node.admission.Capacity`, mounts
-their layers once per node (:class:`~edged.images.LayerMounts`), drives the backend, keeps each
+It takes typed requests (:mod:`edged.node.requests`, validated by the API), admits them
+against :class:`~edged.node.admission.Capacity`, gives each sandbox its layers in the form
+its backend needs (mounted once per node, or image files: :class:`~edged.images.LayerMounts`),
+drives the backend its record names (:class:`~edged.backends.registry.Backends`), keeps each
 record's state machine, persists records atomically in ``<state_dir>/sandboxes/<id>.json``,
 reaps sandboxes whose TTL or idle timeout passed, and re-adopts or tears down sandboxes found
-after a restart. Every failure path gives back what was taken (reservation, layer mounts,
-backend resources): bad input never leaves partial state.
+after a restart. Every failure path gives back what was taken (reservation, layers, backend
+resources): bad input never leaves partial state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
-import math
 import os
-import re
-import signal as signal_mod
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -26,149 +24,28 @@ from pathlib import Path
 from typing import Any
 
 from edged.backends.base import (
-    QOS_CLASSES,
     Backend,
     ExecHandle,
     ExecSpec,
+    LayerForm,
     MemoryUsage,
     Resources,
     SandboxSpec,
 )
+from edged.backends.registry import Backends
 from edged.config import Config
 from edged.errors import BackendError, BadRequest, Conflict, EdgedError, InvalidState, NotFound
 from edged.images.mounts import LayerCounters, LayerMounts
-from edged.images.registry import ImageRegistry, check_digest
+from edged.images.registry import ImageRegistry
 from edged.metrics import Metrics
 from edged.node.admission import Admission, Capacity, Usage
 from edged.node.reclaim import ReclaimConfig, Reclaimer
-from edged.node.sandbox import LABEL_KEY_RE, SandboxRecord, State, check_id
+from edged.node.requests import CreateRequest, ExecRequest, SignalRequest, TimeoutRequest
+from edged.node.sandbox import SandboxRecord, State
 from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.node")
-
-#: The documented ranges of every numeric request field (openapi.json states the same), checked
-#: in one place: finite numbers, integers where integers; anything else is a 400 naming the
-#: field, never an overflow further down (C structs hold u64 milliseconds and bytes).
-MAX_SECONDS = 31_536_000.0  # one year: timeouts, TTLs
-MAX_BYTES = 1 << 50
-#: resources: (kind, minimum, maximum). The minimums are what a sandbox needs to start and run
-#: one exec (sbx-init, its spare exec child and the exec: a few pids, a few MiB).
-_RESOURCE_FIELDS: dict[str, tuple[type, float, float]] = {
-    "cpus": (float, 0.01, 1024.0),
-    "memory_bytes": (int, 16 << 20, MAX_BYTES),
-    "swap_bytes": (int, 0, MAX_BYTES),
-    "pids": (int, 8, 4_194_304),
-    "disk_bytes": (int, 1 << 20, MAX_BYTES),
-    "memory_request_bytes": (int, 0, MAX_BYTES),
-}
-_CREATE_FIELDS = {
-    "id", "backend", "image", "layers", "resources", "env", "ttl_s", "idle_timeout_s",
-    "labels", "network", "hostname", "task_profile", "seccomp_profile", "qos",
-    "auto_pause_after_s",
-}
-_PROFILE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
-
-
-def _profile_name(v: object, what: str, default: str | None) -> str | None:
-    """A profile name from a request: a bare name (never a path, so a client cannot make the
-    daemon read a file of its choosing), loaded and validated now so a bad profile is a 400
-    before anything is created."""
-    if v is None:
-        return default
-    if not isinstance(v, str) or not _PROFILE_NAME.match(v):
-        raise BadRequest(f"{what}: must be a profile name matching [a-z0-9][a-z0-9_.-]{{0,62}}")
-    from edged.security import seccomp, tasks
-
-    if what == "task_profile":
-        seccomp.load(tasks.load(v).seccomp)
-    else:
-        seccomp.load(v)
-    return v
-
-
-
-def _str_map(v: object, what: str) -> dict[str, str]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict) or not all(
-        isinstance(k, str) and isinstance(x, str) for k, x in v.items()
-    ):
-        raise BadRequest(f"{what}: must be an object of string to string")
-    return dict(v)
-
-
-def _flag(v: object, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise BadRequest(f"{what}: must be true or false")
-    return v
-
-
-def _number(v: object, what: str, *, minimum: float = 0.0,
-            maximum: float = MAX_SECONDS) -> float:
-    """A finite number in [minimum, maximum] (JSON has no NaN or Infinity; Python's parser
-    accepts them, and 1e400 parses as inf)."""
-    if (isinstance(v, bool) or not isinstance(v, int | float)
-            or not math.isfinite(v) or not minimum <= v <= maximum):
-        raise BadRequest(f"{what}: must be a number in [{minimum:g}, {maximum:g}]")
-    return float(v)
-
-
-def _integer(v: object, what: str, *, minimum: int, maximum: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
-        raise BadRequest(f"{what}: must be an integer in [{minimum}, {maximum}]")
-    return v
-
-
-def _env(v: object, what: str) -> dict[str, str]:
-    """Environment variables: names non-empty without '=' or NUL, values without NUL."""
-    env = _str_map(v, what)
-    for k, x in env.items():
-        if not k or "=" in k or "\0" in k:
-            raise BadRequest(f"{what}: bad variable name {k!r}")
-        if "\0" in x:
-            raise BadRequest(f"{what}.{k}: NUL in the value")
-    return env
-
-
-def parse_resources(v: object, default: Resources) -> Resources:
-    """``{"cpus", "memory_bytes", "swap_bytes", "pids", "disk_bytes",
-    "memory_request_bytes"}`` (each optional) over ``default``; :class:`BadRequest` names a
-    bad field. A request above the limit is refused; one not given is the default's, at
-    most the limit."""
-    if v is None:
-        v = {}
-    if not isinstance(v, dict):
-        raise BadRequest("resources: must be an object")
-    vals: dict[str, Any] = {}
-    for k, x in v.items():
-        field = _RESOURCE_FIELDS.get(k)
-        if field is None:
-            raise BadRequest(f"resources.{k}: unknown field")
-        kind, lo, hi = field
-        if kind is int:
-            vals[k] = _integer(x, f"resources.{k}", minimum=int(lo), maximum=int(hi))
-        else:
-            vals[k] = _number(x, f"resources.{k}", minimum=lo, maximum=hi)
-    res = Resources(**{**default.__dict__, **vals})
-    if "memory_request_bytes" not in vals:
-        res = dataclasses.replace(res, memory_request_bytes=min(res.memory_request_bytes,
-                                                                res.memory_bytes))
-    elif res.memory_request_bytes > res.memory_bytes:
-        raise BadRequest("resources.memory_request_bytes: must be at most memory_bytes")
-    return res
-
-
-def parse_labels(v: object) -> dict[str, str]:
-    """Labels: string → string, keys ``[A-Za-z0-9][A-Za-z0-9_./-]{0,62}``, values ≤ 256."""
-    labels = _str_map(v, "labels")
-    for k, x in labels.items():
-        if not LABEL_KEY_RE.fullmatch(k):
-            raise BadRequest(f"labels: key {k!r} must match [A-Za-z0-9][A-Za-z0-9_./-]{{0,62}}")
-        if len(x) > 256:
-            raise BadRequest(f"labels.{k}: value longer than 256 characters")
-    return labels
-
 
 class SandboxManager:
     """Owns every :class:`SandboxRecord` of this node. One per daemon."""
@@ -176,14 +53,15 @@ class SandboxManager:
     def __init__(
         self,
         config: Config,
-        backend: Backend,
+        backends: Backends,
         images: ImageRegistry,
         layers: LayerMounts,
         metrics: Metrics | None = None,
     ) -> None:
         self.config = config
-        self.backend = backend
-        backend.on_failure = self._sandbox_failed
+        self.backends = backends
+        for b in backends:
+            b.on_failure = self._sandbox_failed
         self.images = images
         self.layers = layers
         self.metrics = metrics or Metrics()
@@ -203,7 +81,7 @@ class SandboxManager:
                           rate_bytes=config.reclaim_rate_bytes,
                           psi_target=config.reclaim_psi_target,
                           low_bytes=2 * config.memory_reserve()),
-            backend, self._running_records, on_reclaimed=self._reclaimed,
+            _ByRecord(self), self._running_records, on_reclaimed=self._reclaimed,
             ensure_swap=self._ensure_swap)
         self.admission = Admission(
             self.capacity, reserve_bytes=config.memory_reserve(),
@@ -224,7 +102,8 @@ class SandboxManager:
         self._linger: dict[str, asyncio.TimerHandle] = {}
         self._bg: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
-        self.features: dict[str, object] = {}
+        #: what each backend probed at start, by name
+        self.features: dict[str, dict[str, object]] = {}
         #: the security-event ledger (set by the daemon; None: events are not kept)
         self.ledger: Ledger | None = None
         self.default_resources = Resources()
@@ -265,9 +144,14 @@ class SandboxManager:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _release_layers(self, digests: list[str]) -> None:
-        """Drop a sandbox's layer references, top first. The last reference to a layer is
-        kept for ``layer_linger_s`` (see ``_linger``); a release error is logged."""
+    async def _release_layers(self, digests: list[str], form: LayerForm = "tree") -> None:
+        """Drop a sandbox's layer references, top first. The last reference to a mounted
+        layer is kept for ``layer_linger_s`` (see ``_linger``); a release error is logged."""
+        if form != "tree":
+            for d in reversed(digests):
+                with contextlib.suppress(EdgedError):
+                    await self.layers.release(d, form)
+            return
         loop = asyncio.get_running_loop()
         linger = self.config.layer_linger_s
         for d in reversed(digests):
@@ -316,8 +200,11 @@ class SandboxManager:
 
     def _usage(self) -> Usage:
         """The sandboxes' own memory: their cgroups together and our zram device."""
-        totals = getattr(self.backend, "totals", None)
-        use = totals() if callable(totals) else MemoryUsage()
+        use = MemoryUsage()
+        for b in self.backends:
+            t = b.totals()
+            use = MemoryUsage(resident_bytes=use.resident_bytes + t.resident_bytes,
+                              swap_bytes=use.swap_bytes + t.swap_bytes)
         z = self.swap.zram_stats() if self.swap is not None else None
         return Usage(resident=use.resident_bytes, swap=use.swap_bytes,
                      zram=z["mem_used_bytes"] if z else 0)
@@ -370,79 +257,57 @@ class SandboxManager:
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
+    def backend_of(self, sandbox_id: str) -> Backend:
+        """The backend running ``sandbox_id`` (the one its record names)."""
+        return self.backends.get(self.get(sandbox_id).backend)
+
     # -- lifecycle ------------------------------------------------------------------------
 
-    def parse_create(self, body: object) -> SandboxRecord:
-        """Validate a ``POST /v1/sandboxes`` body into a fresh record (state ``creating``, not
-        yet registered). :class:`BadRequest` names the first bad field; :class:`NotFound` for
-        an unknown image."""
-        if not isinstance(body, dict):
-            raise BadRequest("body: must be a JSON object")
-        unknown = set(body) - _CREATE_FIELDS
-        if unknown:
-            raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
-        backend = body.get("backend", self.backend.name)
-        if backend != self.backend.name:
-            raise BadRequest(f"backend: {backend!r} is not available (have {self.backend.name!r})")
-        sid = body.get("id")
+    def _record(self, req: CreateRequest) -> SandboxRecord:
+        """A fresh record for ``req`` (state ``creating``, not yet registered), the node's
+        defaults filled in. Raises :class:`BadRequest` (a backend not running here),
+        :class:`NotFound` (an unknown image)."""
+        backend = self.backends.get(req.backend).name if req.backend else self.backends.default
+        sid = req.id
         if sid is None:
             sid = f"sbx-{time.time_ns():x}"[:63]
             while sid in self._sandboxes:
                 sid = f"sbx-{time.time_ns():x}"[:63]
-        check_id(sid)
-        image = body.get("image")
-        layers_v = body.get("layers")
-        if (image is None) == (layers_v is None):
-            raise BadRequest("body: give exactly one of image or layers")
-        if image is not None:
-            layers = list(self.images.get(image)["layers"])
+        if req.image is not None:
+            layers = list(self.images.get(req.image)["layers"])
         else:
-            if not isinstance(layers_v, list) or not 1 <= len(layers_v) <= 64:
-                raise BadRequest("layers: must be a list of 1 to 64 digests, bottom first")
-            layers = [check_digest(d) for d in layers_v]
-        network = body.get("network", "none")
-        if network != "none":
-            raise BadRequest(f"network: {network!r} is not supported (only 'none')")
-        hostname = body.get("hostname", sid)
-        if not isinstance(hostname, str) or not 1 <= len(hostname) <= 63:
-            raise BadRequest("hostname: must be a string of 1 to 63 characters")
-        task_profile = _profile_name(body.get("task_profile"), "task_profile", "default")
-        seccomp_profile = _profile_name(body.get("seccomp_profile"), "seccomp_profile", None)
-        ttl = body.get("ttl_s", self.config.default_ttl_s)
-        idle = body.get("idle_timeout_s", self.config.default_idle_timeout_s)
-        qos = body.get("qos", "best_effort")
-        if qos not in QOS_CLASSES:
-            raise BadRequest(f"qos: must be one of {', '.join(QOS_CLASSES)}")
-        auto_pause = _number(body.get("auto_pause_after_s",
-                                      self.config.default_auto_pause_after_s),
-                             "auto_pause_after_s")
+            layers = list(req.layers or ())
+        cfg = self.config
         rec = SandboxRecord(
             id=sid,
             backend=backend,
             layers=layers,
-            resources=parse_resources(body.get("resources"), self.default_resources),
-            env=_env(body.get("env"), "env"),
-            labels=parse_labels(body.get("labels")),
-            image=image,
-            network=network,
-            hostname=hostname,
-            idle_timeout_s=_number(idle, "idle_timeout_s"),
-            task_profile=task_profile or "default",
-            seccomp_profile=seccomp_profile,
-            qos=qos,
-            auto_pause_after_s=auto_pause,
+            resources=req.resources_over(self.default_resources),
+            env=dict(req.env),
+            labels=dict(req.labels),
+            image=req.image,
+            network=req.network,
+            hostname=req.hostname or sid,
+            idle_timeout_s=(cfg.default_idle_timeout_s if req.idle_timeout_s is None
+                            else req.idle_timeout_s),
+            task_profile=req.task_profile,
+            seccomp_profile=req.seccomp_profile,
+            qos=req.qos,
+            auto_pause_after_s=(cfg.default_auto_pause_after_s
+                                if req.auto_pause_after_s is None else req.auto_pause_after_s),
         )
-        rec.set_ttl(_number(ttl, "ttl_s"))
+        rec.set_ttl(cfg.default_ttl_s if req.ttl_s is None else req.ttl_s)
         return rec
 
-    async def create(self, body: object) -> SandboxRecord:
-        """Create a sandbox from a request body and return its record once ``running``.
+    async def create(self, req: CreateRequest) -> SandboxRecord:
+        """Create the sandbox ``req`` asks for and return its record once ``running``.
 
         Raises :class:`BadRequest`, :class:`NotFound` (image or layer), :class:`Conflict` (id
         in use), :class:`CapacityExhausted` (with ``retry_after``), :class:`BackendError`. On
-        any failure nothing is left: reservation, layer mounts and backend state are undone.
+        any failure nothing is left: reservation, layers and backend state are undone.
         """
-        rec = self.parse_create(body)
+        rec = self._record(req)
+        backend = self.backends.get(rec.backend)
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
@@ -460,7 +325,7 @@ class SandboxManager:
                 fetching = asyncio.ensure_future(self.layers.fetched(rec.layers))
                 if not all(d in held for d in rec.layers):
                     await asyncio.wait({fetching})
-                rec.lowers = await self.layers.acquire_all(rec.layers)
+                rec.lowers = await self.layers.acquire_all(rec.layers, backend.layer_form)
                 try:
                     self._save(rec)
                     spec = SandboxSpec(
@@ -475,13 +340,13 @@ class SandboxManager:
                         qos=rec.qos,
                     )
                     try:
-                        await self.backend.create(spec)
+                        await backend.create(spec)
                     except BaseException:
                         with contextlib.suppress(Exception):
-                            await self.backend.destroy(rec.id)
+                            await backend.destroy(rec.id)
                         raise
                 except BaseException:
-                    await self._release_layers(rec.layers)
+                    await self._release_layers(rec.layers, backend.layer_form)
                     raise
                 rec.transition(State.RUNNING)
                 rec.touch()
@@ -520,7 +385,7 @@ class SandboxManager:
             rec.transition(State.STOPPING)
             self._save(rec)
             try:
-                await self.backend.destroy(sandbox_id)
+                await self.backend_of(sandbox_id).destroy(sandbox_id)
             except Exception as e:
                 log.warning("sandbox %s: destroy failed: %s", sandbox_id, e,
                             extra={"sandbox": sandbox_id})
@@ -531,7 +396,7 @@ class SandboxManager:
                 if isinstance(e, EdgedError):
                     raise
                 raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
-            await self._release_layers(rec.layers)
+            await self._release_layers(rec.layers, self.backend_of(sandbox_id).layer_form)
             rec.transition(State.STOPPED)
             self._forget(rec, "deleted" if cause == "api" else cause)
         self.metrics.destroys.labels(cause=cause).inc()
@@ -546,7 +411,7 @@ class SandboxManager:
         rec = self.get(sandbox_id)
         async with self._lock(sandbox_id):
             rec.require(State.RUNNING, op="pause")
-            await self.backend.pause(sandbox_id)
+            await self.backend_of(sandbox_id).pause(sandbox_id)
             rec.transition(State.PAUSED)
             self._save(rec)
         self._update_gauges()
@@ -566,13 +431,12 @@ class SandboxManager:
         async with self._lock(sandbox_id):
             rec.require(State.PAUSED, op="resume")
             t0 = time.monotonic()
-            prefetch = getattr(self.backend, "prefetch", None)
-            if callable(prefetch) and self.reclaimer.woke(sandbox_id):
+            if self.reclaimer.woke(sandbox_id):
                 try:
-                    await prefetch(sandbox_id)
+                    await self.backend_of(sandbox_id).prefetch(sandbox_id)
                 except EdgedError as e:
                     log.warning("sandbox %s: prefetch before resume: %s", sandbox_id, e)
-            await self.backend.resume(sandbox_id)
+            await self.backend_of(sandbox_id).resume(sandbox_id)
             rec.transition(State.RUNNING)
             rec.touch()
             self._save(rec)
@@ -591,16 +455,14 @@ class SandboxManager:
         rec.require(State.RUNNING, op=op)
         return rec
 
-    def set_timeout(self, sandbox_id: str, body: object) -> SandboxRecord:
-        """``{"ttl_s": s}`` (from now; 0 clears) and/or ``{"idle_timeout_s": s}``."""
+    def set_timeout(self, sandbox_id: str, req: TimeoutRequest) -> SandboxRecord:
+        """A new TTL (from now; 0 clears) and/or idle timeout."""
         rec = self.get(sandbox_id)
         rec.require(State.RUNNING, State.PAUSED, op="set a timeout")
-        if not isinstance(body, dict) or not body or set(body) - {"ttl_s", "idle_timeout_s"}:
-            raise BadRequest("body: give ttl_s and/or idle_timeout_s")
-        if "ttl_s" in body:
-            rec.set_ttl(_number(body["ttl_s"], "ttl_s"))
-        if "idle_timeout_s" in body:
-            rec.idle_timeout_s = _number(body["idle_timeout_s"], "idle_timeout_s")
+        if req.ttl_s is not None:
+            rec.set_ttl(req.ttl_s)
+        if req.idle_timeout_s is not None:
+            rec.idle_timeout_s = req.idle_timeout_s
             rec.touch()
         self._save(rec)
         return rec
@@ -609,76 +471,34 @@ class SandboxManager:
         """Backend usage figures of a running or paused sandbox."""
         rec = self.get(sandbox_id)
         rec.require(State.RUNNING, State.PAUSED, op="read stats")
-        return await self.backend.stats(sandbox_id)
+        return await self.backend_of(sandbox_id).stats(sandbox_id)
 
     # -- exec, signals, files -------------------------------------------------------------
 
-    def exec_spec(self, sandbox_id: str, body: object) -> ExecSpec:
-        """Validate an exec body into an :class:`ExecSpec` (env merged over the sandbox's).
-
-        Body: ``argv`` (list of strings) or ``cmd`` (a string run by ``/bin/sh -c``), ``env``,
-        ``cwd``, ``uid``, ``gid``, ``timeout_s``, ``output_limit``, ``pty``, ``stdin`` (bool:
-        keep stdin open for a WebSocket; text: fed then closed) and ``encoding``.
-        """
+    def exec_spec(self, sandbox_id: str, req: ExecRequest) -> ExecSpec:
+        """The :class:`ExecSpec` of ``req`` in ``sandbox_id``: its env merged over the
+        sandbox's (for a grader, over the sandbox's without what could steer it)."""
         rec = self.get(sandbox_id)
-        if not isinstance(body, dict):
-            raise BadRequest("body: must be a JSON object")
-        known = {"argv", "cmd", "env", "cwd", "uid", "gid", "timeout_s", "output_limit", "pty",
-                 "stdin", "encoding", "rows", "cols", "trusted", "kill_leftovers"}
-        unknown = set(body) - known
-        if unknown:
-            raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
-        argv_v, cmd = body.get("argv"), body.get("cmd")
-        if (argv_v is None) == (cmd is None):
-            raise BadRequest("body: give exactly one of argv or cmd")
-        if cmd is not None:
-            if not isinstance(cmd, str) or not cmd:
-                raise BadRequest("cmd: must be a non-empty string")
-            argv: tuple[str, ...] = ("/bin/sh", "-c", cmd)
-        else:
-            if (not isinstance(argv_v, list) or not argv_v
-                    or not all(isinstance(a, str) and "\0" not in a for a in argv_v)):
-                raise BadRequest("argv: must be a non-empty list of strings without NUL")
-            argv = tuple(argv_v)
-        trusted = _flag(body.get("trusted", False), "trusted")
         base_env = dict(rec.env)
-        if trusted:
+        if req.trusted:
             # A grader trusts nothing the sandbox env could steer: the interpreter's
             # start-up hooks and the dynamic loader's; its HOME is the fresh empty /root
             # of its own view. What the request itself gives wins.
             base_env = {k: v for k, v in base_env.items()
                         if not k.startswith(("PYTHON", "LD_"))}
             base_env.update(PYTHONNOUSERSITE="1", HOME="/root")
-        env = {**base_env, **_env(body.get("env"), "env")}
-        cwd = body.get("cwd", "/")
-        if not isinstance(cwd, str) or not cwd.startswith("/"):
-            raise BadRequest("cwd: must be an absolute path")
-        ids = {}
-        for k in ("uid", "gid"):
-            x = body.get(k, 0)
-            if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < 65536:
-                raise BadRequest(f"{k}: must be an integer in [0, 65536)")
-            ids[k] = x
-        timeout = body.get("timeout_s")
-        limit = body.get("output_limit")
-        if limit is not None:
-            _integer(limit, "output_limit", minimum=1, maximum=MAX_BYTES)
-        pty = _flag(body.get("pty", False), "pty")
-        for k in ("rows", "cols"):  # the PTY's size, refused before anything starts
-            if k in body:
-                _integer(body[k], k, minimum=1, maximum=65535)
         return ExecSpec(
-            argv=argv,
-            env=env,
-            cwd=cwd,
-            uid=ids["uid"],
-            gid=ids["gid"],
-            stdin=body.get("stdin") not in (None, False, ""),
-            timeout_s=None if timeout is None else _number(timeout, "timeout_s", minimum=0.001),
-            output_limit=limit,
-            pty=pty,
-            trusted=trusted,
-            kill_leftovers=_flag(body.get("kill_leftovers", False), "kill_leftovers"),
+            argv=req.argv,
+            env={**base_env, **req.env},
+            cwd=req.cwd,
+            uid=req.uid,
+            gid=req.gid,
+            stdin=req.stdin not in (None, False, ""),
+            timeout_s=req.timeout_s,
+            output_limit=req.output_limit,
+            pty=req.pty,
+            trusted=req.trusted,
+            kill_leftovers=req.kill_leftovers,
         )
 
     @asynccontextmanager
@@ -694,7 +514,7 @@ class SandboxManager:
         reclaimed = self.reclaimer.woke(sandbox_id)
         t0 = time.monotonic()
         try:
-            handle = await self.backend.exec(sandbox_id, spec)
+            handle = await self.backend_of(sandbox_id).exec(sandbox_id, spec)
         except asyncio.CancelledError:
             self._abandoned(sandbox_id, None, spec, "cancelled")  # the backend killed it
             raise
@@ -774,49 +594,28 @@ class SandboxManager:
         if reads:
             self.metrics.start_hit_ratio.observe(delta("hits") / reads)
 
-    async def signal(self, sandbox_id: str, body: object) -> dict[str, Any]:
-        """Send ``{"signal": int | "SIGTERM", "exec_id": optional}`` to one exec or to every
-        running exec of the sandbox; returns ``{"exec_ids": [ids signalled]}``. With
-        ``"all": true`` (SIGKILL only) every workload process of the sandbox is killed, also
-        those no exec lists any more (daemonized leftovers, fork bombs): see
-        :meth:`kill_processes`; returns ``{"exec_ids": [...], "killed": n}``."""
+    async def signal(self, sandbox_id: str, req: SignalRequest) -> dict[str, Any]:
+        """Send ``req.signal`` to one exec or to every running exec of the sandbox; returns
+        ``{"exec_ids": [ids signalled]}``. With ``all`` (SIGKILL only) every workload process
+        of the sandbox is killed, also those no exec lists any more (daemonized leftovers,
+        fork bombs): see :meth:`kill_processes`; returns ``{"exec_ids": [...], "killed":
+        n}``. A paused sandbox is resumed first."""
         rec = self.get(sandbox_id)
         rec.require(State.RUNNING, State.PAUSED, op="signal")
-        if not isinstance(body, dict):
-            raise BadRequest("body: must be a JSON object")
-        unknown = set(body) - {"signal", "exec_id", "all"}
-        if unknown:
-            raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
-        sig_v = body.get("signal", "SIGTERM")
-        try:
-            if isinstance(sig_v, str):
-                sig = int(signal_mod.Signals[sig_v if sig_v.startswith("SIG") else "SIG" + sig_v])
-            elif isinstance(sig_v, int) and not isinstance(sig_v, bool):
-                sig = int(signal_mod.Signals(sig_v))
-            else:
-                raise ValueError(sig_v)
-        except (KeyError, ValueError) as e:
-            raise BadRequest(f"signal: {sig_v!r} is not a signal") from e
-        kill_all = _flag(body.get("all", False), "all")
-        rec = await self._awake(sandbox_id, "signal")  # a paused sandbox is resumed first
+        rec = await self._awake(sandbox_id, "signal")
         self.reclaimer.woke(sandbox_id)
         execs = self._execs.get(sandbox_id, {})
-        eid = body.get("exec_id")
-        if kill_all:
-            if sig != signal_mod.SIGKILL or eid is not None:
-                raise BadRequest("all: only with signal 9 (SIGKILL) and without exec_id")
+        if req.all:
             running = list(execs)
             return {"exec_ids": running, "killed": await self.kill_processes(sandbox_id)}
-        if eid is not None:
-            if isinstance(eid, bool) or not isinstance(eid, int):
-                raise BadRequest(f"exec_id: {eid!r} is not an integer")
-            if eid not in execs:
-                raise NotFound(f"sandbox {sandbox_id}: no running exec {eid}")
-            targets = [eid]
+        if req.exec_id is not None:
+            if req.exec_id not in execs:
+                raise NotFound(f"sandbox {sandbox_id}: no running exec {req.exec_id}")
+            targets = [req.exec_id]
         else:
             targets = list(execs)
         for t in targets:
-            await execs[t].signal(sig)
+            await execs[t].signal(req.signal)
         rec.touch()
         return {"exec_ids": targets}
 
@@ -826,7 +625,7 @@ class SandboxManager:
         killed. Raises NotFound, InvalidState (not running), BackendError."""
         rec = self.get(sandbox_id)
         rec.require(State.RUNNING, op="kill processes")
-        n = await self.backend.kill_processes(sandbox_id)
+        n = await self.backend_of(sandbox_id).kill_processes(sandbox_id)
         rec.touch()
         return n
 
@@ -837,7 +636,8 @@ class SandboxManager:
         rec = await self._awake(sandbox_id, "write files")
         self.reclaimer.woke(sandbox_id)
         rec.touch()
-        return await self.backend.put_file(sandbox_id, path, data, mode=mode, uid=uid, gid=gid)
+        return await self.backend_of(sandbox_id).put_file(sandbox_id, path, data, mode=mode,
+                                                          uid=uid, gid=gid)
 
     async def get_file(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
         """Open ``path`` in a running sandbox; returns an iterator of its chunks."""
@@ -845,11 +645,7 @@ class SandboxManager:
         rec = await self._awake(sandbox_id, "read files")
         self.reclaimer.woke(sandbox_id)
         rec.touch()
-        it: Any = self.backend.get_file(sandbox_id, path)
-        if asyncio.iscoroutine(it):
-            it = await it
-        result: AsyncIterator[bytes] = it
-        return result
+        return await self.backend_of(sandbox_id).get_file(sandbox_id, path)
 
     # -- reaping, recovery, shutdown ------------------------------------------------------
 
@@ -902,12 +698,14 @@ class SandboxManager:
             self._reaper = None
 
     async def recover(self) -> dict[str, list[str]]:
-        """After a (re)start: read the persisted records, ask the backend which sandboxes
-        live, re-adopt (``on_start = "adopt"``) or destroy them, forget records of dead ones,
-        then let the backend clean leftovers and unmount layers no sandbox holds. Returns
-        ``{"adopted", "destroyed", "lost", "cleaned", "layers_unmounted"}`` lists."""
-        self.features = await self.backend.probe()
-        live = set(await self.backend.list_existing())
+        """After a (re)start: read the persisted records, ask each backend which sandboxes
+        live, re-adopt (``on_start = "adopt"``) or destroy them, forget records of dead ones
+        (and of backends not running here), then let each backend clean its leftovers, warm
+        it up, and unmount layers no sandbox holds. Returns ``{"adopted", "destroyed",
+        "lost", "cleaned", "layers_unmounted"}`` lists."""
+        self.features = await self.backends.probe()
+        live = {name: set(await self.backends.get(name).list_existing())
+                for name in self.backends.names()}
         records: dict[str, SandboxRecord] = {}
         if self.records_dir.is_dir():
             for p in sorted(self.records_dir.glob("*.json")):
@@ -921,11 +719,19 @@ class SandboxManager:
         out: dict[str, list[str]] = {"adopted": [], "destroyed": [], "lost": [], "cleaned": [],
                                      "layers_unmounted": []}
         for sid, rec in records.items():
-            usable = sid in live and rec.state in (State.RUNNING, State.PAUSED)
-            if usable and self.config.on_start == "adopt":
+            if rec.backend not in live:
+                log.warning("sandbox %s: its backend %r does not run here; record dropped",
+                            sid, rec.backend)
+                out["lost"].append(sid)
+                (self.records_dir / f"{sid}.json").unlink(missing_ok=True)
+                continue
+            backend = self.backends.get(rec.backend)
+            alive = sid in live[rec.backend]
+            if alive and rec.state in (State.RUNNING, State.PAUSED) \
+                    and self.config.on_start == "adopt":
                 try:
-                    await self.backend.adopt(sid)
-                    await self.layers.acquire_all(rec.layers)
+                    await backend.adopt(sid)
+                    await self.layers.acquire_all(rec.layers, backend.layer_form)
                     self.capacity.hold(sid, rec.resources)
                     rec.touch()
                     self._sandboxes[sid] = rec
@@ -934,22 +740,23 @@ class SandboxManager:
                     continue
                 except EdgedError as e:
                     log.warning("cannot adopt %s: %s", sid, e)
-            if sid in live:
+            if alive:
                 with contextlib.suppress(EdgedError):
-                    await self.backend.destroy(sid)
+                    await backend.destroy(sid)
                 out["destroyed"].append(sid)
             else:
                 out["lost"].append(sid)
             (self.records_dir / f"{sid}.json").unlink(missing_ok=True)
-        for sid in live - set(records):
-            if self.config.on_start == "destroy":
-                with contextlib.suppress(EdgedError):
-                    await self.backend.destroy(sid)
-                out["destroyed"].append(sid)
-        out["cleaned"] = await self.backend.cleanup_leftovers(set(out["adopted"]))
-        warm = getattr(self.backend, "warm", None)
-        if warm is not None:  # e.g. the container backend's spawner pool, ahead of creates
-            await warm()
+        for name, ids in live.items():
+            backend = self.backends.get(name)
+            for sid in sorted(ids - set(records)):
+                if self.config.on_start == "destroy":
+                    with contextlib.suppress(EdgedError):
+                        await backend.destroy(sid)
+                    out["destroyed"].append(sid)
+            keep = {s for s in out["adopted"] if records[s].backend == name}
+            out["cleaned"] += await backend.cleanup_leftovers(keep)
+        await self.backends.warm()  # e.g. the container backend's spawner pool
         out["layers_unmounted"] = await self.layers.sweep()
         self._update_gauges()
         return out
@@ -980,7 +787,8 @@ class SandboxManager:
             await self.layers.close()
 
     def node_info(self) -> dict[str, Any]:
-        """``GET /v1/node``: capacity, allocations, states, layer mounts, probed features;
+        """``GET /v1/node``: capacity, allocations, states, layer mounts, the backends (the
+        default's probed features also as ``features``);
         measured memory (host, sandboxes, swap, kernel overhead per sandbox), pressure
         (PSI), what reclaim can get back and has, and the free capacity in sandbox-sized
         units that placement reads (see :meth:`Admission.snapshot`)."""
@@ -989,8 +797,12 @@ class SandboxManager:
         for r in self._sandboxes.values():
             counts[r.state.value] = counts.get(r.state.value, 0) + 1
         info["sandboxes"] = counts
-        info["backend"] = self.backend.name
-        info["features"] = self.features
+        info["backend"] = self.backends.default
+        info["features"] = self.features.get(self.backends.default, {})
+        info["backends"] = {
+            name: {"layer_form": self.backends.get(name).layer_form,
+                   "features": self.features.get(name, {})}
+            for name in self.backends.names()}
         info["layers"] = self.layers.refs()
         info.update(self.admission.snapshot())
         rt = self.reclaimer.totals()
@@ -1019,3 +831,22 @@ def _gone_how(e: BaseException) -> str:
 def _check_path(path: str) -> None:
     if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
         raise BadRequest(f"path {path!r}: must be an absolute path without NUL")
+
+
+class _ByRecord:
+    """The memory side of every backend, each sandbox's through the backend its record
+    names: what the node's reclaim (:class:`~edged.node.reclaim.Reclaimer`) drives."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self._m = manager
+
+    @property
+    def can_reclaim(self) -> bool:
+        return any(b.can_reclaim for b in self._m.backends)
+
+    async def memory(self, sandbox_id: str) -> MemoryUsage:
+        return await self._m.backend_of(sandbox_id).memory(sandbox_id)
+
+    async def reclaim(self, sandbox_id: str, nbytes: int | None) -> int:
+        b = self._m.backend_of(sandbox_id)
+        return await b.reclaim(sandbox_id, nbytes) if b.can_reclaim else 0

@@ -103,8 +103,8 @@ class PassResult:
 
 class Reclaimer:
     """Runs idle detection and reclaim passes over the sandboxes ``records()`` yields, through
-    ``backend`` (its optional ``memory``/``reclaim``/``prefetch``; a backend without them is
-    never reclaimed); ``records()`` yields the records of running sandboxes. ``psi_path``
+    ``backend`` (its ``memory``/``reclaim``; one whose ``can_reclaim`` is false is never
+    reclaimed); ``records()`` yields the records of running sandboxes. ``psi_path``
     and ``meminfo_path`` are the host's files (tests give their own); ``clock`` is wall time
     in seconds. ``ensure_swap`` is called before each reclaim (the swap is set up at the first).
     Errors of one sandbox are logged and never stop a pass."""
@@ -134,7 +134,7 @@ class Reclaimer:
     @property
     def supported(self) -> bool:
         """Whether the backend can report and reclaim memory."""
-        return all(callable(getattr(self.backend, n, None)) for n in ("memory", "reclaim"))
+        return bool(self.backend.can_reclaim)
 
     # -- per-sandbox events ---------------------------------------------------------------
 

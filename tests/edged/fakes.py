@@ -13,7 +13,15 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from edged.backends.base import ExecEnd, ExecSpec, FailureSink, SandboxSpec
+from edged.backends.base import (
+    EventSink,
+    ExecEnd,
+    ExecSpec,
+    FailureSink,
+    LayerForm,
+    MemoryUsage,
+    SandboxSpec,
+)
 from edged.errors import BackendError, BadRequest, NotFound
 from edged.images.mounts import LayerMounts, LayerOps
 
@@ -109,8 +117,13 @@ class FakeBackend:
     with sandboxes still running."""
 
     name = "container"
+    layer_form: LayerForm = "tree"
+    can_reclaim = False
 
     def __init__(self, root: Path, live: dict[str, Path] | None = None) -> None:
+        self.on_event: EventSink | None = None
+        self.warmed = 0
+        self.closed = 0
         self.root = root
         self.live: dict[str, Path] = live if live is not None else {}
         self.paused: set[str] = set()
@@ -231,6 +244,28 @@ class FakeBackend:
         gone = sorted(s for s in self.leftovers if s not in keep)
         self.leftovers -= set(gone)
         return gone
+
+    async def warm(self) -> None:
+        self.warmed += 1
+
+    async def memory(self, sandbox_id: str) -> MemoryUsage:
+        self._get(sandbox_id)
+        return MemoryUsage()
+
+    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
+        return 0
+
+    async def prefetch(self, sandbox_id: str) -> None:
+        return None
+
+    def totals(self) -> MemoryUsage:
+        return MemoryUsage()
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.closed += 1
 
 
 class FakeLayerOps:

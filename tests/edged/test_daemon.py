@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from edged.api.requests import parse_create
 from edged.client import Sandbox
 from edged.config import Config
 from edged.daemon import Server
@@ -92,7 +93,7 @@ def test_signal_handlers_installed_and_restored(tmp_path, sockdir) -> None:
         await server.started.wait()
         # asyncio's handler: the C-level handler is its wakeup trampoline, not ours
         assert asyncio.get_running_loop()._signal_handlers.get(signal.SIGTERM)
-        await server.manager.create({"id": "x", "layers": [digest(1)]})
+        await server.manager.create(parse_create({"id": "x", "layers": [digest(1)]}))
         os.kill(os.getpid(), signal.SIGTERM)
         await asyncio.wait_for(task, 10)
 

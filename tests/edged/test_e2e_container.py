@@ -394,7 +394,7 @@ def test_a_sandbox_whose_sbx_init_died_fails_and_deletes_clean(real_node, layer_
     sbx = Sandbox.create(layers=[digest], id="dies", env={"PATH": "/bin"}, socket=node.socket)
     try:
         assert sbx.exec("echo up").stdout == "up\n"
-        pid = node.server.manager.backend._sandboxes["dies"].pid  # type: ignore[attr-defined]
+        pid = node.server.manager.backend_of("dies")._sandboxes["dies"].pid  # type: ignore[attr-defined]
         os.kill(pid, 9)
         deadline = time.monotonic() + 3
         while sbx.refresh()["state"] != "failed" and time.monotonic() < deadline:

@@ -107,7 +107,7 @@ def test_pause_pages_out_and_resume_reads_back(real_node, layer_store) -> None: 
     sbx = Sandbox.create(layers=[digest], id="p-1", env=ENV, socket=node.socket)
     state = _start_holder(sbx)
     def mem():
-        return asyncio.run_coroutine_threadsafe(m.backend.memory("p-1"),
+        return asyncio.run_coroutine_threadsafe(m.backend_of("p-1").memory("p-1"),
                                                 node.thread.loop).result(10)
 
     resident0 = mem().resident_bytes
@@ -147,7 +147,7 @@ def test_kept_sandboxes_keep_the_zram_for_the_next_daemon(real_node, layer_store
 
 
 def _cpu_ns(node, sid: str) -> int:
-    return asyncio.run_coroutine_threadsafe(node.server.manager.backend.memory(sid),
+    return asyncio.run_coroutine_threadsafe(node.server.manager.backend_of(sid).memory(sid),
                                             node.thread.loop).result(10).cpu_usage_ns
 
 
@@ -162,7 +162,7 @@ def test_qos_best_effort_yields_cpu_to_latency_sensitive(real_node, layer_store)
     ls = Sandbox.create(layers=[digest], id="ls", env=ENV, socket=node.socket,
                         cpus=float(cores), qos="latency_sensitive")
     assert be.info["qos"] == "best_effort" and ls.info["qos"] == "latency_sensitive"
-    backend = node.server.manager.backend
+    backend = node.server.manager.backend_of("be")
     for sid, want in (("be", "1"), ("ls", "0")):
         cg = backend._sandboxes[sid].cg
         d = cg.dirs.get("cpu") or cg.dirs.get("v2")

@@ -86,6 +86,7 @@ def test_grader_sees_the_layers(node: Node, toolkit_root: Path) -> None:
 def test_grader_env_from_the_daemon() -> None:
     """The daemon's exec body → spec: a trusted exec drops PYTHON*/LD_* of the sandbox env,
     sets PYTHONNOUSERSITE=1 and HOME=/root; what the request gives explicitly wins."""
+    from edged.api.requests import parse_exec
     from edged.node.manager import SandboxManager
 
     class Rec:
@@ -95,10 +96,10 @@ def test_grader_env_from_the_daemon() -> None:
 
     m = SandboxManager.__new__(SandboxManager)
     m.get = lambda sid: Rec()  # type: ignore[method-assign]
-    spec = m.exec_spec("x", {"cmd": "true", "trusted": True})
+    spec = m.exec_spec("x", parse_exec({"cmd": "true", "trusted": True}))
     assert dict(spec.env) == {"PATH": "/bin", "HOME": "/root", "PYTHONNOUSERSITE": "1"}
-    spec = m.exec_spec("x", {"cmd": "true", "trusted": True,
-                             "env": {"PYTHONPATH": "/opt/toolkit", "HOME": "/tmp"}})
+    spec = m.exec_spec("x", parse_exec({"cmd": "true", "trusted": True,
+                                        "env": {"PYTHONPATH": "/opt/toolkit", "HOME": "/tmp"}}))
     assert spec.env["PYTHONPATH"] == "/opt/toolkit" and spec.env["HOME"] == "/tmp"
-    spec = m.exec_spec("x", {"cmd": "true"})
+    spec = m.exec_spec("x", parse_exec({"cmd": "true"}))
     assert spec.env["PYTHONPATH"] == "/evil"  # an ordinary exec keeps the sandbox env

@@ -44,6 +44,7 @@ from edged.backends.base import (
     EventSink,
     ExecSpec,
     FailureSink,
+    LayerForm,
     MemoryUsage,
     Resources,
     SandboxSpec,
@@ -126,6 +127,8 @@ class ContainerBackend:
     """
 
     name = "container"
+    layer_form: LayerForm = "tree"  # overlay lowers: the layers mounted
+    can_reclaim = True
 
     def __init__(self, state_dir: str | os.PathLike[str] = "/run/edged", *,
                  uid_base: int = 1 << 30, id_count: int = 65536,

@@ -6,6 +6,7 @@ import asyncio
 
 import aiohttp
 
+from edged.api.requests import parse_create
 from tests.edged.api.speccheck import SPEC, validate
 from tests.edged.fakes import digest
 
@@ -31,7 +32,7 @@ async def _ws(node, sid: str, first: dict) -> list[dict]:
 
 
 def test_ws_interactive_stdin(node) -> None:
-    node.call(node.server.manager.create({"id": "ws", "layers": [digest(1)]}))
+    node.call(node.server.manager.create(parse_create({"id": "ws", "layers": [digest(1)]})))
     events = asyncio.run(_ws(node, "ws", {"argv": ["cat"]}))
     schema = SPEC["components"]["schemas"]["ExecEvent"]
     for ev in events:
@@ -42,7 +43,7 @@ def test_ws_interactive_stdin(node) -> None:
 
 
 def test_ws_errors_use_the_one_shape(node) -> None:
-    node.call(node.server.manager.create({"id": "ws2", "layers": [digest(1)]}))
+    node.call(node.server.manager.create(parse_create({"id": "ws2", "layers": [digest(1)]})))
     events = asyncio.run(_ws(node, "ws2", {"argv": []}))
     assert events == [{"error": {"code": "bad_request",
                                  "message": "argv: must be a non-empty list of strings "
@@ -52,7 +53,7 @@ def test_ws_errors_use_the_one_shape(node) -> None:
 def test_ws_bad_control_message_is_answered_and_ignored(node) -> None:
     """A bad control message gets an error message; the reader goes on: later stdin, EOF
     reach the exec, it ends, and the sandbox has no active exec left (idle reaping works)."""
-    node.call(node.server.manager.create({"id": "ws3", "layers": [digest(1)]}))
+    node.call(node.server.manager.create(parse_create({"id": "ws3", "layers": [digest(1)]})))
 
     async def go() -> list[dict]:
         events: list[dict] = []

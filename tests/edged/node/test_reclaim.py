@@ -4,6 +4,7 @@ sandboxes are reclaimed when, the PSI-paced budget, regrowth, wakes and refault 
 from __future__ import annotations
 
 import asyncio
+import types
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +26,8 @@ class Rec:
 
 class Mem:
     """A backend double: per sandbox memory, CPU that ticks, reclaim moving anon to swap."""
+
+    can_reclaim = True
 
     def __init__(self) -> None:
         self.use: dict[str, MemoryUsage] = {}
@@ -176,6 +179,6 @@ def test_reclaim_now_and_unsupported_backend(tmp_path: Path) -> None:
     mem.add("p", 3 * MiB)
     assert asyncio.run(r.reclaim_now("p")) == 3 * MiB
     assert r.state["p"].reclaimed
-    plain = Reclaimer(ReclaimConfig(), object(), lambda: [])
+    plain = Reclaimer(ReclaimConfig(), types.SimpleNamespace(can_reclaim=False), lambda: [])
     assert not plain.supported and asyncio.run(plain.reclaim_now("x")) == 0
     assert asyncio.run(plain.pass_once()).reclaimed == []
