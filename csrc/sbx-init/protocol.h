@@ -81,8 +81,11 @@ enum sbx_type {
 #define SBX_EXEC_GRADER 0x4u /* a grader's view: the -G paths as the layers hold them */
 
 /* SBX_EXEC payload: this struct, then `1 + argc + envc` NUL-terminated strings:
- * cwd, argv[0..argc), env[0..envc) ("KEY=VALUE").  argv[0] is looked up in the
- * PATH of the given env when it has no '/'. */
+ * cwd, argv[0..argc), env[0..envc) ("KEY=VALUE").  The exec's environment is
+ * that env over a login shell's defaults (PATH, HOME, USER, LOGNAME, SHELL from
+ * the uid's /etc/passwd entry, LANG, LC_ALL, TERM on a pty: the list is in
+ * child.c); a variable the env gives is never changed.  argv[0] is looked up
+ * in that PATH when it has no '/'. */
 struct sbx_exec {
 	uint32_t uid;          /* inside the sandbox's user namespace */
 	uint32_t gid;

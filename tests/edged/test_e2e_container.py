@@ -414,3 +414,24 @@ def test_a_sandbox_whose_sbx_init_died_fails_and_deletes_clean(real_node, layer_
     assert not (runtime / "sandboxes" / "dies").exists()
     assert node.server.manager.layers.refs() == {}
     # (the fixture checks that no cgroup or mount is left)
+
+
+def test_exec_env_defaults_then_sandbox_env_then_exec_env(real_node, layer_store) -> None:
+    # issue 9, item 10: a login shell's variables, overridden by the sandbox's env and then
+    # by the exec's (this layer's /etc/passwd names root's home "/")
+    _, digest = layer_store
+    node = real_node()
+    with Sandbox.create(layers=[digest], env={"LANG": "de_DE.UTF-8", "SHELL": "/bin/ash"},
+                        socket=node.socket) as sbx:
+        def env(**kw) -> dict[str, str]:
+            r = sbx.exec(["env"], **kw)
+            assert r.ok, r
+            return dict(line.split("=", 1) for line in r.stdout.splitlines())
+
+        got = env()
+        assert got == {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                       "HOME": "/", "USER": "root", "LOGNAME": "root", "SHELL": "/bin/ash",
+                       "LANG": "de_DE.UTF-8"}, got
+        got = env(env={"HOME": "/work", "LANG": "C.UTF-8", "LC_ALL": "C"})
+        assert (got["HOME"], got["LANG"], got["LC_ALL"], got["SHELL"]) == (
+            "/work", "C.UTF-8", "C", "/bin/ash")

@@ -832,3 +832,55 @@ def test_a_killed_sbx_init_fails_the_sandbox_at_once(backend: ContainerBackend,
 
     run(body)
     assert not sandbox_processes(backend)
+
+
+def _env_of(out: bytes) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in out.decode().splitlines() if "=" in line)
+
+
+def test_exec_environment_is_a_login_shells(backend: ContainerBackend,
+                                            busybox_tree: Path) -> None:
+    # Bug (issue 9, item 10): an exec's environment had only what the request gave (PWD,
+    # which a shell sets). sbx-init now puts a login shell's variables under it.
+    login = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+             "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+    async def env(*, uid: int = 0, pty: bool = False, **given: str) -> dict[str, str]:
+        h = await backend.exec("sb1", ExecSpec(argv=("/bin/env",), env=given, uid=uid,
+                                               gid=uid, pty=pty))
+        out, _, end = await collect(h)
+        assert end.exit_code == 0, (out, end)
+        return _env_of(out.replace(b"\r\n", b"\n"))
+
+    async def body() -> None:
+        # unconfined: the default task profile keeps /etc/passwd read-only for the workload
+        await backend.create(dataclasses.replace(spec((str(busybox_tree),)), task_profile=None))
+        try:
+            # no /etc/passwd in the layer
+            assert await env() == {**login, "HOME": "/root", "USER": "root",
+                                   "LOGNAME": "root", "SHELL": "/bin/sh"}
+            assert (await env(pty=True))["TERM"] == "xterm-256color"
+            assert (await env(uid=7))["USER"] == "7"
+            # the sandbox's own /etc/passwd, as the workload left it
+            await backend.put_file("sb1", "/etc/passwd", chunks(
+                b"root:x:0:0:root:/home/root:/bin/sh\nagent:x:1000:1000:An Agent:/home/agent:"
+                b"/bin/ash\nbroken line\n"))
+            got = await env(uid=1000)
+            assert (got["HOME"], got["USER"], got["LOGNAME"], got["SHELL"]) == (
+                "/home/agent", "agent", "agent", "/bin/ash")
+            assert "TERM" not in got
+            assert (await env())["HOME"] == "/home/root"
+            # what the request gives wins; a locale it sets is not overridden by LC_ALL
+            got = await env(HOME="/work", LANG="fr_FR.UTF-8", PATH="/bin", TERM="dumb",
+                            pty=True)
+            assert (got["HOME"], got["LANG"], got["PATH"], got["TERM"]) == (
+                "/work", "fr_FR.UTF-8", "/bin", "dumb")
+            assert "LC_ALL" not in got
+            # a /etc/passwd that would hang a reader (a FIFO) is not read
+            out, err, end = await sh(backend, "sb1", "rm /etc/passwd; mkfifo /etc/passwd")
+            assert end.exit_code == 0, (out, err)
+            assert (await env())["HOME"] == "/root"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
