@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from edged import rollout
+from edged.projects import image
 
 
 def test_ensure_rootfs_temp_name_ends_in_tar(
@@ -26,9 +26,9 @@ def test_ensure_rootfs_temp_name_ends_in_tar(
         Path(out).write_bytes(b"tar bytes")  # what mmdebstrap does for a *.tar name
         return subprocess.CompletedProcess(argv, 0)
 
-    monkeypatch.setattr(rollout.subprocess, "run", fake_run)
+    monkeypatch.setattr(image.subprocess, "run", fake_run)
     dest = tmp_path / "debian-rootfs.tar"
-    assert rollout.ensure_rootfs(str(dest)) == str(dest)
+    assert image.ensure_rootfs(str(dest)) == str(dest)
     assert len(seen) == 1 and seen[0].endswith(".tar"), seen
     assert dest.is_file() and dest.read_bytes() == b"tar bytes"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["debian-rootfs.tar"]

@@ -1,0 +1,51 @@
+"""The image's settings that do not need the index: the base's Python checked against the one
+running pip, and the environment of a test run."""
+
+from __future__ import annotations
+
+import io
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from edged.projects import errors
+from edged.projects.image import TEST_ARGV, base_python, check_python, sandbox_env
+
+HOST = f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _rootfs_tar(path: Path, *versions: str) -> str:
+    with tarfile.open(path, "w") as tf:
+        for name in ["./etc/hostname", *(f"./usr/lib/python{v}/os.py" for v in versions),
+                     "./usr/lib/python3/dist-packages/x.py"]:
+            info = tarfile.TarInfo(name)
+            tf.addfile(info, io.BytesIO(b""))
+    return str(path)
+
+
+def test_base_python_from_tar_and_dir(tmp_path: Path) -> None:
+    assert base_python(_rootfs_tar(tmp_path / "a.tar", "3.11")) == "3.11"
+    assert base_python(_rootfs_tar(tmp_path / "b.tar")) is None
+    assert base_python(_rootfs_tar(tmp_path / "c.tar", "3.11", "3.12")) is None
+    (tmp_path / "d" / "usr" / "lib" / "python3.13").mkdir(parents=True)
+    (tmp_path / "d" / "usr" / "lib" / "python3.13" / "os.py").write_text("")
+    assert base_python(str(tmp_path / "d")) == "3.13"
+
+
+def test_check_python(tmp_path: Path) -> None:
+    check_python(_rootfs_tar(tmp_path / "ok.tar", HOST))
+    other = "3.9" if HOST != "3.9" else "3.10"
+    with pytest.raises(errors.PythonMismatch, match=f"the base rootfs has Python {other}, "
+                                                    f"edged runs Python {HOST}"):
+        check_python(_rootfs_tar(tmp_path / "other.tar", other))
+    with pytest.raises(errors.PythonMismatch, match="no \\(single\\) python3"):
+        check_python(_rootfs_tar(tmp_path / "none.tar"))
+
+
+def test_run_settings() -> None:
+    env = sandbox_env()
+    assert env["PATH"].split(":")[0] == "/work/.venv/bin" and env["VIRTUAL_ENV"] == "/work/.venv"
+    assert "PYTHONPATH" not in env  # the order lives in the venv, not in the environment
+    assert TEST_ARGV[:3] == ("/work/.venv/bin/python", "-m", "pytest")
