@@ -8,8 +8,11 @@
   project's environment, a venv at :data:`PROJECT_ENV` (``/work/.venv``,
   :mod:`edged.projects.venv`): the project itself, built from that sdist and installed as
   its CI would (``pip install``, not the source tree on the path: ``src/`` layouts work),
-  with its test dependencies (:mod:`edged.projects.testdeps`). Tests run with the venv's
-  Python from the project's directory (``/work/.venv/bin/python -m pytest``).
+  with its test dependencies (:mod:`edged.projects.testdeps`). Tests run from the
+  project's directory with the toolkit's ``pytest`` script (:func:`test_argv`), under the
+  venv's Python; the source tree is not put first on the path (as ``python -m pytest``
+  would), so a flat-layout project is tested as built and installed (wcwidth's tests check
+  that its compiled extension is loaded, which its source tree does not have).
 
 **Path order.** The venv's site-packages, then the toolkit (a ``.pth`` entry): where both
 hold a distribution (pytest's own dependencies: ``packaging``, ``pluggy``, ``iniconfig``...)
@@ -67,8 +70,9 @@ TOOLKIT = "/opt/toolkit"
 PROJECT_ENV = "/work/.venv"
 #: The sandbox's Python (the base layer's).
 PYTHON = "/usr/bin/python3"
-#: The project's tests, run from its directory; its own pytest configuration applies.
-TEST_ARGV = (f"{PROJECT_ENV}/bin/python", "-m", "pytest", "-q", "-p", "no:cacheprovider")
+#: pytest's options for every run (the project's own configuration applies too; the
+#: command line wins over its ``addopts``): quiet, no cache written, no colours to parse.
+PYTEST_OPTIONS = ("-q", "-p", "no:cacheprovider", "--color=no")
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,8 @@ class ProjectImage:
     digest}; ``project_dir``: the sdist's tree in the sandbox; ``env``: the environment its
     test run needs (:func:`sandbox_env`); ``workspace_dists``/``toolkit_dists``: {name:
     version} installed in each layer; ``pytest_pinned``: whether the project's environment
-    was resolved with the toolkit's pytest (False: it has its own)."""
+    was resolved with the toolkit's pytest (False: it has its own); ``test_argv``: the test
+    run, from ``project_dir`` (:func:`test_argv`)."""
 
     requirement: str
     name: str
@@ -89,7 +94,7 @@ class ProjectImage:
     workspace_dists: dict[str, str]
     toolkit_dists: dict[str, str]
     pytest_pinned: bool = True
-    test_argv: tuple[str, ...] = TEST_ARGV
+    test_argv: tuple[str, ...] = ()
     timings_s: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -103,8 +108,19 @@ def sandbox_env(project_env: str = PROJECT_ENV) -> dict[str, str]:
     ``PATH``, so ``python``/``python3``/``pytest`` in a shell or a test's subprocess are the
     venv's); no ``.pyc`` written (the layers carry them)."""
     return {"VIRTUAL_ENV": project_env,
-            "PATH": f"{project_env}/bin:/usr/local/bin:/usr/bin:/bin",
+            "PATH": f"{project_env}/bin:{TOOLKIT}/bin:/usr/local/bin:/usr/bin:/bin",
             "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"}
+
+
+def test_argv(own_pytest: bool) -> tuple[str, ...]:
+    """The test run: the project's own ``pytest`` script when its venv has one (its test
+    dependencies excluded the toolkit's pytest), else the toolkit's, whose ``#!/usr/bin/env
+    python3`` finds the venv's Python first on ``PATH``."""
+    script = f"{PROJECT_ENV}/bin/pytest" if own_pytest else f"{TOOLKIT}/bin/pytest"
+    return (script, *PYTEST_OPTIONS)
+
+
+test_argv.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
 def ensure_rootfs(path: str) -> str:
@@ -251,6 +267,9 @@ def build_workspace(sdist: Sdist, deps: TestDeps, toolkit: dict[str, str], store
     if missing:
         raise ProjectError(f"installing the test environment of {requirement}: "
                            f"{', '.join(sorted(missing))} not installed")
+    if (venv / "bin" / "pytest").exists() != ("pytest" in got):
+        raise ProjectError(f"installing the test environment of {requirement}: pytest "
+                           "installed without its script, or a script without pytest")
     return _build(str(tree), "workspace", store, True), got, pinned
 
 
@@ -311,4 +330,4 @@ def build_project_image(requirement: str, *, work: Path, rootfs: str = DEFAULT_R
     return ProjectImage(requirement, sdist.name, sdist.version,
                         {"base": base, "workspace": workspace, "toolkit": toolkit},
                         f"/work/{sdist.name}", sandbox_env(), deps, ws_dists, toolkit_dists,
-                        pinned, timings_s=times)
+                        pinned, test_argv("pytest" in ws_dists), timings_s=times)

@@ -11,7 +11,10 @@ What is read, in tiers; a tier is read only when the ones before it gave nothing
    ``dependency_groups``.
 2. **Requirements files named for tests**: :data:`TEST_FILES`.
 3. **Development sets**: the extras and dependency groups named ``dev`` or ``all`` (idna
-   declares its test tools only in ``all``), :data:`DEV_FILES`.
+   declares its test tools only in ``all``). Requirements files for development
+   (``requirements-dev.txt``...) are not read unless tox names them: they carry linters, docs
+   and release tools (more-itertools 10.5.0's pulled in 70 distributions for a suite that
+   needs none).
 
 Only simple declarations are taken: tox lines with a factor condition (``py38: x``) or a
 substitution (``{...}``), direct URL requirements (``x @ git+https://...``), editable or path
@@ -42,8 +45,6 @@ TEST_FILES = ("tests/requirements.txt", "testing/requirements.txt", "test-requir
               "requirements/test.txt", "requirements/tests.txt", "requirements/testing.txt")
 #: Development sets, the last resort (tier 3).
 DEV_NAMES = ("dev", "all")
-DEV_FILES = ("requirements-dev.txt", "dev-requirements.txt", "requirements_dev.txt",
-             "requirements/dev.txt", "requirements/development.txt")
 
 _FACTOR = re.compile(r"^[\w{}.,!-]+:\s")
 
@@ -298,8 +299,6 @@ def find_test_deps(root: Path, project: str, provides_extra: Iterable[str]) -> T
     if c.empty():
         extras_named(DEV_NAMES)
         _groups(c, pyproject, DEV_NAMES, "dependency group")
-        for f in DEV_FILES:
-            c.source(f, c.requirements_file(root / f, f))
     unknown = [x for x in c.extras if x not in extras]
     for x in unknown:  # tox or a self-reference named an extra the metadata does not have
         c.skipped.append(f"extra {x!r}: not provided by the project")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edged.projects import errors
-from edged.projects.image import TEST_ARGV, base_python, check_python, sandbox_env
+from edged.projects.image import base_python, check_python, sandbox_env, test_argv
 
 HOST = f"{sys.version_info.major}.{sys.version_info.minor}"
 
@@ -48,4 +48,7 @@ def test_run_settings() -> None:
     env = sandbox_env()
     assert env["PATH"].split(":")[0] == "/work/.venv/bin" and env["VIRTUAL_ENV"] == "/work/.venv"
     assert "PYTHONPATH" not in env  # the order lives in the venv, not in the environment
-    assert TEST_ARGV[:3] == ("/work/.venv/bin/python", "-m", "pytest")
+    assert env["PATH"].split(":")[1] == "/opt/toolkit/bin"
+    assert test_argv(False)[0] == "/opt/toolkit/bin/pytest"
+    assert test_argv(True)[0] == "/work/.venv/bin/pytest"
+    assert "--color=no" in test_argv(False)  # wcwidth's addopts ask for colours

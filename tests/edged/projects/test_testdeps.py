@@ -163,8 +163,11 @@ def test_dev_is_the_last_resort(tmp_path: Path) -> None:
         """, "requirements-dev.txt": "ruff\n"})
     d = find_test_deps(root, "iniconfig", ["dev"])
     assert d.extras == ("dev",)
-    assert d.requirements == ("pytest>=8.4.2", "pytest-xdist>=3.8", "ruff")
-    assert d.sources == ("extra dev", "dependency group dev", "requirements-dev.txt")
+    assert d.requirements == ("pytest>=8.4.2", "pytest-xdist>=3.8")  # not requirements-dev
+    assert d.sources == ("extra dev", "dependency group dev")
+    # idna: its test tools only in the "all" extra
+    d = find_test_deps(tree(tmp_path / "idna", {}), "idna", ["all"])
+    assert d.extras == ("all",) and d.sources == ("extra all",)
 
 
 def test_self_reference_becomes_extra(tmp_path: Path) -> None:

@@ -45,10 +45,17 @@ def _env(tmp_path: Path) -> tuple[Path, Path]:
 def test_project_version_wins_and_toolkit_fills_in(tmp_path: Path) -> None:
     venv, site = _env(tmp_path)
     assert (site / TOOLKIT_PTH).read_text() == f"{tmp_path / 'opt-toolkit'}\n"
-    clean = {"PATH": f"{venv}/bin:/usr/bin:/bin"}
+    clean = {"PATH": f"{venv}/bin:{tmp_path / 'opt-toolkit' / 'bin'}:/usr/bin:/bin"}
+    # a toolkit script (how pytest runs): `#!/usr/bin/env python3` finds the venv's first
+    script = tmp_path / "opt-toolkit" / "bin" / "probe"
+    script.parent.mkdir()
+    script.write_text(f"#!/host/venv/bin/python\n{PROBE}\n")
+    fix_shebangs(script.parent, "/usr/bin/env python3")
+    script.chmod(0o755)
     for argv, env in (
         ([str(venv / "bin" / "python"), "-c", PROBE], clean),
         (["python3", "-c", PROBE], clean),  # a shell's `python3` in the venv's PATH
+        (["probe"], clean),
         # a tool that gives its subprocess a PYTHONPATH of its own (pytest-mypy-plugins)
         ([str(venv / "bin" / "python"), "-c", PROBE], {**clean, "PYTHONPATH": "/nonexistent"}),
     ):
