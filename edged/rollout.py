@@ -3,9 +3,9 @@
 1. Layers (:func:`edged.projects.build_project_image`): **base** from a Debian rootfs
    tarball; **workspace** with a real project's sdist from the package index at
    ``/work/<project>`` and the project installed with its test dependencies (read from its
-   metadata, dependency groups, tox configuration or requirements files) at
-   ``/work/.site-packages``; **toolkit** with pytest at ``/opt/toolkit``. The project's
-   environment comes first on the path, so its versions of shared dependencies win.
+   metadata, dependency groups, tox configuration or requirements files) into a venv at
+   ``/work/.venv``; **toolkit** with pytest at ``/opt/toolkit``. The project's venv comes
+   first on the path, so its versions of shared dependencies win.
 2. A daemon (:class:`edged.daemon.Server`, real container backend) on a private socket and
    runtime dir; the image ``rollout/<project>:latest`` registered.
 3. N sandboxes in parallel (SDK :class:`~edged.client.AsyncSandbox`), each running the
@@ -273,6 +273,7 @@ def _remove_cgroup_subtree(runtime_dir: str) -> None:
 
 
 def _logging() -> None:
+    """Progress of the rollout and of the layer builds on stderr, ``rollout: ...``."""
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(logging.Formatter("rollout: %(message)s"))
     for name in ("edged.rollout", "edged.projects"):
@@ -280,7 +281,6 @@ def _logging() -> None:
         if not lg.handlers:
             lg.addHandler(h)
         lg.setLevel(logging.INFO)
-        lg.propagate = False
 
 
 def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:

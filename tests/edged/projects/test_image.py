@@ -52,3 +52,36 @@ def test_run_settings() -> None:
     assert test_argv(False)[0] == "/opt/toolkit/bin/pytest"
     assert test_argv(True)[0] == "/work/.venv/bin/pytest"
     assert "--color=no" in test_argv(False)  # wcwidth's addopts ask for colours
+
+
+def test_resolution_pins_the_toolkit_pytest_then_falls_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The project's environment is resolved with the toolkit's exact pytest; a project
+    whose test dependencies exclude it (``pytest<8``) is resolved again without the pin."""
+    from edged.projects import image
+    from edged.projects.pip import Dist
+    from edged.projects.sdist import Sdist
+    from edged.projects.testdeps import TestDeps
+
+    calls: list[list[str]] = []
+
+    def fake_resolve(reqs: list[str], **_kw: object) -> tuple[list[Dist], dict[str, object]]:
+        calls.append(reqs)
+        if "pytest==9.2.0" in reqs and "pytest<8" in reqs:
+            raise errors.DependencyFailed("the requirements conflict")
+        return [Dist("old", "1.0", True), Dist("pytest", "7.4.4")], {}
+
+    monkeypatch.setattr(image, "resolve", fake_resolve)
+    sdist = Sdist("old", "1.0", tmp_path, tmp_path / "old-1.0.tar.gz", ("test",))
+    deps = TestDeps(("test",), ("pytest<8",), ("extra test",), ())
+    with caplog.at_level("INFO", logger="edged.projects"):
+        dists, pinned = image._resolve_env(sdist, deps, {"pytest": "9.2.0"}, "old==1.0")
+    assert calls == [["old[test]==1.0", "pytest<8", "pytest==9.2.0"],
+                     ["old[test]==1.0", "pytest<8", "pytest"]]
+    assert not pinned and Dist("pytest", "7.4.4") in dists
+    assert "exclude the toolkit's pytest 9.2.0" in caplog.text
+    calls.clear()
+    deps = TestDeps((), ("pretend",), ("tests/requirements.txt",), ())
+    _, pinned = image._resolve_env(sdist, deps, {"pytest": "9.2.0"}, "old==1.0")
+    assert pinned and calls == [["old==1.0", "pretend", "pytest==9.2.0"]]

@@ -17,11 +17,21 @@ from edged.projects.image import plan_workspace
 from edged.projects.pip import Dist, classify, installed, pip
 
 
-def _project(root: Path, pyproject: str, files: dict[str, str] | None = None) -> Path:
+def _project(root: Path, name: str, more: str = "",
+             files: dict[str, str] | None = None) -> Path:
+    """A setuptools project (built without isolation: the test interpreter's setuptools)."""
+    pytest.importorskip("setuptools")
     root.mkdir(parents=True)
-    (root / "pyproject.toml").write_text(textwrap.dedent(pyproject))
-    for name, text in (files or {}).items():
-        (root / name).write_text(textwrap.dedent(text))
+    (root / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "{name}"
+        version = "1.0"
+        """) + more)
+    for fname, text in (files or {}).items():
+        (root / fname).write_text(textwrap.dedent(text))
     return root
 
 
@@ -49,15 +59,7 @@ def test_missing_dependency_is_a_dependency_failure(tmp_path: Path) -> None:
 
 
 def test_build_needing_a_compiler(tmp_path: Path) -> None:
-    pytest.importorskip("setuptools")
-    src = _project(tmp_path / "cext", """
-        [build-system]
-        requires = ["setuptools"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "cext"
-        version = "1.0"
-        """, {"setup.py": """
+    src = _project(tmp_path / "cext", "cext", files={"setup.py": """
         from setuptools import Extension, setup
         setup(ext_modules=[Extension("cext._c", ["c.c"])])
         """, "c.c": "#include <no_such_header_edged.h>\n"})
@@ -71,16 +73,7 @@ def test_build_needing_a_compiler(tmp_path: Path) -> None:
 
 
 def test_requires_python(tmp_path: Path) -> None:
-    pytest.importorskip("setuptools")
-    src = _project(tmp_path / "future", """
-        [build-system]
-        requires = ["setuptools"]
-        build-backend = "setuptools.build_meta"
-        [project]
-        name = "future-only"
-        version = "1.0"
-        requires-python = ">=3.99"
-        """)
+    src = _project(tmp_path / "future", "future-only", 'requires-python = ">=3.99"\n')
     with pytest.raises(errors.PythonMismatch) as e:
         pip(["install", "--dry-run", "-q", "--ignore-installed", "--no-index",
              "--no-build-isolation", "--no-deps", str(src)], what="resolving future-only",
