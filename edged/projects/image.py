@@ -221,8 +221,8 @@ def _resolve_env(sdist: Sdist, deps: TestDeps, toolkit: dict[str, str],
         except ProjectError as e:
             if e.code != "dependency_failed":
                 raise
-            log.info("%s: its test dependencies exclude the toolkit's pytest %s; resolving "
-                     "without it (its own pytest will be in the workspace and win)",
+            log.info("%s: its test dependencies cannot have the toolkit's pytest %s; "
+                     "resolving without it (its own pytest then goes into the venv and wins)",
                      requirement, pytest_v)
     dists, _ = resolve([*reqs, "pytest"], project=sdist.name, what=what)
     return dists, False
