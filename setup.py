@@ -43,6 +43,6 @@ class build_py_with_bins(build_py):
 
 
 setup(
-    cffi_modules=["layerfs/_build_native.py:ffibuilder"],
+    cffi_modules=["layerfs/_build_native.py:ffibuilder", "edged/_build_native.py:ffibuilder"],
     cmdclass={"build_py": build_py_with_bins},
 )

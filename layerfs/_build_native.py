@@ -1,26 +1,26 @@
-"""cffi build script for the private extension ``layerfs._native`` (API mode).
-
-One cdef per C module lives in ``csrc/cdef/<module>.cdef``; every ``csrc/lib/*.c`` is
-compiled into the one extension (the internal library). Run by ``pip install .`` through
-``cffi_modules`` in setup.py; can also be run directly (``python layerfs/_build_native.py``)
-to build in place for development.
+"""cffi build script for the private extension ``layerfs._native``: the C core's EROFS
+writer, directory scanner and lazy layer server (libfuse3). Confinement is not in it (that
+is ``edged._native``), so layerfs builds, imports and makes layers on a host without
+libseccomp (an image-build host). The module list and the build are in ``csrc/cffi_build.py``.
+Run by ``pip install .`` through ``cffi_modules`` in setup.py, or directly (``python
+layerfs/_build_native.py``) to build in place for development.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import shlex
 import subprocess
 
-from cffi import FFI
+_CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
+_spec = importlib.util.spec_from_file_location("cffi_build", _CSRC / "cffi_build.py")
+assert _spec and _spec.loader
+cffi_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cffi_build)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CSRC = ROOT / "csrc"
-
-ffibuilder = FFI()
-
-for cdef in sorted((CSRC / "cdef").glob("*.cdef")):
-    ffibuilder.cdef(cdef.read_text())
+#: The core's modules in layerfs._native.
+MODULES = ("error", "crc32c", "writer", "scan", "lazy")
 
 
 def _pkg_config(*args: str) -> list[str]:
@@ -32,28 +32,9 @@ def _pkg_config(*args: str) -> list[str]:
 _FUSE_CFLAGS = _pkg_config("--cflags", "fuse3")
 _FUSE_LIBS = [f[2:] for f in _pkg_config("--libs", "fuse3") if f.startswith("-l")]
 
-_headers = sorted((CSRC / "include").glob("lfs_*.h"))
-_sources = sorted(str(p.relative_to(ROOT)) for p in (CSRC / "lib").glob("*.c"))
-
-ffibuilder.set_source(
-    "layerfs._native",
-    "\n".join(f'#include "{h.name}"' for h in _headers),
-    sources=_sources,
-    include_dirs=[str(CSRC / "include")] + [f[2:] for f in _FUSE_CFLAGS if f.startswith("-I")],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-D_GNU_SOURCE",
-                        "-fvisibility=hidden"],
-    # libseccomp compiles seccomp profiles to BPF (csrc/lib/seccomp.c).
-    libraries=[*_FUSE_LIBS, "seccomp"],
-)
+ffibuilder = cffi_build.ffibuilder(
+    "layerfs._native", MODULES, libraries=_FUSE_LIBS,
+    include_dirs=[f[2:] for f in _FUSE_CFLAGS if f.startswith("-I")])
 
 if __name__ == "__main__":
-    import os
-
-    os.chdir(ROOT)
-    built = ffibuilder.compile(tmpdir=str(ROOT), verbose=False)
-    # `pip install` names the extension _native.abi3.so (cffi builds for the limited API);
-    # a copy under this interpreter's own suffix would be imported first and shadow every
-    # later pip build, so the in-place build takes the same name.
-    target = ROOT / "layerfs" / "_native.abi3.so"
-    if pathlib.Path(built).resolve() != target:
-        os.replace(built, target)
+    cffi_build.build_in_place(ffibuilder, "layerfs")

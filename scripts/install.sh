@@ -34,6 +34,6 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel cffi >/dev/null
-# Editable install: builds layerfs._native (the C core) in place through cffi.
+# Editable install: builds layerfs._native and edged._native (the C core) in place through cffi.
 .venv/bin/python -m pip install -q -e '.[test]'
-.venv/bin/python -c 'import layerfs.native' # fails loudly if the C core did not build
+.venv/bin/python -c 'import layerfs.native, edged.native' # fails loudly if the C core did not build

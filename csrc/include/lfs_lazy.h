@@ -59,6 +59,10 @@ struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err);
 
 /* eventfd that becomes readable when chunks are queued for fetching (and once when the
  * FUSE loop ends). */
+/* Free a server that has stopped (lfs_lazy_stopped) or never started: its FUSE loop
+ * joined, every layer, queued fetch and parked read gone (the reads answered EIO), its
+ * copy of the fuse fd closed.  -EBUSY, nothing freed, while its loop still serves. */
+int lfs_lazy_free(struct lfs_lazy *lz);
 int lfs_lazy_event_fd(struct lfs_lazy *lz);
 
 /* 1 once the FUSE loop has ended (the connection was unmounted or aborted). */

@@ -704,12 +704,15 @@ static int lazy_notify_resend(struct lfs_lazy *lz)
 	return write(lz->fuse_fd, &h, sizeof(h)) == (ssize_t)sizeof(h) ? 0 : -errno;
 }
 
+static void lazy_free_layer(struct lazy_layer *l);
+
 struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err)
 {
 	char mnt[32];
 	char *argv[] = { "layerfs-lazy", NULL };
 	struct fuse_args args = FUSE_ARGS_INIT(1, argv);
 	struct lfs_lazy *lz;
+	cleanup_close int session_fd = -1;
 
 	if (fcntl(fuse_fd, F_GETFD) < 0) {
 		lfs_error_set(err, errno, "fuse fd %d: %s", fuse_fd, strerror(errno));
@@ -736,19 +739,68 @@ struct lfs_lazy *lfs_lazy_new(int fuse_fd, int resumed, struct lfs_error *err)
 		lfs_error_set(err, EIO, "fuse_session_new failed");
 		goto fail;
 	}
-	snprintf(mnt, sizeof(mnt), "/dev/fd/%d", fuse_fd);
+	/* The session gets a copy of the fd (fuse_session_destroy closes it); the
+	 * caller's stays the caller's. */
+	session_fd = fcntl(fuse_fd, F_DUPFD_CLOEXEC, 3);
+	if (session_fd < 0) {
+		lfs_error_set(err, errno, "dup fuse fd %d: %s", fuse_fd, strerror(errno));
+		goto fail;
+	}
+	snprintf(mnt, sizeof(mnt), "/dev/fd/%d", session_fd);
 	if (fuse_session_mount(lz->se, mnt) != 0) {
 		lfs_error_set(err, EIO, "fuse_session_mount `%s` failed", mnt);
 		goto fail;
 	}
+	steal_fd(&session_fd); /* the session's now */
 	return lz;
 fail:
 	if (lz->se)
 		fuse_session_destroy(lz->se);
 	if (lz->efd >= 0)
 		close(lz->efd);
+	pthread_rwlock_destroy(&lz->slots_lock);
+	pthread_mutex_destroy(&lz->qlock);
 	free(lz);
 	return NULL;
+}
+
+int lfs_lazy_free(struct lfs_lazy *lz)
+{
+	if (!lz)
+		return 0;
+	if (lz->started) {
+		/* Its threads use it for as long as the FUSE loop runs (until the
+		 * connection ends): only a stopped server can go. */
+		if (!atomic_load(&lz->stopped))
+			return -EBUSY;
+		pthread_join(lz->loop, NULL);
+	}
+	for (uint32_t s = 0; s < LFS_LAZY_MAX_LAYERS; s++) {
+		struct lazy_layer *l = atomic_load(&lz->layers[s]);
+
+		if (!l)
+			continue;
+		for (uint32_t i = 0; i < l->nchunks; i++) {
+			struct lazy_wait *w = l->chunks[i].waiters;
+
+			while (w) { /* the connection is gone: replying frees the request */
+				struct lazy_wait *next = w->next;
+
+				fuse_reply_err(w->req, EIO);
+				free(w);
+				w = next;
+			}
+		}
+		lazy_free_layer(l);
+	}
+	for (int q = 0; q < LAZY_NQUEUES; q++)
+		free(lz->queues[q].q);
+	fuse_session_destroy(lz->se);
+	close(lz->efd);
+	pthread_rwlock_destroy(&lz->slots_lock);
+	pthread_mutex_destroy(&lz->qlock);
+	free(lz);
+	return 0;
 }
 
 int lfs_lazy_event_fd(struct lfs_lazy *lz)

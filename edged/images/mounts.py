@@ -289,7 +289,7 @@ def _remote_has(url: str, digest: str) -> bool:
     from concurrent.futures import ThreadPoolExecutor
 
     from layerfs.errors import LayerfsError
-    from layerfs.remote.base import open_remote
+    from layerfs.remote.connect import open_remote
 
     async def ask() -> bool:
         async with open_remote(url) as r:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from layerfs.native import check, ffi, lib, new_error
+from edged.native import check, ffi, lib, new_error
 
 PAGEOUT = "pageout"
 COLD = "cold"

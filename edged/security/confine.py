@@ -20,9 +20,9 @@ import logging
 import os
 from typing import Any
 
+from edged.native import check, ffi, lib, new_error, raise_error
 from edged.security.ledger import Ledger
 from edged.security.seccomp import syscall_name
-from layerfs.native import check, ffi, lib, new_error, raise_error
 
 log = logging.getLogger("edged.security")
 
@@ -39,7 +39,8 @@ AUDIT_ARCH_X86_64 = 0xC000003E
 
 def apply_landlock(blob: bytes) -> None:
     """Restrict the calling process with a serialised ruleset (sets no_new_privs).
-    Raises ``NativeError`` (``OSError``) on failure, ``ValueError`` for a bad blob."""
+    Raises ``BackendError`` (``OSError``) on failure, ``BadRequest`` (``ValueError``) for a
+    bad blob."""
     check(lib.lfs_landlock_apply(blob, len(blob), err := new_error()), err, "landlock")
 
 

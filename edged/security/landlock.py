@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from edged.errors import BadRequest
-from layerfs.native import check, lib, new_error
+from edged.native import check, lib, new_error
 
 # Filesystem rights (uapi landlock.h).
 FS_EXECUTE = 1 << 0

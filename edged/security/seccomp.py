@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edged.native import ffi, lib, new_error, raise_error
 from edged.security.profile import ProfileError, profile_path
-from layerfs.native import ffi, lib, new_error, raise_error
 
 _ACTIONS = {"allow": 0, "deny": 1, "errno": 2, "log": 3, "kill": 4}
 DENY_MODES = {"notify": 0, "errno": 1}
@@ -233,10 +233,8 @@ def _compile_cached(profile: SeccompProfile, deny_mode: str) -> bytes:
                 f"seccomp profile {profile.name}: " + ffi.string(err.msg).decode("utf-8", "replace")
             )
         raise_error(err, f"compile seccomp profile {profile.name}")
-    try:
-        return bytes(ffi.buffer(out[0], out_len[0]))
-    finally:
-        lib.lfs_seccomp_free(out[0])
+    prog = ffi.gc(out[0], lib.lfs_seccomp_free)  # the C buffer goes with its owner
+    return bytes(ffi.buffer(prog, out_len[0]))
 
 
 def syscall_name(nr: int) -> str:

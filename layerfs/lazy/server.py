@@ -40,7 +40,8 @@ from layerfs.errors import CorruptError, LayerfsError, NotFoundError
 from layerfs.lazy.cache import ChunkCache
 from layerfs.manifest import Manifest, check_digest
 from layerfs.native import check, ffi, lib, new_error
-from layerfs.remote.base import Remote, RemoteError, open_remote, verify_chunk
+from layerfs.remote.base import Remote, RemoteError, verify_chunk
+from layerfs.remote.connect import open_remote
 
 log = logging.getLogger("layerfs.lazy")
 
@@ -149,6 +150,9 @@ class LazyServer:
         lz = lib.lfs_lazy_new(self.fuse_fd, 1 if self.resumed else 0, err)
         if lz == ffi.NULL:
             check(-1, err, "lazy server")
+        # Freed with this object (lfs_lazy_free leaves one whose FUSE loop still runs alone:
+        # its threads use it until the connection ends).
+        lz = ffi.gc(lz, lib.lfs_lazy_free)
         self.lz = lz
         lib.lfs_lazy_set_speculate(lz, self.speculate)
         records = self.cache.layers()

@@ -6,7 +6,8 @@ from a URL (a chunk server over HTTP or a unix socket, or a shared directory);
 remote.
 """
 
-from layerfs.remote.base import PushRejectedError, Remote, RemoteError, open_remote
+from layerfs.remote.base import PushRejectedError, Remote, RemoteError
+from layerfs.remote.connect import open_remote
 from layerfs.remote.push import PushResult, push
 
 __all__ = ["PushRejectedError", "PushResult", "Remote", "RemoteError", "open_remote", "push"]

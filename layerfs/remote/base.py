@@ -106,25 +106,3 @@ class Remote(abc.ABC):
     async def put_manifest(self, manifest: Manifest) -> bool:
         """Store a manifest once every chunk it lists is held. Returns True if new.
         Raises :class:`PushRejectedError` (with ``missing``) otherwise."""
-
-
-def open_remote(url: str, **kwargs: object) -> Remote:
-    """The :class:`Remote` for ``url``: ``http://HOST:PORT`` or ``https://...`` or
-    ``unix:/path`` (a chunk server), ``file:/path`` or an absolute path (a shared
-    directory holding a layerfs store). Keyword arguments go to the remote's constructor.
-
-    Raises ``ValueError`` (:class:`~layerfs.manifest.InvalidArgumentError`) for anything
-    else.
-    """
-    from layerfs.manifest import InvalidArgumentError
-
-    if url.startswith(("http://", "https://", "unix:")):
-        from layerfs.remote.http import HttpRemote
-
-        return HttpRemote(url, **kwargs)  # type: ignore[arg-type]
-    if url.startswith("file:") or url.startswith("/"):
-        from layerfs.remote.directory import DirRemote
-
-        return DirRemote(url.removeprefix("file:"), **kwargs)  # type: ignore[arg-type]
-    raise InvalidArgumentError(
-        f"remote {url!r}: want http://HOST:PORT, unix:/PATH, file:/PATH or /PATH")

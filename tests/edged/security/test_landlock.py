@@ -53,6 +53,19 @@ def test_bad_rules_and_blobs_are_refused() -> None:
             confine.apply_landlock(bad)
 
 
+def test_a_bad_blob_is_an_edged_error() -> None:
+    """Confinement's C errors are edged's (edged.native), not layerfs's: a blob the C check
+    refuses is a BadRequest (it was layerfs's ImageFormatError)."""
+    from edged.errors import BadRequest, EdgedError
+    from edged.security import confine
+
+    good = L.LandlockRuleset(paths=(L.PathRule("/", L.FS_READ_EXEC),)).serialize()
+    with pytest.raises(BadRequest, match="landlock") as exc:
+        confine.apply_landlock(good[:-3])
+    assert isinstance(exc.value, EdgedError)
+    assert "layerfs" not in type(exc.value).__module__
+
+
 @pytest.fixture()
 def tree() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(prefix="ll-"))

@@ -1,0 +1,139 @@
+"""The architecture's import rules, checked by parsing every import of ``edged/`` and
+``layerfs/`` (module level and inside functions alike: a lazy import is an import):
+
+- no import circle among the modules;
+- ``layerfs`` imports nothing of ``edged`` (it is usable on its own, e.g. on an image-build
+  host);
+- nothing under ``edged/node/`` or ``edged/api/`` imports a particular backend (only the
+  contract, ``edged.backends.base``, and the registry, ``edged.backends.registry``);
+- ``edged/security/`` does not import ``layerfs`` (confinement has its own native module);
+- ``edged/client/`` (the SDK) imports nothing of the daemon, nor ``layerfs``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("edged", "layerfs")
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    """The module of ours that importing ``name`` runs last (a module, else its package)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> Iterator[tuple[str, int]]:
+    """(module of ours imported, line) for every import statement in ``module``."""
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                target = _resolve(a.name)
+                if target:
+                    yield target, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for a in node.names:
+                target = _resolve(f"{base}.{a.name}") if f"{base}.{a.name}" in MODULES \
+                    else _resolve(base)
+                if target:
+                    yield target, node.lineno
+
+
+GRAPH = {m: sorted({t for t, _ in imports_of(m) if t != m}) for m in MODULES}
+
+
+def _where(src: str, pred: object) -> list[str]:
+    return [f"{src}:{line} imports {t}" for t, line in imports_of(src)
+            if callable(pred) and pred(t)]
+
+
+def test_the_graph_is_read() -> None:
+    """The parser sees imports at all (a rule that checks nothing would pass)."""
+    assert "edged.node.manager" in GRAPH["edged.api.app"]
+    assert "edged.backends.registry" in GRAPH["edged.node.manager"]
+    assert "layerfs.remote.connect" in GRAPH["edged.images.mounts"]  # a lazy import
+
+
+def test_no_import_circle() -> None:
+    """Tarjan's strongly connected components: none of more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def _under(prefix: str) -> list[str]:
+    return [m for m in MODULES if m == prefix or m.startswith(prefix + ".")]
+
+
+@pytest.mark.parametrize("src, forbidden, why", [
+    ("layerfs", lambda t: t.startswith("edged"), "layerfs knows nothing of the daemon"),
+    ("edged.node", lambda t: t.startswith("edged.backends.")
+     and t not in ("edged.backends.base", "edged.backends.registry"),
+     "the node knows backends by the contract and the registry"),
+    ("edged.api", lambda t: t.startswith("edged.backends.")
+     and t not in ("edged.backends.base", "edged.backends.registry"),
+     "the API knows backends by the contract and the registry"),
+    ("edged.security", lambda t: t.startswith("layerfs"),
+     "confinement has its own native module (edged._native)"),
+    ("edged.client", lambda t: not t.startswith("edged.client"),
+     "the SDK speaks HTTP only: nothing of the daemon, nor layerfs"),
+])
+def test_import_rule(src: str, forbidden: object, why: str) -> None:
+    broken = [w for m in _under(src) for w in _where(m, forbidden)]
+    assert broken == [], why
