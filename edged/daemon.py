@@ -33,7 +33,9 @@ from edged.config import Config, mem_total
 from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
+from edged.logutil import RateLimitFilter
 from edged.metrics import Metrics
+from edged.node.fds import raise_nofile
 from edged.node.manager import SandboxManager
 from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
@@ -64,13 +66,18 @@ class JsonFormatter(logging.Formatter):
 
 
 def setup_logging(level: str) -> None:
-    """Structured (JSON lines) logs on stderr at ``level``."""
+    """Structured (JSON lines) logs on stderr at ``level``: edged's own, and asyncio's and
+    aiohttp's warnings (one line each, the traceback in ``exc``). Repeated lines are
+    throttled (:class:`~edged.logutil.RateLimitFilter`: 5 of a kind per 10 s, the next one
+    counts what was dropped)."""
     h = logging.StreamHandler(sys.stderr)
     h.setFormatter(JsonFormatter())
-    root = logging.getLogger("edged")
-    root.handlers[:] = [h]
-    root.setLevel(level.upper())
-    root.propagate = False
+    h.addFilter(RateLimitFilter())
+    for name, lvl in (("edged", level.upper()), ("asyncio", "WARNING"), ("aiohttp", "WARNING")):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = [h]
+        lg.setLevel(lvl)
+        lg.propagate = False
 
 
 class Server:
@@ -147,6 +154,9 @@ class Server:
         self._wake = asyncio.Event()
         if install_signals:
             self._install_signal_handlers()
+        loop = asyncio.get_running_loop()
+        prev_handler = loop.get_exception_handler()
+        loop.set_exception_handler(_loop_exception)
         try:
             await self.startup()
             await self.main_loop()
@@ -154,6 +164,7 @@ class Server:
             try:
                 await self.shutdown()
             finally:
+                loop.set_exception_handler(prev_handler)
                 if install_signals:
                     self._restore_signal_handlers()
 
@@ -170,6 +181,11 @@ class Server:
         # sandboxes as leftovers of a crash.
         self._lock(runtime / "edged.pid", write_pid=True)
         self._lock(state / "edged.lock", write_pid=False)
+        # Each sandbox holds descriptors here; a soft limit left at 1024 by a shell or a
+        # supervisor ended in EMFILE at ~500 sandboxes (creates are admitted against it).
+        before, now = raise_nofile()
+        if now != before:
+            log.info("raised the soft NOFILE limit", extra={"before": before, "now": now})
         sock = Path(cfg.socket)
         if sock.is_socket() and _answers(sock):
             raise Conflict(f"another daemon answers on {sock}; not starting")
@@ -370,6 +386,17 @@ def run(config: Config) -> int:
         log.error("cannot start: %s", e)
         return 1
     return 0
+
+
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The event loop's unhandled errors, logged so that the rate limit sees repeats as one
+    kind of line: asyncio's own handler appends the handle's repr, whose timer deadline
+    differs on every line. (At EMFILE, asyncio's accept loop schedules a retry of
+    ``_start_serving`` per failed ``accept``: hundreds of them a second.)"""
+    exc = context.get("exception")
+    msg = str(context.get("message") or "unhandled exception in the event loop")
+    logging.getLogger("asyncio").error(
+        msg, exc_info=(type(exc), exc, exc.__traceback__) if exc is not None else None)
 
 
 def _answers(sock: Path) -> bool:

@@ -18,6 +18,7 @@ import base64
 import binascii
 import codecs
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -76,6 +77,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except asyncio.CancelledError:
         raise
     except Exception as e:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            # Out of descriptors for a moment (creates are refused before this, see
+            # edged.node.fds): a typed 503 the client retries, not a 500 and a traceback.
+            log.warning("%s %s: %s", request.method, request.path, e)
+            mgr.metrics.api_errors.labels(code="capacity_exhausted").inc()
+            return error_response("capacity_exhausted",
+                                  f"node out of file descriptors: {e.strerror}", 503,
+                                  mgr.config.retry_after_s)
         if isinstance(e, ConnectionError) and _client_gone(request):
             # aiohttp says so in several ways (ConnectionResetError, "Cannot write to
             # closing transport", ConnectionError("Connection lost") from a drain): none

@@ -39,6 +39,7 @@ from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry
 from edged.metrics import Metrics
 from edged.node.admission import Admission, Capacity, Usage
+from edged.node.fds import FdBudget
 from edged.node.reclaim import ReclaimConfig, Reclaimer
 from edged.node.requests import CreateRequest, ExecRequest, SignalRequest, TimeoutRequest
 from edged.node.sandbox import SandboxRecord, State
@@ -89,6 +90,8 @@ class SandboxManager:
             cpu_pressure_limit=config.cpu_pressure_limit,
             window_s=config.admission_window_s, usage=self._usage,
             reclaimable=self._reclaimable, reclaim_retry_s=config.reclaim_interval_s)
+        #: the daemon's descriptors: a create is refused (503) before EMFILE is possible
+        self.fds = FdBudget(retry_after_s=config.retry_after_s)
         self.records_dir = Path(config.state_dir) / "sandboxes"
         self._sandboxes: dict[str, SandboxRecord] = {}
         self._execs: dict[str, dict[int, ExecHandle]] = {}
@@ -138,6 +141,18 @@ class SandboxManager:
             self.records_dir.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps(rec.persisted(), indent=1, sort_keys=True))
         os.replace(tmp, path)
+
+    def _save_quietly(self, rec: SandboxRecord) -> bool:
+        """:meth:`_save`, logging a failure (a full disk, EMFILE) instead of raising: for
+        saves whose failure must not stop what follows (a delete, a shutdown). The record
+        in memory stays the truth; recovery after a restart sees the last saved state."""
+        try:
+            self._save(rec)
+        except OSError as e:
+            log.warning("sandbox %s: cannot save its record (state %s): %s", rec.id,
+                        rec.state.value, e, extra={"sandbox": rec.id})
+            return False
+        return True
 
     def _background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -257,6 +272,11 @@ class SandboxManager:
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         return self._locks.setdefault(sandbox_id, asyncio.Lock())
 
+    def _fds_held(self) -> int:
+        """Descriptors the daemon holds for its sandboxes (their backends' counts)."""
+        per = {b.name: _fds_per_sandbox(b) for b in self.backends}
+        return sum(per.get(r.backend, 0) for r in self._sandboxes.values())
+
     def backend_of(self, sandbox_id: str) -> Backend:
         """The backend running ``sandbox_id`` (the one its record names)."""
         return self.backends.get(self.get(sandbox_id).backend)
@@ -311,6 +331,7 @@ class SandboxManager:
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
+        self.fds.check(self._fds_held(), _fds_per_sandbox(backend))
         self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
         if self.ledger is not None:
@@ -350,7 +371,9 @@ class SandboxManager:
                     raise
                 rec.transition(State.RUNNING)
                 rec.touch()
-                self._save(rec)
+                # The sandbox runs: a failed save must not orphan it (a restart then finds
+                # the record at "creating" and destroys the sandbox)
+                self._save_quietly(rec)
                 fetched0 = await fetching
         except BaseException as e:
             if fetching is not None:
@@ -374,25 +397,32 @@ class SandboxManager:
         return rec
 
     async def delete(self, sandbox_id: str, cause: str = "api") -> SandboxRecord:
-        """Stop and remove a sandbox (any state but ``stopping``); returns its final record
-        (state ``stopped``). If the backend fails the record stays as ``failed`` with the
-        error, and a later delete retries."""
+        """Stop and remove a sandbox; returns its final record (state ``stopped``). One being
+        created or deleted is waited for. If the backend fails, or the delete is cancelled
+        half-way, the record stays as ``failed`` with the error, and a later delete retries.
+        A record that cannot be saved (a full disk, EMFILE) never stops a delete."""
         rec = self.get(sandbox_id)
         async with self._lock(sandbox_id):
             if self._sandboxes.get(sandbox_id) is not rec:
                 raise NotFound(f"sandbox {sandbox_id}: no such sandbox")
+            if rec.state is State.STOPPING:
+                # No delete runs while the lock is free: one that ended half-way
+                rec.state = State.FAILED
             rec.require(State.RUNNING, State.PAUSED, State.FAILED, op="delete")
             rec.transition(State.STOPPING)
-            self._save(rec)
+            # "stopping" on disk only tells a daemon restarted mid-destroy not to adopt it
+            self._save_quietly(rec)
             try:
                 await self.backend_of(sandbox_id).destroy(sandbox_id)
-            except Exception as e:
+            except BaseException as e:
+                rec.state = State.FAILED
+                rec.error = f"destroy failed: {e or type(e).__name__}"
+                self._save_quietly(rec)
+                self._update_gauges()
+                if not isinstance(e, Exception):
+                    raise  # cancelled: a later delete (or the shutdown) retries
                 log.warning("sandbox %s: destroy failed: %s", sandbox_id, e,
                             extra={"sandbox": sandbox_id})
-                rec.state = State.FAILED
-                rec.error = f"destroy failed: {e}"
-                self._save(rec)
-                self._update_gauges()
                 if isinstance(e, EdgedError):
                     raise
                 raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
@@ -735,7 +765,9 @@ class SandboxManager:
                     self.capacity.hold(sid, rec.resources)
                     rec.touch()
                     self._sandboxes[sid] = rec
-                    self._save(rec)
+                    if self.ledger is not None:  # its events: [] if it had none, not 404
+                        self.ledger.sandbox_created(sid)
+                    self._save_quietly(rec)
                     out["adopted"].append(sid)
                     continue
                 except EdgedError as e:
@@ -769,12 +801,16 @@ class SandboxManager:
         await self._flush_background()
         if self.config.on_shutdown != "stop":
             return
-        ids = [r.id for r in self._sandboxes.values()
-               if r.state in (State.RUNNING, State.PAUSED, State.FAILED)]
+        # Every record, whatever its state: one being created or deleted is waited for (its
+        # lock), then stopped if it still exists; none is left running because a save or
+        # an earlier destroy failed.
+        ids = list(self._sandboxes)
 
         async def stop(sid: str) -> None:
             try:
                 await self.delete(sid, cause="shutdown")
+            except NotFound:
+                pass  # its create failed, or a delete finished meanwhile
             except EdgedError as e:
                 log.warning("shutdown: sandbox %s: %s", sid, e)
 
@@ -826,6 +862,12 @@ def _gone_how(e: BaseException) -> str:
     if isinstance(e, ConnectionError):
         return "disconnected"
     return f"error: {type(e).__name__}"
+
+
+def _fds_per_sandbox(backend: Backend) -> int:
+    """Descriptors ``backend`` holds in the daemon per sandbox (``fds_per_sandbox``; 0 for
+    a backend that says nothing)."""
+    return int(getattr(backend, "fds_per_sandbox", 0))
 
 
 def _check_path(path: str) -> None:

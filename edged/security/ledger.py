@@ -201,6 +201,7 @@ class Ledger:
         self._seg_size = 0
         self._total = 0
         self.corrupt_lines = 0
+        self.write_errors = 0  #: events kept in memory only (their write failed)
         if self._dir is not None:
             self._dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._load()
@@ -234,13 +235,19 @@ class Ledger:
         if self._dir is None:
             return
         line = (json.dumps(ev.to_json(), separators=(",", ":")) + "\n").encode()
-        if self._fd < 0 or self._seg_size + len(line) > self.segment_bytes:
-            self._open_segment(ev.seq)
-        os.write(self._fd, line)
-        self._seg_size += len(line)
-        self._total += len(line)
-        if self._total > self.max_bytes:
-            self.compact()
+        try:
+            if self._fd < 0 or self._seg_size + len(line) > self.segment_bytes:
+                self._open_segment(ev.seq)
+            os.write(self._fd, line)
+            self._seg_size += len(line)
+            self._total += len(line)
+            if self._total > self.max_bytes:
+                self.compact()
+        except OSError as e:
+            # A full disk or EMFILE must not fail what recorded the event (a create, a
+            # delete); the event stays in memory and is served, only not persisted.
+            self.write_errors += 1
+            log.warning("ledger: cannot persist event %d: %s", ev.seq, e)
 
     def _open_segment(self, first_seq: int) -> None:
         assert self._dir is not None

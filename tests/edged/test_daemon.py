@@ -17,6 +17,7 @@ from edged.client import Sandbox
 from edged.config import Config
 from edged.daemon import Server
 from edged.errors import Conflict
+from edged.node.sandbox import State
 from tests.edged.fakes import FakeBackend, digest, fake_layers
 
 
@@ -184,3 +185,86 @@ def test_shutdown_ends_within_timeout_with_a_streaming_exec(make_node) -> None:
     node.stop()
     assert time.monotonic() - t0 < 2.0  # within shutdown_timeout_s, streams cut at half
     t.join(5)
+
+
+def _failing_saves(node) -> list[str]:
+    """Make every record save of ``node``'s manager fail with EMFILE from now on; returns
+    the ids whose save was tried."""
+    import errno
+
+    tried: list[str] = []
+
+    def save(rec) -> None:
+        tried.append(rec.id)
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    node.server.manager._save = save
+    return tried
+
+
+def test_delete_survives_a_failed_save(make_node) -> None:
+    """At EMFILE every DELETE had answered 500 and left the record at ``stopping`` (it moved
+    there before its save failed): unreachable, never destroyed."""
+    node = make_node()
+    sbx = Sandbox.create(layers=[digest(1)], id="d1", socket=node.socket)
+    tried = _failing_saves(node)
+    sbx.kill()
+    assert "d1" in tried  # the save was tried, and failed
+    assert "d1" not in node.backend.live and node.layer_ops.mounted == {}
+    assert Sandbox.list(socket=node.socket) == []
+
+
+def test_shutdown_stops_every_sandbox_when_saves_fail(make_node) -> None:
+    """Shutdown had skipped ``stopping`` sandboxes and died on the first failed save: 503
+    were left running after the daemon exited 0."""
+    node = make_node(on_shutdown="stop")
+    for i in range(4):
+        Sandbox.create(layers=[digest(1)], id=f"s{i}", socket=node.socket)
+    _failing_saves(node)
+    node.server.manager.get("s0").state = State.STOPPING  # a delete that never finished
+    node.stop()
+    assert node.backend.live == {}
+    assert node.layer_ops.mounted == {}
+
+
+def test_cancelled_delete_leaves_a_failed_record_a_retry_deletes(make_node) -> None:
+    node = make_node()
+    Sandbox.create(layers=[digest(1)], id="c1", socket=node.socket)
+    mgr = node.server.manager
+    real = node.backend.destroy
+    gate = asyncio.Event()
+
+    async def slow(sid: str) -> None:
+        await gate.wait()
+        await real(sid)
+
+    node.backend.destroy = slow
+
+    async def cancel_one() -> None:
+        t = asyncio.ensure_future(mgr.delete("c1"))
+        await asyncio.sleep(0.05)
+        t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await t
+
+    node.call(cancel_one())
+    rec = mgr.get("c1")
+    assert rec.state == State.FAILED and "destroy failed" in (rec.error or "")
+    node.backend.destroy = real
+    Sandbox.connect("c1", socket=node.socket).kill()
+    assert "c1" not in node.backend.live
+
+
+def test_adopted_sandbox_without_events_has_an_empty_event_list(make_node) -> None:
+    """A re-adopted sandbox that had no security events answered 404 on events() (a fresh
+    one gives []): the ledger never heard of it."""
+    node = make_node(on_shutdown="keep")
+    Sandbox.create(layers=[digest(1)], id="quiet", socket=node.socket)
+    assert Sandbox.connect("quiet", socket=node.socket).events() == []
+    node.stop()
+    node2 = make_node(backend=node.backend, on_start="adopt")
+    assert node2.server.recovered["adopted"] == ["quiet"]
+    again = Sandbox.connect("quiet", socket=node2.socket)
+    assert again.events() == []
+    again.kill()
+    assert [e["kind"] for e in again.events()] == ["sandbox_gone"]

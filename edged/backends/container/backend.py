@@ -129,6 +129,9 @@ class ContainerBackend:
     name = "container"
     layer_form: LayerForm = "tree"  # overlay lowers: the layers mounted
     can_reclaim = True
+    #: descriptors the daemon holds per sandbox for its life: a pidfd, sbx-init's control
+    #: socket (see :class:`edged.node.fds.FdBudget`)
+    fds_per_sandbox = 2
 
     def __init__(self, state_dir: str | os.PathLike[str] = "/run/edged", *,
                  uid_base: int = 1 << 30, id_count: int = 65536,
