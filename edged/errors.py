@@ -63,6 +63,15 @@ class CapacityExhausted(EdgedError, RuntimeError):
     status = 503
 
 
+class LayersUnavailable(EdgedError, RuntimeError):
+    """The node's layer service cannot serve layers now (its lazy server is down and being
+    restarted): a create would make a sandbox whose reads fail (HTTP 503, with
+    ``Retry-After``)."""
+
+    code = "layers_unavailable"
+    status = 503
+
+
 class BadRequest(EdgedError, ValueError):
     """Malformed or invalid input: a bad field, an id out of pattern, a path that escapes the
     sandbox root (HTTP 400). The message names the offending field or entry."""
@@ -88,6 +97,6 @@ class BackendError(EdgedError, OSError):
 #: API code → exception class, for the SDK-independent daemon side (e.g. tests, re-raising).
 ERRORS_BY_CODE: dict[str, type[EdgedError]] = {
     cls.code: cls
-    for cls in (NotFound, InvalidState, Conflict, PidsExhausted, CapacityExhausted, BadRequest,
-                PayloadTooLarge, BackendError)
+    for cls in (NotFound, InvalidState, Conflict, PidsExhausted, CapacityExhausted,
+                LayersUnavailable, BadRequest, PayloadTooLarge, BackendError)
 }

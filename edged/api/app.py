@@ -122,6 +122,8 @@ async def json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except ValueError as e:
         raise BadRequest(f"body: not valid JSON: {e}") from e
+    except RecursionError as e:  # e.g. 100,000 nested arrays: no body of ours nests that deep
+        raise BadRequest("body: JSON nested too deeply") from e
 
 
 def _m(request: web.Request) -> SandboxManager:
@@ -149,7 +151,7 @@ async def list_sandboxes(request: web.Request) -> web.Response:
         if not sep:
             raise BadRequest(f"label {sel!r}: must be key=value")
         want[k] = v
-    requests.labels(want)
+    requests.labels(want, bounded=False)
     recs = _m(request).find(want)
     return web.json_response({"sandboxes": [r.to_json() for r in recs]})
 
@@ -389,7 +391,8 @@ async def _ws_input(ws: web.WebSocketResponse, handle: ExecHandle) -> None:
             break
         try:
             await _ws_control(handle, msg.data)
-        except (EdgedError, ValueError, TypeError, KeyError, binascii.Error) as e:
+        except (EdgedError, ValueError, TypeError, KeyError, binascii.Error,
+                RecursionError) as e:
             text = e.message if isinstance(e, EdgedError) else f"{type(e).__name__}: {e}"
             with contextlib.suppress(ConnectionResetError, RuntimeError):
                 await ws.send_json({"error": {"code": "bad_request",

@@ -37,6 +37,11 @@ _CREATE_FIELDS = {
 _EXEC_FIELDS = {"argv", "cmd", "env", "cwd", "uid", "gid", "timeout_s", "output_limit", "pty",
                 "stdin", "encoding", "rows", "cols", "trusted", "kill_leftovers"}
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
+#: Bounds of a sandbox's labels and of an env (openapi.json states the same).
+MAX_LABELS = 64
+MAX_LABEL_CHARS = 16 << 10
+MAX_ENV = 4096
+MAX_ENV_BYTES = 512 << 10
 
 
 def _object(body: object, fields: set[str]) -> dict[str, Any]:
@@ -99,13 +104,22 @@ def integer(v: object, what: str, *, minimum: int, maximum: int) -> int:
 
 
 def env(v: object, what: str) -> dict[str, str]:
-    """Environment variables: names non-empty without '=' or NUL, values without NUL."""
+    """Environment variables: names non-empty without '=' or NUL, values without NUL; at
+    most :data:`MAX_ENV` of them and :data:`MAX_ENV_BYTES` in all (so that an exec can
+    still carry them to sbx-init with its argv: 8,192 strings, 1 MiB a request)."""
     out = _str_map(v, what)
+    if len(out) > MAX_ENV:
+        raise BadRequest(f"{what}: {len(out)} variables, at most {MAX_ENV}")
+    total = 0
     for k, x in out.items():
         if not k or "=" in k or "\0" in k:
             raise BadRequest(f"{what}: bad variable name {k!r}")
         if "\0" in x:
             raise BadRequest(f"{what}.{k}: NUL in the value")
+        total += len(k.encode("utf-8", "surrogateescape")) + len(
+            x.encode("utf-8", "surrogateescape")) + 2
+    if total > MAX_ENV_BYTES:
+        raise BadRequest(f"{what}: {total} bytes of variables, at most {MAX_ENV_BYTES}")
     return out
 
 
@@ -129,15 +143,40 @@ def resources(v: object) -> dict[str, int | float]:
     return vals
 
 
-def labels(v: object) -> dict[str, str]:
-    """Labels: string → string, keys ``[A-Za-z0-9][A-Za-z0-9_./-]{0,62}``, values ≤ 256."""
+def labels(v: object, *, bounded: bool = True) -> dict[str, str]:
+    """Labels: string → string, keys ``[A-Za-z0-9][A-Za-z0-9_./-]{0,62}``, values ≤ 256
+    characters; with ``bounded`` (a sandbox's labels, not a listing's selector) at most
+    :data:`MAX_LABELS` of them, keys and values together at most :data:`MAX_LABEL_CHARS`
+    characters (every record and every listing carries them)."""
     out = _str_map(v, "labels")
+    if bounded and len(out) > MAX_LABELS:
+        raise BadRequest(f"labels: {len(out)} labels, at most {MAX_LABELS}")
+    total = 0
     for k, x in out.items():
         if not LABEL_KEY_RE.fullmatch(k):
             raise BadRequest(f"labels: key {k!r} must match [A-Za-z0-9][A-Za-z0-9_./-]{{0,62}}")
         if len(x) > 256:
             raise BadRequest(f"labels.{k}: value longer than 256 characters")
+        total += len(k) + len(x)
+    if bounded and total > MAX_LABEL_CHARS:
+        raise BadRequest(f"labels: {total} characters of keys and values, at most "
+                         f"{MAX_LABEL_CHARS}")
     return out
+
+
+#: One RFC 1123 label: letters, digits and inner hyphens, 1 to 63 characters.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\Z")
+
+
+def hostname(v: object) -> str:
+    """A sandbox's hostname: RFC 1123 labels joined by dots, at most 63 characters (no
+    control characters, spaces, underscores or empty labels: what resolvers and the tools
+    that read ``/etc/hostname`` expect)."""
+    if (not isinstance(v, str) or not 1 <= len(v) <= 63
+            or not all(_HOST_LABEL.match(label) for label in v.split("."))):
+        raise BadRequest("hostname: must be RFC 1123 labels (letters, digits, inner hyphens) "
+                         "joined by dots, 1 to 63 characters")
+    return v
 
 
 def parse_create(body: object) -> CreateRequest:
@@ -163,9 +202,7 @@ def parse_create(body: object) -> CreateRequest:
     network = b.get("network", "none")
     if network != "none":
         raise BadRequest(f"network: {network!r} is not supported (only 'none')")
-    hostname = b.get("hostname")
-    if "hostname" in b and (not isinstance(hostname, str) or not 1 <= len(hostname) <= 63):
-        raise BadRequest("hostname: must be a string of 1 to 63 characters")
+    host = hostname(b["hostname"]) if "hostname" in b else None
     task_profile = _profile_name(b.get("task_profile"), "task_profile", "default")
     seccomp_profile = _profile_name(b.get("seccomp_profile"), "seccomp_profile", None)
     qos = b.get("qos", "best_effort")
@@ -174,7 +211,7 @@ def parse_create(body: object) -> CreateRequest:
     return CreateRequest(
         id=sid, backend=backend, image=image, layers=layers,
         resources=resources(b.get("resources")), env=env(b.get("env"), "env"),
-        labels=labels(b.get("labels")), network=network, hostname=hostname,
+        labels=labels(b.get("labels")), network=network, hostname=host,
         task_profile=task_profile or "default", seccomp_profile=seccomp_profile,
         ttl_s=number(b["ttl_s"], "ttl_s") if "ttl_s" in b else None,
         idle_timeout_s=(number(b["idle_timeout_s"], "idle_timeout_s")

@@ -13,27 +13,41 @@ imports neither the daemon's internals nor layerfs, so a trainer imports it chea
 from edged.client._common import ExecResult
 from edged.client.async_sandbox import AsyncSandbox
 from edged.client.errors import (
+    ERRORS_BY_CODE,
     BackendError,
+    BadProfileError,
     BadRequestError,
     CapacityExhaustedError,
     ConflictError,
     DaemonUnavailableError,
+    InternalError,
     InvalidStateError,
+    LayersUnavailableError,
+    MethodNotAllowedError,
     NotFoundError,
+    PayloadTooLargeError,
+    PidsExhaustedError,
     SandboxError,
 )
 from edged.client.sandbox import Sandbox
 
 __all__ = [
+    "ERRORS_BY_CODE",
     "AsyncSandbox",
     "BackendError",
+    "BadProfileError",
     "BadRequestError",
     "CapacityExhaustedError",
     "ConflictError",
     "DaemonUnavailableError",
     "ExecResult",
+    "InternalError",
     "InvalidStateError",
+    "LayersUnavailableError",
+    "MethodNotAllowedError",
     "NotFoundError",
+    "PayloadTooLargeError",
+    "PidsExhaustedError",
     "Sandbox",
     "SandboxError",
 ]

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edged.client.errors import PayloadTooLargeError
+
 OutputCallback = Callable[[str], object]
+
+#: The daemon's limit on a JSON request body (``edged.api.app.MAX_JSON_BODY``).
+MAX_JSON_BODY = 4 << 20
+
+
+def encode_json(payload: Any) -> bytes:
+    """A request's JSON body. Raises :class:`~edged.client.errors.PayloadTooLargeError`
+    for one over :data:`MAX_JSON_BODY` bytes, which the daemon would refuse (413) after
+    reading the first 4 MiB of it: refused here without being sent."""
+    body = json.dumps(payload).encode()
+    if len(body) > MAX_JSON_BODY:
+        raise PayloadTooLargeError(f"request body of {len(body)} bytes: larger than the "
+                                   f"daemon's {MAX_JSON_BODY}", status=413)
+    return body
 
 
 @dataclass

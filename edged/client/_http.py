@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from edged.client._common import encode_json
 from edged.client.errors import DaemonUnavailableError, SandboxError, from_body
 
 DEFAULT_SOCKET = "/run/edged/edged.sock"
@@ -84,7 +85,7 @@ class Transport:
 
     def json(self, method: str, path: str, payload: Any = None) -> Any:
         """A JSON request/response round trip."""
-        body = None if payload is None else json.dumps(payload).encode()
+        body = None if payload is None else encode_json(payload)
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn, resp = self.open(method, path, body, headers)
         try:
@@ -94,7 +95,7 @@ class Transport:
 
     def ndjson(self, method: str, path: str, payload: Any) -> Iterator[dict[str, Any]]:
         """Stream the objects of an NDJSON response."""
-        conn, resp = self.open(method, path, json.dumps(payload).encode(),
+        conn, resp = self.open(method, path, encode_json(payload),
                                {"Content-Type": "application/json"}, timeout=None)
         try:
             for line in resp:

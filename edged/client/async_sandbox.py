@@ -4,12 +4,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
+from edged.client._common import (
+    ExecCollector,
+    ExecResult,
+    OutputCallback,
+    create_body,
+    encode_json,
+    exec_body,
+)
 from edged.client._http import default_socket, path_for
 from edged.client.errors import DaemonUnavailableError, NotFoundError, from_body
 
@@ -40,6 +49,9 @@ class AsyncTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+            # let the loop run the transports' connection_lost: a loop closed right after
+            # (asyncio.run) would leave them unclosed
+            await asyncio.sleep(0)
 
     async def request(self, method: str, path: str, **kw: Any) -> aiohttp.ClientResponse:
         """Send a request; raise the mapped exception for an error status."""
@@ -54,14 +66,33 @@ class AsyncTransport:
                 body = await resp.json(content_type=None)
             except ValueError:
                 body = None
-            resp.release()
+            if resp.status == 413:
+                # Refused before the body was read: what is still buffered for the daemon
+                # would hold the connection until written; drop it at once.
+                conn = resp.connection
+                if conn is not None and conn.transport is not None:
+                    conn.transport.abort()
+                resp.close()
+            else:
+                resp.release()
             raise from_body(resp.status, body, resp.headers.get("Retry-After"))
         return resp
 
     async def json(self, method: str, path: str, payload: Any = None) -> Any:
-        resp = await self.request(method, path, json=payload)
+        resp = await self.request(method, path, **json_kw(payload))
         async with resp:
             return await resp.json()
+
+
+def json_kw(payload: Any) -> dict[str, Any]:
+    """aiohttp request arguments sending ``payload`` as a JSON body (see
+    :func:`~edged.client._common.encode_json`). A body over 1 MiB goes as a file-like
+    object: aiohttp warns (ResourceWarning) about one given as bytes."""
+    if payload is None:
+        return {}
+    data = encode_json(payload)
+    return {"data": io.BytesIO(data) if len(data) > 1 << 20 else data,
+            "headers": {"Content-Type": "application/json"}}
 
 
 class AsyncCommands:
@@ -171,7 +202,8 @@ class AsyncSandbox:
                          output_limit=output_limit, user=user, trusted=trusted,
                          kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
-        resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"), json=body)
+        resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"),
+                                     **json_kw(body))
         async with resp:
             async for line in resp.content:
                 if line.strip():

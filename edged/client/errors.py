@@ -1,7 +1,9 @@
-"""Exceptions of the edged SDK, one per API error code.
+"""Exceptions of the edged SDK, one per API error code (:data:`ERRORS_BY_CODE`).
 
-Base :class:`SandboxError` (``code``, ``status``, ``message``); each subclass also inherits
-the matching builtin (``except KeyError`` catches :class:`NotFoundError`)."""
+Base :class:`SandboxError` (``code``, ``status``, ``message``, ``retry_after``); each
+subclass also inherits the matching builtin (``except KeyError`` catches
+:class:`NotFoundError`), and a more specific code subclasses the general one
+(``except BadRequestError`` catches :class:`BadProfileError`)."""
 
 from __future__ import annotations
 
@@ -43,16 +45,24 @@ class ConflictError(InvalidStateError):
 
 
 class PidsExhaustedError(InvalidStateError):
-    """The sandbox is at its pids limit: no new process can start until some exit
-    (``Sandbox.kill_processes()`` ends every leftover)."""
+    """``pids_exhausted`` (409): the sandbox is at its pids limit, so no new process can
+    start until some exit (``Sandbox.kill_processes()`` ends every leftover)."""
 
     code = "pids_exhausted"
 
 
 class CapacityExhaustedError(SandboxError, RuntimeError):
-    """``capacity_exhausted`` (503): the node is full; retry after ``retry_after`` s."""
+    """``capacity_exhausted`` (503): the node is full (CPU, memory, sandboxes, or the
+    daemon's file descriptors); retry after ``retry_after`` s."""
 
     code = "capacity_exhausted"
+
+
+class LayersUnavailableError(SandboxError, RuntimeError):
+    """``layers_unavailable`` (503): the node's layer service cannot serve layers now (it
+    is being restarted); retry after ``retry_after`` s."""
+
+    code = "layers_unavailable"
 
 
 class BadRequestError(SandboxError, ValueError):
@@ -61,10 +71,25 @@ class BadRequestError(SandboxError, ValueError):
     code = "bad_request"
 
 
+class BadProfileError(BadRequestError):
+    """``bad_profile`` (400): the task or seccomp profile named does not exist or is
+    malformed."""
+
+    code = "bad_profile"
+
+
 class PayloadTooLargeError(BadRequestError):
-    """A request body over the daemon's limit (4 MiB of JSON)."""
+    """``payload_too_large`` (413): a request body over the daemon's limit (4 MiB of
+    JSON)."""
 
     code = "payload_too_large"
+
+
+class MethodNotAllowedError(BadRequestError):
+    """``method_not_allowed`` (405): the route exists, not with this HTTP method (an SDK
+    and daemon of different versions)."""
+
+    code = "method_not_allowed"
 
 
 class BackendError(SandboxError, OSError):
@@ -73,26 +98,39 @@ class BackendError(SandboxError, OSError):
     code = "backend_error"
 
 
+class InternalError(SandboxError):
+    """``internal`` (500): an unexpected error in the daemon (logged there)."""
+
+    code = "internal"
+
+
 class DaemonUnavailableError(SandboxError, ConnectionError):
-    """The daemon's socket cannot be reached (not running, wrong path, no permission)."""
+    """The daemon's socket cannot be reached (not running, wrong path, no permission). Never
+    sent by the daemon: raised by the SDK itself."""
 
     code = "unavailable"
 
 
-_BY_CODE: dict[str, type[SandboxError]] = {
+#: Every error code the daemon sends (``components.schemas.Error`` in ``openapi.json``) →
+#: the exception the SDK raises for it (sync and async clients alike). A code missing here
+#: (a newer daemon) raises the plain :class:`SandboxError`, with ``code`` set.
+ERRORS_BY_CODE: dict[str, type[SandboxError]] = {
     c.code: c
-    for c in (NotFoundError, InvalidStateError, ConflictError, CapacityExhaustedError,
-              BadRequestError, BackendError)
+    for c in (NotFoundError, InvalidStateError, ConflictError, PidsExhaustedError,
+              CapacityExhaustedError, LayersUnavailableError, BadRequestError,
+              BadProfileError, PayloadTooLargeError, MethodNotAllowedError, BackendError,
+              InternalError)
 }
 
 
 def from_body(status: int, body: object, retry_after: str | None = None) -> SandboxError:
-    """The exception for an error response (``{"error": {"code", "message"}}``)."""
+    """The exception for an error response (``{"error": {"code", "message"}}``), from
+    :data:`ERRORS_BY_CODE`."""
     code, message = "internal", f"HTTP {status}"
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         code = str(body["error"].get("code", code))
         message = str(body["error"].get("message", message))
-    cls = _BY_CODE.get(code, SandboxError)
+    cls = ERRORS_BY_CODE.get(code, SandboxError)
     ra = None
     if retry_after:
         try:

@@ -42,7 +42,7 @@ from edged.node.admission import Admission, Capacity, Usage
 from edged.node.fds import FdBudget
 from edged.node.reclaim import ReclaimConfig, Reclaimer
 from edged.node.requests import CreateRequest, ExecRequest, SignalRequest, TimeoutRequest
-from edged.node.sandbox import SandboxRecord, State
+from edged.node.sandbox import SandboxRecord, State, default_hostname
 from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
 
@@ -307,7 +307,7 @@ class SandboxManager:
             labels=dict(req.labels),
             image=req.image,
             network=req.network,
-            hostname=req.hostname or sid,
+            hostname=req.hostname or default_hostname(sid),
             idle_timeout_s=(cfg.default_idle_timeout_s if req.idle_timeout_s is None
                             else req.idle_timeout_s),
             task_profile=req.task_profile,

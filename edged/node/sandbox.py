@@ -191,3 +191,10 @@ class SandboxRecord:
         )
         rec.error = d.get("error")
         return rec
+
+
+def default_hostname(sandbox_id: str) -> str:
+    """The hostname of a sandbox that asks for none: its id made an RFC 1123 name
+    (``_`` → ``-``, hyphens at a label's ends and empty labels dropped)."""
+    labels = (label.strip("-") for label in sandbox_id.replace("_", "-").split("."))
+    return ".".join(label for label in labels if label) or "sandbox"

@@ -37,6 +37,16 @@ class ProfileError(BadRequest):
     code = "bad_profile"
 
 
+def profile_problem(e: Exception) -> str:
+    """What is wrong with a profile file, for a message an API client sees: never the host
+    path (an OSError's ``str`` names it)."""
+    if isinstance(e, FileNotFoundError):
+        return "no such profile"
+    if isinstance(e, OSError):
+        return f"cannot read it: {e.strerror or type(e).__name__}"
+    return f"malformed: {e}"
+
+
 def profile_path(kind: str, name: str, suffix: str) -> Path:
     """Path of profile ``name`` of ``kind`` (``seccomp``, ``tasks``...): a bare name is looked up
     in :data:`PROFILES_DIR`; a name with a ``/`` is taken as a path. Raises

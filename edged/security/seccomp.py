@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from edged.native import ffi, lib, new_error, raise_error
-from edged.security.profile import ProfileError, profile_path
+from edged.security.profile import ProfileError, profile_path, profile_problem
 
 _ACTIONS = {"allow": 0, "deny": 1, "errno": 2, "log": 3, "kill": 4}
 DENY_MODES = {"notify": 0, "errno": 1}
@@ -194,7 +194,7 @@ def load(name: str = "default") -> SeccompProfile:
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ProfileError(f"seccomp profile {path}: {e}") from e
+        raise ProfileError(f"seccomp profile {name!r}: {profile_problem(e)}") from e
     return parse(doc, name)
 
 

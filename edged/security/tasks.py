@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edged.security import landlock
-from edged.security.profile import ProfileError, profile_path
+from edged.security.profile import ProfileError, profile_path, profile_problem
 
 #: What a grader exec sees from the layers when a task profile names nothing else: the
 #: system binaries, libraries and configuration (a ``sitecustomize.py`` in /etc/python3.x or
@@ -81,7 +81,7 @@ def load(name: str = "default") -> TaskProfile:
     try:
         doc = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ProfileError(f"task profile {path}: {e}") from e
+        raise ProfileError(f"task profile {name!r}: {profile_problem(e)}") from e
     unknown = set(doc) - {"seccomp", "protected", "grader", "grader_view", "tcp_bind",
                           "tcp_connect", "sysfs"}
     if unknown:
