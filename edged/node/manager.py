@@ -588,10 +588,7 @@ class SandboxManager:
                     extra={"sandbox": sandbox_id})
         if self.ledger is not None:
             self.ledger.record(sandbox_id, "sandbox_failed", detail={"cause": dict(cause)})
-        try:
-            self._save(rec)
-        except OSError as e:
-            log.warning("sandbox %s: cannot save its record: %s", sandbox_id, e)
+        self._save_quietly(rec)
         self._update_gauges()
 
     def _abandoned(self, sandbox_id: str, exec_id: int | None, spec: ExecSpec,
