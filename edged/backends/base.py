@@ -136,8 +136,9 @@ class ExecEnd:
     """How an exec ended.
 
     ``reason``: ``"exited" | "signalled" | "timeout" | "oom" | "output_limit" | "killed"``.
-    ``exit_code``: set when reason is ``exited``; ``signal``: the killing signal number when
-    one was delivered. ``duration_s``: wall time. ``peak_memory_bytes``: when known.
+    ``exit_code``: set when reason is ``exited``, None otherwise (enforced here); ``signal``:
+    the signal that killed the exec's main process, when one did. ``duration_s``: wall time.
+    ``peak_memory_bytes``: when known.
     """
 
     reason: str
@@ -145,6 +146,14 @@ class ExecEnd:
     signal: int | None
     duration_s: float
     peak_memory_bytes: int | None
+
+    def __post_init__(self) -> None:
+        # The contract, whoever reports the end: an exec that did not end by its own exit
+        # has no exit code (sbx-init reports the main process's status with an "oom" end
+        # when another process of its tree was killed: `sh -c 'dd ...; echo'` said
+        # oom with exit_code 0).
+        if self.reason != "exited" and self.exit_code is not None:
+            object.__setattr__(self, "exit_code", None)
 
 
 class ExecHandle(Protocol):

@@ -89,6 +89,13 @@ class SandboxCgroup(abc.ABC):
         ``memory.reclaim``): page out per process then. Raises BackendError."""
         return False
 
+    def memory_join(self) -> Path | None:
+        """The file a helper process writes its own pid to so that the memory it allocates
+        from then on (tmpfs pages of a file it writes into the upper, say) is charged to
+        the sandbox: a process's allocations are charged to the memory cgroup it is in
+        (mm/memcontrol.c), never to the owner of the filesystem. None without one."""
+        return None
+
     def procs(self) -> list[int]:
         """Host pids of every process in the sandbox's cgroups (all levels), zombies left
         out."""

@@ -30,6 +30,11 @@ class V1Cgroup(SandboxCgroup):
     def sbx_init_dirs(self) -> dict[str, Path]:
         return {"freezer": self.dirs["freezer"], "memory": self.dirs["memory"]}
 
+    def memory_join(self) -> Path | None:
+        # ``tasks``: a single-threaded process moving itself skips the global
+        # cgroup_threadgroup_rwsem (see the container backend's notes on cgroup moves)
+        return self.dirs["memory"] / "tasks"
+
     def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
         d = self.dirs["freezer"]
         deadline = time.monotonic() + timeout_s

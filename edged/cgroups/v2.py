@@ -39,6 +39,9 @@ class V2Cgroup(SandboxCgroup):
     def sbx_init_dirs(self) -> dict[str, Path]:
         return {"v2": self.dir}
 
+    def memory_join(self) -> Path | None:
+        return self.dir / "init" / "cgroup.procs"  # "no internal processes": the leaf
+
     def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
         deadline = time.monotonic() + timeout_s
         fs.write(self.dir / "cgroup.freeze", "1" if frozen else "0")

@@ -192,7 +192,9 @@ class Sandbox:
                                  {"ttl_s": seconds})
 
     def stats(self) -> dict[str, int]:
-        """Usage: ``memory_bytes``, ``cpu_usage_ns``, ``pids``."""
+        """Usage: ``memory_bytes`` (the sandbox's memory: its processes and what its
+        writable layer holds in RAM), ``upper_bytes`` (what the writable layer holds),
+        ``cpu_usage_ns``, ``pids``."""
         return dict(self._t.json("GET", path_for("sandboxes", self.id, "stats")))
 
     def events(self, since: int = 0, kind: str | None = None) -> builtins.list[dict[str, Any]]:

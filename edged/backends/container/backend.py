@@ -698,7 +698,20 @@ class ContainerBackend:
             self._busy.discard(sandbox_id)
 
     async def stats(self, sandbox_id: str) -> dict[str, int]:
-        return self._get(sandbox_id).cg.stats()
+        """``memory_bytes``: what the sandbox's memory cgroup is charged now: its processes
+        and, with the default tmpfs upper, every byte its upper holds (written by its
+        processes or through the files API, which writes from a helper in that cgroup):
+        the one number of the sandbox's memory. ``upper_bytes``: what its upper (and work
+        dir) hold, part of ``memory_bytes`` (absent for an upper on the node's scratch
+        filesystem, ``scratch_dir``, which is disk). ``cpu_usage_ns``, ``pids``."""
+        sbx = self._get(sandbox_id)
+        out = sbx.cg.stats()
+        if self.scratch_dir is None:
+            with contextlib.suppress(OSError):
+                # overlayfs answers statfs with its upper's filesystem: the sandbox's own
+                st = os.statvfs(f"/proc/{sbx.pid}/root")
+                out["upper_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return out
 
     async def memory(self, sandbox_id: str) -> MemoryUsage:
         """The sandbox's memory as its memory cgroup counts it (NotFound if unknown)."""
@@ -765,8 +778,10 @@ class ContainerBackend:
         if not (0 <= uid < self.id_count and 0 <= gid < self.id_count):
             raise BadRequest(f"uid/gid {uid}/{gid} outside the sandbox's id range")
         root = self._root_fd(sbx)
+        join = sbx.cg.memory_join()
         try:
-            return await files.put(root, path, data, mode, sbx.uid_base + uid, sbx.uid_base + gid)
+            return await files.put(root, path, data, mode, sbx.uid_base + uid, sbx.uid_base + gid,
+                                   charge_to=None if join is None else str(join))
         finally:
             os.close(root)
 

@@ -12,7 +12,11 @@ silently clamped. Source: openat2(2), include/uapi/linux/openat2.h.
 
 Writes go to a temporary file in the target directory, are chowned to the sandbox's view of
 ``uid``/``gid`` and renamed over the target, so a failed upload leaves nothing behind and a
-symlink at the target name is replaced, never followed. A target that is a mount point in the
+symlink at the target name is replaced, never followed. The bytes are written by a helper
+process in the sandbox's memory cgroup (``charge_to``, see :func:`copy_charged`): an upper on
+tmpfs is RAM, and pages are charged to the memory cgroup of the process that writes them, so
+a 1 GiB upload written by the daemon itself had put 1 GiB into the daemon's cgroup, unseen by
+the sandbox's limit, its stats and admission. A target that is a mount point in the
 sandbox (a protected file such as /etc/passwd is a read-only bind mount of itself) is refused:
 the daemon renames from the host's mount namespace, where the kernel would not see the mount
 and would replace the file under it, detaching the read-only mount.
@@ -26,6 +30,8 @@ import ctypes
 import errno
 import os
 import secrets
+import shutil
+import signal
 import stat
 from collections.abc import AsyncIterator
 
@@ -98,10 +104,12 @@ def _map_error(exc: OSError, path: str, what: str) -> EdgedError:
 
 
 async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, uid: int,
-              gid: int) -> int:
+              gid: int, *, charge_to: str | None = None) -> int:
     """Write ``data`` to ``path`` (host ids ``uid``/``gid``, permission bits ``mode``);
-    returns bytes written. Raises BadRequest, NotFound or BackendError; on error the target
-    is unchanged."""
+    returns bytes written. ``charge_to``: the sandbox's :meth:`memory_join` file; the bytes
+    are then written by a helper in its memory cgroup (None: by the daemon). Raises
+    BadRequest (also when the file does not fit in the sandbox's disk or memory limit),
+    NotFound or BackendError; on error the target is unchanged."""
     rel = check_path(path)
     if rel == ".":
         raise BadRequest(f"path {path!r} is the sandbox root, not a file")
@@ -127,12 +135,12 @@ async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, ui
         # the parent fd was resolved inside the root; a plain name below it cannot escape
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      0o600, dir_fd=pfd)
-        async for chunk in data:
-            view = memoryview(chunk)
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-                total += n
+        if charge_to is not None:
+            total = await copy_charged(fd, data, charge_to, path)
+        else:
+            async for chunk in data:
+                _write_all(fd, chunk)
+                total += len(chunk)
         os.fchown(fd, uid, gid)
         os.fchmod(fd, mode)
         os.close(fd)
@@ -149,6 +157,79 @@ async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, ui
                 os.unlink(tmp, dir_fd=pfd)
         os.close(pfd)
     return total
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+SH = shutil.which("sh", path="/usr/bin:/bin") or "/bin/sh"
+CAT = shutil.which("cat", path="/usr/bin:/bin") or "/bin/cat"
+#: The helper: most likely victim of an OOM kill in the sandbox's cgroup (an upload that
+#: does not fit must not kill the workload), moves itself into the cgroup, becomes cat.
+_HELPER = 'echo 1000 > /proc/self/oom_score_adj && echo $$ > "$1" || exit 125; exec "$2"'
+_JOIN_FAILED = 125
+
+
+async def copy_charged(fd: int, data: AsyncIterator[bytes], join: str, path: str) -> int:
+    """Copy ``data`` into the open file ``fd`` through a helper process (``sh``, then
+    ``cat``: host binaries, run as the daemon outside every sandbox namespace, reading a
+    pipe and writing ``fd``, touching no path of the sandbox) that first writes its pid to
+    ``join`` (a sandbox's memory cgroup), so that the pages it writes are charged there.
+    Returns the bytes copied. Raises BadRequest (``path`` does not fit: ENOSPC, or the
+    sandbox's memory limit killed the helper), BackendError (the helper failed)."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    er, ew = os.pipe2(os.O_CLOEXEC)
+    try:
+        pid = os.posix_spawn(SH, [SH, "-c", _HELPER, "sh", join, CAT], {"PATH": "/usr/bin:/bin"},
+                             file_actions=[(os.POSIX_SPAWN_DUP2, r, 0),
+                                           (os.POSIX_SPAWN_DUP2, fd, 1),
+                                           (os.POSIX_SPAWN_DUP2, ew, 2)])
+    except OSError as exc:
+        for x in (w, er):
+            os.close(x)
+        raise BackendError(f"put {path!r}: cannot start the copy helper: {exc.strerror}") from exc
+    finally:
+        os.close(r)
+        os.close(ew)
+    total = 0
+    status = None
+    try:
+        try:
+            async for chunk in data:
+                await asyncio.to_thread(_write_all, w, chunk)
+                total += len(chunk)
+        except BrokenPipeError:
+            pass  # the helper ended early: its status says why
+        finally:
+            os.close(w)
+            w = -1
+        status = (await asyncio.to_thread(os.waitpid, pid, 0))[1]
+    finally:
+        if w >= 0:
+            os.close(w)
+        if status is None:  # the caller went away (or the data failed): stop the helper
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.to_thread(os.waitpid, pid, 0)
+        try:
+            err = os.read(er, 4096).decode("utf-8", "replace").strip()
+        finally:
+            os.close(er)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
+        return total
+    if (os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL) or (
+            os.strerror(errno.ENOMEM) in err):
+        raise BadRequest(f"put {path!r}: the file does not fit in the sandbox's memory limit "
+                         f"(its upper layer is RAM, charged to the sandbox)")
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _JOIN_FAILED:
+        raise BackendError(f"put {path!r}: cannot join the sandbox's memory cgroup: {err}")
+    for e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        if os.strerror(e) in err:
+            raise _map_error(OSError(e, os.strerror(e)), path, "put")
+    raise BackendError(f"put {path!r}: the copy helper failed: {err or status}")
 
 
 def open_for_get(root_fd: int, path: str) -> int:
