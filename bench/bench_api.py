@@ -208,8 +208,9 @@ def main() -> int:
         for rt in (runtime, direct_rt):
             h = hashlib.sha256(str(Path(rt).resolve()).encode()).hexdigest()[:10]
             for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup"):
-                if f"edged-{h}" in dirnames:
-                    os.rmdir(os.path.join(dirpath, f"edged-{h}"))
+                for name in (f"edged-{h}", f"edged-{h}-idle"):
+                    if name in dirnames:
+                        os.rmdir(os.path.join(dirpath, name))
                 if dirpath.count("/") > 6:
                     dirnames.clear()
             shutil.rmtree(rt, ignore_errors=True)

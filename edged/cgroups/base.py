@@ -271,18 +271,26 @@ class Hierarchy(abc.ABC):
         """Where the sandboxes' own v2 directories go (not made here)."""
         return None
 
+    def _extra_parents(self) -> list[Path]:
+        """Our directories beyond ``parents`` that hold sandbox cgroups."""
+        bpf = self._bpf_parent()
+        return [bpf] if bpf else []
+
+    def all_parents(self) -> list[Path]:
+        """Every directory of ours that holds sandbox cgroups (``parents``, and where the
+        implementation keeps some elsewhere: v2 BPF directories, v1 best-effort cpu)."""
+        return [*self.parents.values(), *self._extra_parents()]
+
     def existing(self) -> set[str]:
         """Sandbox ids that have a cgroup directory in any of our hierarchies."""
         out: set[str] = set()
-        bpf = self._bpf_parent()
-        for p in [*self.parents.values(), *([bpf] if bpf else [])]:
+        for p in self.all_parents():
             with contextlib.suppress(FileNotFoundError):
                 out.update(e.name for e in os.scandir(p) if e.is_dir())
         return out
 
     def prune(self) -> None:
         """Remove our parent cgroups if they hold no sandbox (rmdir refuses a busy one)."""
-        bpf = self._bpf_parent()
-        for p in [*self.parents.values(), *([bpf] if bpf else [])]:
+        for p in self.all_parents():
             with contextlib.suppress(OSError):
                 p.rmdir()

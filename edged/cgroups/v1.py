@@ -3,6 +3,13 @@ memory, pids, freezer), each in its own hierarchy. On a hybrid host (v1 controll
 v2 hierarchy mounted without controllers, e.g. at ``/sys/fs/cgroup/unified``) a sandbox may
 also get a directory in the v2 hierarchy: cgroup BPF programs attach to v2 cgroups only.
 
+CPU classes: a best-effort sandbox's cpu cgroup is beneath ``<own>/<subdir>-idle``, a sibling
+of our ``<own>/<subdir>`` marked ``cpu.idle`` (SCHED_IDLE for the whole group), so that at the
+level where the daemon, its clients and the latency-sensitive sandboxes compete, all
+best-effort work is one idle entity that any of them preempts at wake-up. (``cpu.idle`` on each
+best-effort sandbox alone makes it idle only among the sandboxes: our parent group, busy with
+it, still competes at normal weight with the daemon serving the latency-sensitive ones.)
+
 Sources: Documentation/admin-guide/cgroup-v1/{cgroups,memory,freezer-subsystem,pids}.rst,
 scheduler/sched-bwc.rst (cfs quota and period).
 """
@@ -78,8 +85,12 @@ class V1Cgroup(SandboxCgroup):
             return MemoryUsage()
 
     def set_qos(self, qos: str) -> None:
+        """Best-effort sandboxes are idle by their parent (see the module), each one
+        normal among them; where that parent is not idle (an older tree), by their own."""
+        d = self.dirs["cpu"]
+        idle_parent = d.parent.name.endswith("-idle")
         with contextlib.suppress(FileNotFoundError):
-            fs.write(self.dirs["cpu"] / "cpu.idle", "1" if qos == "best_effort" else "0")
+            fs.write(d / "cpu.idle", "1" if qos == "best_effort" and not idle_parent else "0")
 
     def oom_kills(self) -> int:
         try:
@@ -112,7 +123,8 @@ class V1Cgroup(SandboxCgroup):
 
 class V1Hierarchy(Hierarchy):
     """Our place in each v1 hierarchy; ``unified``: our directory in the controller-less v2
-    hierarchy of a hybrid host (None if it has none), for the sandboxes' BPF directories."""
+    hierarchy of a hybrid host (None if it has none), for the sandboxes' BPF directories;
+    ``idle_cpu``: the parent of best-effort sandboxes' cpu cgroups (see the module)."""
 
     version = "v1"
     tree_kill = "freezer"
@@ -123,6 +135,7 @@ class V1Hierarchy(Hierarchy):
         super().__init__(root, subdir, swap_share)
         self.parents = parents
         self.unified = unified
+        self.idle_cpu = parents["cpu"].parent / f"{parents['cpu'].name}-idle"
         self.swap_accounting = (parents["memory"].parent / "memory.memsw.limit_in_bytes"
                                 ).exists()
 
@@ -166,13 +179,24 @@ class V1Hierarchy(Hierarchy):
         return V1Cgroup({"memory": self.parents["memory"],
                          "cpuacct": self.parents["cpuacct"]}).memory_usage()
 
-    def path_of(self, sandbox_id: str) -> SandboxCgroup:
-        return V1Cgroup({c: p / sandbox_id for c, p in self.parents.items()},
-                        self.unified / sandbox_id if self.unified else None)
+    def path_of(self, sandbox_id: str, qos: str | None = None) -> SandboxCgroup:
+        """The sandbox's directories; its cpu one by ``qos``, or where it exists (the
+        normal parent if nowhere)."""
+        dirs = {c: p / sandbox_id for c, p in self.parents.items()}
+        if qos == "best_effort" or (qos is None and (self.idle_cpu / sandbox_id).is_dir()):
+            dirs["cpu"] = self.idle_cpu / sandbox_id
+        return V1Cgroup(dirs, self.unified / sandbox_id if self.unified else None)
 
     def _ensure_parents(self) -> None:
         for p in self.parents.values():
             p.mkdir(exist_ok=True)
+        if not self.idle_cpu.is_dir():
+            self.idle_cpu.mkdir(exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # no cpu.idle: a plain sibling
+                fs.write(self.idle_cpu / "cpu.idle", "1")
+
+    def _extra_parents(self) -> list[Path]:
+        return [self.idle_cpu, *super()._extra_parents()]
 
     def _bpf_parent(self) -> Path | None:
         return self.unified
@@ -194,7 +218,7 @@ class V1Hierarchy(Hierarchy):
 
     def create(self, sandbox_id: str, res: Resources, root_uid: int, *,
                qos: str = "best_effort", bpf: bool = False) -> SandboxCgroup:
-        cg = self.path_of(sandbox_id)
+        cg = self.path_of(sandbox_id, qos)
         try:
             self._ensure_parents()
             for d in cg.dirs.values():
@@ -213,7 +237,9 @@ class V1Hierarchy(Hierarchy):
         return cg
 
     def create_pooled(self, tag: str, root_uid: int) -> SandboxCgroup | None:
-        cg = self.path_of(POOL_PREFIX + tag)
+        """In the best-effort cpu parent (the default class); a latency-sensitive claim
+        moves the tasks out (see :meth:`claim`)."""
+        cg = self.path_of(POOL_PREFIX + tag, "best_effort")
         cg.bpf_dir = None
         try:
             self._ensure_parents()
@@ -231,12 +257,25 @@ class V1Hierarchy(Hierarchy):
 
     def claim(self, pooled: SandboxCgroup, sandbox_id: str, res: Resources, *,
               qos: str = "best_effort", bpf: bool = False) -> SandboxCgroup:
-        cg = self.path_of(sandbox_id)
+        cg = self.path_of(sandbox_id, qos)
         done: list[tuple[Path, Path]] = []
+        made: Path | None = None
         try:
-            for src, dst in {pooled.dirs[c]: cg.dirs[c] for c in pooled.dirs}.items():
-                os.rename(src, dst)
-                done.append((src, dst))
+            for c, src in pooled.dirs.items():
+                dst = cg.dirs[c]
+                if src.parent == dst.parent:
+                    os.rename(src, dst)
+                    done.append((src, dst))
+                    continue
+                # v1 renames a cgroup within its parent only: a latency-sensitive sandbox
+                # gets a cpu cgroup of its own and the pooled tasks move there (a move
+                # waits for an RCU grace period: milliseconds, this class only)
+                dst.mkdir()
+                made = dst
+                for pid in fs.procs(src):
+                    with contextlib.suppress(ProcessLookupError):
+                        fs.write(dst / "cgroup.procs", str(pid))
+                src.rmdir()
             self._limits(cg, res)
             cg.set_qos(qos)
             self._make_bpf_dir(cg, bpf)  # the one directory the spawner still joins
@@ -244,6 +283,9 @@ class V1Hierarchy(Hierarchy):
             for src, dst in reversed(done):
                 with contextlib.suppress(OSError):
                     os.rename(dst, src)
+            if made is not None:
+                with contextlib.suppress(OSError):
+                    made.rmdir()
             raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
         return cg
 

@@ -69,8 +69,9 @@ def _cgroup_parents(runtime_dir: str) -> list[Path]:
     h = hashlib.sha256(str(Path(runtime_dir).resolve()).encode()).hexdigest()[:10]
     out = []
     for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup"):
-        if f"edged-{h}" in dirnames:
-            out.append(Path(dirpath) / f"edged-{h}")
+        for name in (f"edged-{h}", f"edged-{h}-idle"):  # -idle: best-effort cpu cgroups
+            if name in dirnames:
+                out.append(Path(dirpath) / name)
         if dirpath.count("/") > 6:
             dirnames.clear()
     return out

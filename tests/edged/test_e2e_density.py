@@ -166,7 +166,11 @@ def test_qos_best_effort_yields_cpu_to_latency_sensitive(real_node, layer_store)
     for sid, want in (("be", "1"), ("ls", "0")):
         cg = backend._sandboxes[sid].cg
         d = cg.dirs.get("cpu") or cg.dirs.get("v2")
-        assert (d / "cpu.idle").read_text().strip() == want
+        # idle by its own cpu.idle, or (v1) by its parent's: all best-effort work is one
+        # idle group beside the daemon and the latency-sensitive sandboxes
+        idle = "1" in {(d / "cpu.idle").read_text().strip(),
+                       (d.parent / "cpu.idle").read_text().strip()}
+        assert idle == (want == "1"), (sid, d)
     loops = " ".join(["while :; do :; done &"] * cores)
     be.exec(f"sh -c '{loops}' > /dev/null 2>&1 &")
     time.sleep(0.5)

@@ -60,7 +60,7 @@ def sandbox_processes(backend: ContainerBackend) -> list[int]:
 
 def cgroup_dirs(backend: ContainerBackend) -> list[str]:
     out = []
-    for p in backend.cgroups.parents.values():
+    for p in backend.cgroups.all_parents():
         if p.exists():
             out += [str(d) for d, _s, _f in os.walk(p) if Path(d) != p]
     return out
@@ -79,7 +79,7 @@ def assert_left_clean(b: ContainerBackend) -> None:
     backend's parent cgroups, then fail if there was anything to tear down."""
     removed = asyncio.run(b.cleanup_leftovers(set()))
     leftover_cg = cgroup_dirs(b)
-    for p in b.cgroups.parents.values():
+    for p in b.cgroups.all_parents():
         if p.exists():
             p.rmdir()
     assert not removed, f"test left sandboxes behind: {removed}"

@@ -883,4 +883,45 @@ def test_exec_environment_is_a_login_shells(backend: ContainerBackend,
         finally:
             await backend.destroy("sb1")
 
+
+def test_qos_classes_take_their_cpu_parent(state_dir: Path, busybox_tree: Path) -> None:
+    """v1: best-effort sandboxes' cpu cgroups sit beneath the idle sibling of our cpu
+    parent, latency-sensitive ones beneath our parent, also when made from a pooled
+    spawner (whose cgroups wait in the best-effort parent: its tasks move out)."""
+    b = ContainerBackend(state_dir, spawner_pool=1)
+    if b.cgroups.version != "v1":
+        pytest.skip("the idle cpu parent is v1's")
+
+    async def ready() -> None:
+        deadline = time.monotonic() + 10
+        while not (b._pool and all(p.ready.done() for p in b._pool)):
+            assert time.monotonic() < deadline, "pool not ready"
+            await asyncio.sleep(0.01)
+
+    async def body() -> None:
+        await b.warm()
+        await ready()
+        pooled = b._pool[0].slot
+        await b.create(dataclasses.replace(spec((str(busybox_tree),), sid="ls"),
+                                           qos="latency_sensitive"))
+        assert b._sandboxes["ls"].slot == pooled  # made by the pooled spawner
+        await ready()
+        await b.create(spec((str(busybox_tree),), sid="be"))
+        try:
+            idle = b.cgroups.idle_cpu  # type: ignore[attr-defined]
+            assert (idle / "cpu.idle").read_text().strip() == "1"
+            for sid, parent in (("ls", b.cgroups.parents["cpu"]), ("be", idle)):
+                sbx = b._sandboxes[sid]
+                cpu = sbx.cg.dirs["cpu"]
+                assert cpu.parent == parent, (sid, cpu)
+                assert str(sbx.pid) in (cpu / "cgroup.procs").read_text().split()
+                out, _, end = await sh(b, sid, "echo ok")
+                assert (out, end.exit_code) == (b"ok\n", 0)
+            assert not [d for d in cgroup_dirs(b) if "/.pool-" in d and "/cpu/" in d
+                        and not d.startswith(str(idle))]
+        finally:
+            await b.destroy("ls")
+            await b.destroy("be")
+            await b.close()
+
     run(body)
