@@ -205,6 +205,7 @@ class Server:
                 runtime / "layers", remote=cfg.layers_remote,
                 cache_limit=cfg.layers_cache_bytes or None,
                 fetch_timeout=cfg.layers_fetch_timeout_s)
+        layers.linger_s = cfg.layer_linger_s  # the one owner of a mounted layer's lifetime
         images = ImageRegistry(state / "images.json", has_layer=layers.ops.has)
         metrics = Metrics()
         if layers.ops.collector is not None:

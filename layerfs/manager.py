@@ -6,7 +6,10 @@ as ``CACHE/fuse/<hex>.erofs``, fetched chunk by chunk) and mounted read-only, fi
 EROFS, at ``MOUNT_ROOT/<hex>``. :meth:`LayerManager.acquire` counts users;
 :meth:`LayerManager.release` drops the count, and a layer nobody has used for
 ``idle_seconds`` is unmounted by :meth:`LayerManager.reap` (so a sandbox that restarts at
-once finds its layers still mounted and its pages still cached). The lazy server keeps the
+once finds its layers still mounted and its pages still cached). A caller that owns the
+layers' lifetime itself (edged's node layer mounts: refcount, linger, unmount) uses the
+uncounted :meth:`LayerManager.mount` and :meth:`LayerManager.unmount` instead, so that
+nothing is counted twice. The lazy server keeps the
 last ``keep_registered`` unmounted layers registered (remounting one costs no manifest
 fetch) and the manager unregisters older ones, so a node that runs many distinct layers
 over its life (a workspace per task) never runs out of the server's layer slots.
@@ -142,6 +145,39 @@ class LayerManager:
         m = self._layers[digest] = _Mounted(digest, mp)
         return m
 
+    def mount(self, digest: str, remote: str | None = None) -> str:
+        """Mount one layer (registered, its prefetch started) for a caller that counts its
+        users itself; returns the mountpoint. One mounted already is left as it is."""
+        check_digest(digest)
+        with self._lock:
+            m = self._layers.get(digest)
+            if m is None:
+                m = self._mount(digest, remote or self.remote)
+            return m.mountpoint
+
+    def unmount(self, digest: str) -> bool:
+        """Record the layer's access trace and unmount it now (that caller's last user is
+        gone). False if this manager has not mounted it, or counts users of it. Raises
+        OSError if the kernel has it busy (it stays mounted)."""
+        with self._lock:
+            m = self._layers.get(digest)
+            if m is None or m.refs:
+                return False
+            with contextlib.suppress(LayerfsError):
+                self.client.trace(digest, save=True)
+            self._unmount(m)
+            if len(self._unmounted) > self.keep_registered:
+                self._trim()
+        return True
+
+    def _unmount(self, m: _Mounted) -> None:
+        """Unmount ``m`` (lock held); it joins the registered-but-unmounted layers."""
+        umount(m.mountpoint)
+        with contextlib.suppress(OSError):
+            os.rmdir(m.mountpoint)
+        del self._layers[m.digest]
+        self._unmounted[m.digest] = None
+
     def release(self, digests: Sequence[str]) -> None:
         """Drop one reference on each layer; the last one records its access trace."""
         with self._lock:
@@ -166,14 +202,10 @@ class LayerManager:
                 if m.refs or now - m.idle_since < limit:
                     continue
                 try:
-                    umount(m.mountpoint)
+                    self._unmount(m)
                 except OSError:
                     continue
-                with contextlib.suppress(OSError):
-                    os.rmdir(m.mountpoint)
-                del self._layers[d]
                 gone.append(d)
-                self._unmounted[d] = None
             if len(self._unmounted) > self.keep_registered:
                 self._trim()
         return gone

@@ -1,8 +1,11 @@
 """Node layer mounts: each layer mounted ONCE per node and shared by every sandbox using it.
 
 A layer (``sha256:<hex>``) is mounted read-only (file-backed EROFS, Linux >= 6.12) at
-``<mount_dir>/<hex>`` from an image file that :attr:`LayerOps.image` makes available. Mounts
-are refcounted here; the last release unmounts.
+``<mount_dir>/<hex>`` from an image file that :attr:`LayerOps.image` makes available. This is
+the one owner of a mounted layer's lifetime on the node: its holders are counted here, the
+last release keeps it ``linger_s`` seconds more (the next create finds it mounted and its
+page cache warm, instead of paying a mount, an unmount and cold reads), then it is
+unmounted. The operations below do no counting of their own.
 
 On a real node (:meth:`LayerMounts.for_layerfs`) the image file is the layer's lazy file
 (``layerfs.lazy``): the node's lazy FUSE server exposes it at once and fetches only the
@@ -11,7 +14,7 @@ shared directory). With no remote configured, the local layerfs store is that re
 (``file:<store_dir>``), so there is one code path either way. The lazy server is a node
 service in its own session: sandboxes kept across a daemon restart keep reading through it.
 
-The operations are injected (:class:`LayerOps`) so the refcounting is testable without root.
+The operations are injected (:class:`LayerOps`) so the lifetime is testable without root.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +32,8 @@ from typing import Any, NamedTuple
 from edged.backends.base import LayerForm
 from edged.errors import BackendError, EdgedError, NotFound
 from edged.images.registry import check_digest
+
+log = logging.getLogger("edged.images")
 
 
 class LayerCounters(NamedTuple):
@@ -70,12 +76,17 @@ class LayerMounts:
     count drops to zero; concurrent acquires of one digest mount it once), an ``"image"``
     the layer's image file made available (``acquire`` → its path; nothing to undo)."""
 
-    def __init__(self, ops: LayerOps, mount_dir: Path) -> None:
+    def __init__(self, ops: LayerOps, mount_dir: Path, *, linger_s: float = 0.0) -> None:
         self.ops = ops
         self.mount_dir = mount_dir
+        #: seconds a layer stays mounted after its last holder lets go (0: unmount at once)
+        self.linger_s = linger_s
         self._refs: dict[str, int] = {}
         self._images: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        #: layer -> timer: the last holder's reference, kept ``linger_s`` longer
+        self._linger: dict[str, asyncio.TimerHandle] = {}
+        self._unlingering: set[asyncio.Task[None]] = set()
 
     @classmethod
     def for_layerfs(cls, store_dir: str, cache_dir: Path, mount_dir: Path, *,
@@ -113,16 +124,14 @@ class LayerMounts:
 
         def mount(img: str, mp: str) -> None:
             digest = "sha256:" + os.path.basename(mp)
-            got = mgr.acquire([digest])[0]
+            got = mgr.mount(digest)  # uncounted: the holders are counted here
             if os.path.abspath(got) != os.path.abspath(mp):
-                mgr.release([digest])
+                mgr.unmount(digest)
                 raise BackendError(f"layer {digest}: mounted at {got}, not {mp}")
 
         def umount(mp: str) -> None:
-            mgr.release(["sha256:" + os.path.basename(mp)])
-            mgr.reap(0.0)
-            if os.path.ismount(mp):  # mounted by an earlier daemon, re-adopted
-                lmount.umount(mp)
+            if not mgr.unmount("sha256:" + os.path.basename(mp)) and os.path.ismount(mp):
+                lmount.umount(mp)  # mounted by an earlier daemon, re-adopted
 
         def close() -> None:
             mgr.close()
@@ -225,13 +234,52 @@ class LayerMounts:
         return {d: per[d] for d in digests if d in per}
 
     async def release(self, digest: str, form: LayerForm = "tree") -> None:
-        """Count one holder less; unmount at zero. Raises :class:`BackendError` if the
-        unmount fails (the count is still dropped; :meth:`close` retries)."""
+        """Count one holder less. The last holder's reference is kept ``linger_s`` seconds
+        more (a release meanwhile restarts the wait), then dropped, which unmounts the
+        layer. Raises :class:`BackendError` if an unmount fails (the count is still dropped;
+        :meth:`close` retries)."""
         if form == "image":
             n = self._images.pop(digest, 0) - 1
             if n > 0:
                 self._images[digest] = n
             return
+        if self.linger_s > 0:
+            held = self._linger.pop(digest, None)
+            if held is not None:
+                held.cancel()
+            self._linger[digest] = asyncio.get_running_loop().call_later(
+                self.linger_s, self._unlinger, digest)
+            if held is None:
+                return  # this holder's reference becomes the lingering one
+        await self._drop(digest)
+
+    def lingering(self) -> list[str]:
+        """Layers held only because they were used recently (``linger_s``)."""
+        return sorted(self._linger)
+
+    def _unlinger(self, digest: str) -> None:
+        if self._linger.pop(digest, None) is not None:
+            task = asyncio.ensure_future(self._drop_logged(digest))
+            self._unlingering.add(task)
+            task.add_done_callback(self._unlingering.discard)
+
+    async def _drop_logged(self, digest: str) -> None:
+        try:
+            await self._drop(digest)
+        except EdgedError as e:
+            log.warning("layer release failed: %s", e)
+
+    async def flush(self) -> None:
+        """Drop every lingering reference now (unmounting those layers) and wait for the
+        drops already under way. Errors are logged."""
+        for d in list(self._linger):
+            self._linger.pop(d).cancel()
+            await self._drop_logged(d)
+        while self._unlingering:
+            await asyncio.gather(*list(self._unlingering), return_exceptions=True)
+
+    async def _drop(self, digest: str) -> None:
+        """One reference less; unmount at zero."""
         lock = self._locks.setdefault(digest, asyncio.Lock())
         async with lock:
             n = self._refs.get(digest, 0)
@@ -272,10 +320,11 @@ class LayerMounts:
     async def close(self) -> None:
         """Unmount every layer still mounted and stop the layer source (daemon shutdown
         with no sandboxes kept)."""
+        await self.flush()
         for d in list(self._refs):
             self._refs[d] = 1
             with contextlib.suppress(EdgedError):
-                await self.release(d)
+                await self._drop(d)
         if self.ops.close is not None:
             try:
                 await asyncio.to_thread(self.ops.close)

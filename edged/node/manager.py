@@ -99,10 +99,6 @@ class SandboxManager:
         #: (see Metrics.start_fetched_fraction)
         self._starts: dict[str, dict[str, LayerCounters]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        #: layer -> timer: a reference kept for ``layer_linger_s`` after the last sandbox
-        #: using the layer is gone, so that the next create finds it mounted (and its page
-        #: cache warm) instead of paying a mount, an unmount and cold reads
-        self._linger: dict[str, asyncio.TimerHandle] = {}
         self._bg: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
         #: what each backend probed at start, by name
@@ -159,48 +155,18 @@ class SandboxManager:
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _release_layers(self, digests: list[str], form: LayerForm = "tree") -> None:
-        """Drop a sandbox's layer references, top first. The last reference to a mounted
-        layer is kept for ``layer_linger_s`` (see ``_linger``); a release error is logged."""
-        if form != "tree":
-            for d in reversed(digests):
-                with contextlib.suppress(EdgedError):
-                    await self.layers.release(d, form)
-            return
-        loop = asyncio.get_running_loop()
-        linger = self.config.layer_linger_s
+    async def _release_layers(self, digests: list[str], form: LayerForm) -> None:
+        """Drop a sandbox's layer references, top first (the layer mounts keep the last one a
+        while: ``layer_linger_s``); a release error is logged."""
         for d in reversed(digests):
-            held = self._linger.pop(d, None)
-            if held is not None:
-                held.cancel()
-            if linger > 0:
-                self._linger[d] = loop.call_later(linger, self._unlinger, d)
-                if held is None:
-                    continue  # this sandbox's reference becomes the lingering one
             try:
-                await self.layers.release(d)
+                await self.layers.release(d, form)
             except EdgedError as e:
                 log.warning("layer release failed: %s", e)
 
-    def _unlinger(self, digest: str) -> None:
-        if self._linger.pop(digest, None) is not None:
-            self._background(self._release_layer(digest))
-
-    async def _release_layer(self, digest: str) -> None:
-        try:
-            await self.layers.release(digest)
-        except EdgedError as e:
-            log.warning("layer release failed: %s", e)
-
-    def lingering(self) -> list[str]:
-        """Layers held only because they were used recently (``layer_linger_s``)."""
-        return sorted(self._linger)
-
     async def _flush_background(self) -> None:
-        """Release the lingering layer references and wait for background work."""
-        for d in list(self._linger):
-            self._linger.pop(d).cancel()
-            await self._release_layer(d)
+        """Drop the lingering layer references and wait for background work."""
+        await self.layers.flush()
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 

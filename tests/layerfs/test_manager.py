@@ -62,6 +62,25 @@ def test_layers_mount_once_and_are_refcounted(
     assert not os.path.ismount(a[0])
 
 
+def test_uncounted_mount_and_unmount(
+        setup: tuple[LayerManager, list[str], RemoteThread]) -> None:
+    """For a caller that counts holders itself (edged's layer mounts): mount is idempotent
+    and counts nothing, unmount is at once (its trace kept for the next mount) and leaves a
+    layer this manager counts users of alone."""
+    mgr, digests, _ = setup
+    a = mgr.mount(digests[0])
+    assert mgr.mount(digests[0]) == a and mgr.mounted() == {digests[0]: 0}
+    with open(os.path.join(a, "etc/hostname")) as f:
+        assert f.read() == "node\n"
+    assert mgr.unmount(digests[0]) is True
+    assert not os.path.ismount(a) and mgr.mounted() == {}
+    assert mgr.unmount(digests[0]) is False  # not mounted
+    mgr.acquire(digests[1:])
+    assert mgr.unmount(digests[1]) is False and mgr.mounted() == {digests[1]: 1}
+    mgr.release(digests[1:])
+    assert mgr.reap(0) == [digests[1]]
+
+
 def test_unmounted_layers_beyond_the_bound_are_unregistered(
         setup: tuple[LayerManager, list[str], RemoteThread]) -> None:
     # Bug: layers stayed registered with the lazy server forever, so a node running a

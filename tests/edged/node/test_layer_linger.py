@@ -23,7 +23,7 @@ def test_layers_linger_then_unmount(make_node) -> None:
     assert api.delete("/v1/sandboxes/a").status == 200
     # kept: one reference each, held by the linger, not by a sandbox
     assert node.server.manager.layers.refs() == {L1: 1, L2: 1}
-    assert node.server.manager.lingering() == sorted([L1, L2])
+    assert node.server.manager.layers.lingering() == sorted([L1, L2])
     _create(api, "b")  # reuses the mounts
     assert node.layer_ops.mount_calls == 2
     assert node.server.manager.layers.refs() == {L1: 2, L2: 2}
@@ -35,7 +35,7 @@ def test_layers_linger_then_unmount(make_node) -> None:
         time.sleep(0.02)
     assert node.layer_ops.mounted == {} and node.layer_ops.umount_calls == 2
     assert node.server.manager.layers.refs() == {}
-    assert node.server.manager.lingering() == []
+    assert node.server.manager.layers.lingering() == []
 
 
 def test_shutdown_releases_lingering_layers(make_node) -> None:
