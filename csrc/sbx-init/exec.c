@@ -767,6 +767,87 @@ static void note_held(struct exec *e)
 	}
 }
 
+/* The tasks of /proc that are alive (not zombies, not kernel threads) but us. */
+static uint64_t count_alive(void)
+{
+	struct dirent *d;
+	DIR *dir = opendir("/proc");
+	uint64_t n = 0;
+
+	if (!dir)
+		return 0;
+	while ((d = readdir(dir))) {
+		char path[64], stat[512], *rp, state;
+		long pid = strtol(d->d_name, NULL, 10);
+		unsigned flags;
+		int fd;
+		ssize_t len;
+
+		if (pid <= 0 || pid == getpid())
+			continue;
+		snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+		fd = open(path, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		len = read(fd, stat, sizeof(stat) - 1);
+		close(fd);
+		if (len <= 0)
+			continue;
+		stat[len] = 0;
+		rp = strrchr(stat, ')');
+		/* state, ppid, pgrp, session, tty_nr, tpgid, flags (proc_pid_stat(5)) */
+		if (!rp || sscanf(rp + 2, "%c %*d %*d %*d %*d %*d %u", &state, &flags) != 2)
+			continue;
+		if (state != 'Z' && state != 'X' && !(flags & 0x00200000u /* PF_KTHREAD */))
+			n++;
+	}
+	closedir(dir);
+	return n;
+}
+
+/* SBX_KILL_ALL: every process of the sandbox but sbx-init; running execs end KILLED. */
+void exec_kill_all(struct sbx *s, uint32_t id)
+{
+	struct sbx_done done = {0};
+	unsigned i;
+
+	for (i = 0; i < SBX_MAX_EXECS; i++) {
+		struct exec *e = &s->execs[i];
+
+		if (e->used && !e->reaped && !e->orphan && !e->reason)
+			e->reason = SBX_KILLED;
+	}
+	if (getpid() != 1) {
+		/* Not a pid namespace's init (run by hand, or by tests): kill(-1) would
+		 * reach the host's processes.  Each exec's tree instead. */
+		for (i = 0; i < SBX_MAX_EXECS; i++) {
+			struct exec *e = &s->execs[i];
+
+			if (e->used && !e->orphan) {
+				kill_tree(s, e);
+				done.count++;
+			}
+		}
+		ctl_send(s, SBX_DONE, id, &done, sizeof(done), NULL, 0);
+		return;
+	}
+	/* kill(-1) signals every process of the namespace but the caller, walking the
+	 * task list under its lock, so that none forks in between (a task with SIGKILL
+	 * pending forks no more); repeated while /proc lists one that is still dying. */
+	for (i = 0; i < 200; i++) {
+		uint64_t n = count_alive();
+
+		if (!n)
+			break;
+		if (!i)
+			done.count = n;
+		if (kill(-1, SIGKILL) < 0 && errno == ESRCH)
+			break;
+		usleep(500);
+	}
+	ctl_send(s, SBX_DONE, id, &done, sizeof(done), NULL, 0);
+}
+
 /* A child ended: the spare, an exec's main process, or one of the orphans
  * that sbx-init, as PID 1, reaps. */
 void exec_on_reaped(struct sbx *s, pid_t pid, int status, const struct rusage *ru)

@@ -180,7 +180,8 @@ static void on_sigchld(struct sbx *s)
 		cg_retry_pending(&s->cg);
 }
 
-/* What each frame means: HELLO is answered here, the rest are an exec's. */
+/* What each frame means: HELLO is answered here, the rest are an exec's or a
+ * transfer's. */
 static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 {
 	if (h->type == SBX_HELLO) {
@@ -195,6 +196,13 @@ static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 		exec_start(s, h->exec_id, p, h->len);
 		return;
 	}
+	if (h->type == SBX_KILL_ALL) {
+		if (h->len || !h->exec_id)
+			return ctl_error(s, h->exec_id, EINVAL, "kill all: a payload, or id 0");
+		return exec_kill_all(s, h->exec_id);
+	}
+	if (h->type >= SBX_FILE_PUT && h->type <= SBX_FILE_ABORT)
+		return files_message(s, h, p);
 	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)
 		return ctl_error(s, h->exec_id, EINVAL, "unknown message type %u", h->type);
 	exec_message(s, h, p);
@@ -213,6 +221,13 @@ static int parse_stream(const char *arg, int *rfd, int *wfd)
 	*rfd = parse_fd(buf);
 	*wfd = colon ? parse_fd(colon + 1) : *rfd;
 	return *rfd < 0 || *wfd < 0 ? -1 : 0;
+}
+
+/* The client is gone: so are its execs (killed) and its transfers. */
+static void on_drop(struct sbx *s)
+{
+	exec_orphan_all(s);
+	files_drop_all(s);
 }
 
 static void update_interest(struct sbx *s)
@@ -280,7 +295,7 @@ int main(int argc, char **argv)
 	s->ep = s->sig_fd = -1;
 	s->ctl.rfd = s->ctl.wfd = s->ctl.listen_fd = s->ctl.retry_ms = -1;
 	s->ctl.on_frame = on_frame;
-	s->ctl.on_drop = exec_orphan_all;
+	s->ctl.on_drop = on_drop;
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
 	s->pol.ll_ruleset = s->pol.scratch_fd = -1;
 	s->spare.sock = -1;
@@ -350,6 +365,12 @@ int main(int argc, char **argv)
 	if (rfd >= 0)
 		ctl_transport_stream(s, rfd, wfd);
 	exec_init_slots(s);
+	files_init(s);
+	s->root_fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (s->root_fd < 0) {
+		logmsg("sbx-init: open `/`: %s", strerror(errno));
+		return 1;
+	}
 	ep_add(s, s->sig_fd, K_SIG, 0, EPOLLIN);
 	spare_make(s);
 	for (;;) {
@@ -357,9 +378,15 @@ int main(int argc, char **argv)
 
 		if (!ctl_connected(s) && s->ctl.retry_ms >= 0)
 			ctl_open(s);
+		if (files_active(s) && ctl_pending(s) < OUTQ_HIGH) {
+			files_pump(s);
+			s->interest_dirty = 1;
+		}
 		if (s->interest_dirty)
 			update_interest(s);
 		timeout = exec_next_timeout_ms(s, now_ns());
+		if (files_active(s) && ctl_pending(s) < OUTQ_HIGH)
+			timeout = 0; /* a get has more to send */
 		if (!ctl_connected(s) && s->ctl.retry_ms >= 0 &&
 		    (timeout < 0 || timeout > s->ctl.retry_ms))
 			timeout = s->ctl.retry_ms;

@@ -15,7 +15,8 @@
  * Python mirror: edged/sbxinit/protocol.py (keep both in step).
  *
  * An exec belongs to the connection that started it: if that connection goes
- * away, sbx-init kills the exec's whole process tree (no END is sent).
+ * away, sbx-init kills the exec's whole process tree (no END is sent); so are its
+ * file transfers forgotten (a put's temporary file removed).
  *
  * Output: every byte an exec's main process wrote before it ended comes
  * before its END, however long sbx-init was kept from running (it shares the
@@ -64,6 +65,21 @@ enum sbx_type {
 	SBX_RESIZE = 6,     /* struct sbx_resize: pty window size */
 	SBX_KILL = 7,       /* no payload: kill the exec's whole tree (END reason KILLED) */
 	SBX_CREDIT = 8,     /* struct sbx_credit: client consumed this many output bytes */
+	/* What a guest needs without host-side access to the sandbox (files.c, exec.c);
+	 * exec_id is then a request id of the client's, nonzero, unique among its
+	 * running requests; every request ends with SBX_DONE or SBX_ERROR. */
+	SBX_KILL_ALL = 9,    /* no payload: SIGKILL every process of the sandbox but
+			      * sbx-init, until none is left (running execs end KILLED) */
+	SBX_FILE_PUT = 10,   /* struct sbx_file + path: a file to write, then FILE_DATA
+			      * frames, then FILE_END; it appears (renamed into place) only
+			      * whole, owned uid:gid with `mode` */
+	SBX_FILE_DATA = 11,  /* 1..SBX_MAX_DATA bytes of a transfer, either way */
+	SBX_FILE_END = 12,   /* no payload: the put's data is complete */
+	SBX_FILE_GET = 13,   /* struct sbx_file (only flags: 0) + path: the file comes back
+			      * as FILE_DATA frames under a credit window, then DONE */
+	SBX_FILE_CREDIT = 14, /* struct sbx_credit: client consumed this much of a get */
+	SBX_FILE_ABORT = 15, /* no payload: forget the transfer (a put leaves nothing); no
+			      * answer */
 
 	/* sbx-init -> client */
 	SBX_HELLO_OK = 0x81, /* struct sbx_hello */
@@ -73,7 +89,28 @@ enum sbx_type {
 	SBX_END = 0x85,      /* struct sbx_end: exactly one per started exec, after all output */
 	SBX_ERROR = 0x86,    /* struct sbx_error + message bytes (<= SBX_MAX_ERROR_MSG) */
 	SBX_EVENT = 0x87,    /* struct sbx_event: a security event of the exec (exec_id) */
+	SBX_DONE = 0x88,     /* struct sbx_done: a KILL_ALL, FILE_PUT or FILE_GET is over */
 };
+
+#define SBX_MAX_FILES 16u     /* transfers at once */
+#define SBX_MAX_PATH  4096u   /* a transfer's path, NUL included */
+
+/* SBX_FILE_PUT / SBX_FILE_GET payload: this struct, then the absolute path,
+ * NUL-terminated, resolved inside the sandbox's root (never through a /proc
+ * magic link; a put's target directory on the root's own filesystem). */
+struct sbx_file {
+	uint32_t mode;  /* put: permission bits (<= 07777) */
+	uint32_t uid;   /* put: owner, inside the sandbox's user namespace */
+	uint32_t gid;
+	uint32_t flags; /* 0 (reserved) */
+};
+_Static_assert(sizeof(struct sbx_file) == 16, "sbx_file is 16 bytes");
+
+struct sbx_done {
+	uint64_t count;    /* KILL_ALL: processes killed; FILE_*: bytes written or sent */
+	uint64_t reserved;
+};
+_Static_assert(sizeof(struct sbx_done) == 16, "sbx_done is 16 bytes");
 
 /* SBX_EXEC flags */
 #define SBX_EXEC_STDIN 0x1u /* stdin is a pipe fed by SBX_STDIN; otherwise /dev/null */

@@ -4,7 +4,9 @@
  *                each frame type means
  *   io.c         buffers, epoll registrations, logging, the clock
  *   control.c    the control channel (protocol.h): framing, the outgoing queue, transports
- *   exec.c       an exec's life: start, output and stdin with flow control, end
+ *   exec.c       an exec's life: start, output and stdin with flow control, end;
+ *                killing every process of the sandbox (SBX_KILL_ALL)
+ *   files.c      file transfers in and out of the sandbox (SBX_FILE_*)
  *   child.c      what an exec's child does between fork and execve, confinement included
  *   grader.c     a grader exec's view of the layers (SBX_EXEC_GRADER)
  *   spare.c      the child forked ahead of the next exec
@@ -151,6 +153,20 @@ static inline int sbx_fail(struct sbx_fail *f, int code, const char *what, const
 	return -1;
 }
 
+/* A file transfer (files.c): a put being written, or a get being sent. */
+struct xfer {
+	int used, get;
+	uint32_t id;
+	int fd;             /* put: the temporary file; get: the file */
+	int dirfd;          /* put: the target's directory */
+	uint64_t bytes;
+	int64_t window;     /* get: bytes it may send before more credit */
+	uint32_t mode, uid, gid;
+	char path[SBX_MAX_PATH];
+	char name[256];     /* put: the target's name in dirfd */
+	char tmp[64];       /* put: the temporary file's name in dirfd, "" once renamed */
+};
+
 struct sbx {
 	int ep;              /* the epoll instance */
 	int sig_fd;          /* SIGCHLD */
@@ -161,6 +177,8 @@ struct sbx {
 	struct sbx_policy pol;
 	struct sbx_spare spare;
 	struct exec execs[SBX_MAX_EXECS];
+	int root_fd;         /* "/" as the sandbox sees it: file transfers resolve in it */
+	struct xfer xfers[SBX_MAX_FILES];
 };
 
 /* What an exec's child needs (child.c). */
@@ -211,6 +229,14 @@ void exec_on_reaped(struct sbx *s, pid_t pid, int status, const struct rusage *r
 void exec_check_deadlines(struct sbx *s, uint64_t now);
 int exec_next_timeout_ms(const struct sbx *s, uint64_t now);
 void exec_update_interest(struct sbx *s);
+void exec_kill_all(struct sbx *s, uint32_t id);
+
+/* files.c */
+void files_init(struct sbx *s);
+void files_message(struct sbx *s, const struct sbx_hdr *h, const uint8_t *p);
+void files_pump(struct sbx *s);
+int files_active(const struct sbx *s);
+void files_drop_all(struct sbx *s);
 
 /* child.c */
 char **split_strings(char *p, size_t len, uint32_t n, char **out);

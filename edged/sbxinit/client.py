@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from edged.backends.base import EventSink, ExecEnd
-from edged.errors import BackendError, BadRequest, InvalidState, PidsExhausted
+from edged.errors import BackendError, BadRequest, InvalidState, NotFound, PidsExhausted
 from edged.sbxinit import events
 from edged.sbxinit import protocol as P
 
@@ -140,6 +140,21 @@ class SbxExec:
         self._client.write_now(data)
 
 
+@dataclass
+class _Request:
+    """A KILL_ALL or a file transfer waiting for its DONE (``count``); a get's data frames
+    go to ``chunks`` (None ends them)."""
+
+    done: asyncio.Future[int]
+    chunks: asyncio.Queue[bytes | None] | None = None
+
+
+#: errno values of a file request that are about the request (a missing file, a path that
+#: leaves the root or crosses a mount, a directory...): ENOENT is NotFound, these BadRequest.
+FILE_USER_ERRNOS = frozenset({1, 13, 20, 21, 22, 18, 30, 36, 40})  # EPERM EACCES ENOTDIR
+# EISDIR EINVAL EXDEV EROFS ENAMETOOLONG ELOOP
+
+
 class SbxClient:
     """The control connection to one sbx-init over ``reader``/``writer``.
 
@@ -159,6 +174,7 @@ class SbxClient:
         self.writer = writer
         self.handles: dict[int, SbxExec] = {}
         self.pending: dict[int, asyncio.Future[int]] = {}
+        self.requests: dict[int, _Request] = {}
         self.closed = False
         #: sbx-init's answer to the last :meth:`hello`
         self.info: Hello | None = None
@@ -220,8 +236,7 @@ class SbxClient:
         InvalidState when the connection is closed."""
         flags = ((P.EXEC_STDIN if stdin else 0) | (P.EXEC_PTY if pty else 0)
                  | (P.EXEC_GRADER if grader else 0))
-        eid = self._next_exec
-        self._next_exec = eid + 1 if eid < 0xFFFFFFFF else 1
+        eid = self._request_id()
         try:
             data = P.exec_frame(eid, tuple(argv), dict(env), cwd, uid, gid,
                                 math.ceil(timeout_s * 1000) if timeout_s else 0,
@@ -249,6 +264,102 @@ class SbxClient:
                 h.abandon()
             raise
         return h
+
+    def _request_id(self) -> int:
+        """A nonzero id for an exec or a request, none of the ones running."""
+        while True:
+            rid = self._next_exec
+            self._next_exec = rid + 1 if rid < 0xFFFFFFFF else 1
+            if rid not in self.handles and rid not in self.requests:
+                return rid
+
+    async def _request(self, data_of: Callable[[int], bytes],
+                       chunks: bool = False) -> tuple[int, _Request]:
+        rid = self._request_id()
+        req = _Request(asyncio.get_running_loop().create_future(),
+                       asyncio.Queue() if chunks else None)
+        self.requests[rid] = req
+        try:
+            await self.send(data_of(rid))
+        except BaseException:
+            self.requests.pop(rid, None)
+            raise
+        return rid, req
+
+    async def kill_all(self) -> int:
+        """SIGKILL every process of the sandbox but sbx-init, until none is left (running
+        execs end ``killed``); returns how many there were. Raises BackendError,
+        InvalidState (connection closed)."""
+        _rid, req = await self._request(lambda rid: P.frame(P.KILL_ALL, rid))
+        return await req.done
+
+    async def put_file(self, path: str, data: bytes | AsyncIterator[bytes], *,
+                       mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:
+        """Write ``data`` to ``path`` inside the sandbox (it appears whole, renamed into
+        place, owned ``uid``:``gid`` with ``mode``); returns the bytes written. Raises
+        BadRequest (a path that leaves the root or crosses a mount, a directory...),
+        NotFound (no such directory), BackendError."""
+        try:
+            head = P.file_frame(P.FILE_PUT, 0, path, mode, uid, gid)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        rid, req = await self._request(lambda rid: P.frame(P.FILE_PUT, rid, head[P.HDR.size:]))
+        try:
+            if isinstance(data, bytes | bytearray | memoryview):
+                await self._put_chunks(rid, bytes(data))
+            else:
+                async for chunk in data:
+                    if req.done.done():  # refused on the way: the ERROR says why
+                        break
+                    await self._put_chunks(rid, chunk)
+            await self.send(P.frame(P.FILE_END, rid))
+            return await req.done
+        except BaseException:
+            if not req.done.done():
+                self.requests.pop(rid, None)
+                self.write_now(P.frame(P.FILE_ABORT, rid))
+            raise
+
+    async def _put_chunks(self, rid: int, data: bytes) -> None:
+        for i in range(0, len(data), P.MAX_DATA):
+            await self.send(P.frame(P.FILE_DATA, rid, data[i : i + P.MAX_DATA]))
+
+    async def get_file(self, path: str) -> AsyncIterator[bytes]:
+        """Open the file at ``path`` inside the sandbox and return an iterator of its
+        chunks; a missing file raises NotFound here, at the call (BadRequest: a path that
+        leaves the root, a directory; BackendError). The data comes under a credit window:
+        not consuming it stops sbx-init reading."""
+        try:
+            head = P.file_frame(P.FILE_GET, 0, path)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from exc
+        rid, req = await self._request(
+            lambda rid: P.frame(P.FILE_GET, rid, head[P.HDR.size:]), chunks=True)
+        assert req.chunks is not None
+        first = await req.chunks.get()
+        if first is None:
+            await req.done  # raises what sbx-init refused
+        return self._get_rest(rid, req, first)
+
+    async def _get_rest(self, rid: int, req: _Request,
+                        first: bytes | None) -> AsyncIterator[bytes]:
+        assert req.chunks is not None
+        uncredited = 0
+        chunk = first
+        try:
+            while chunk is not None:
+                yield chunk
+                uncredited += len(chunk)
+                if uncredited >= CREDIT_BATCH:
+                    await self.send_quiet(P.frame(P.FILE_CREDIT, rid,
+                                                  P.CREDIT_S.pack(uncredited, 0)))
+                    uncredited = 0
+                chunk = await req.chunks.get()
+            await req.done
+        finally:
+            if not req.done.done():  # left before the end
+                self.requests.pop(rid, None)
+                self.write_now(P.frame(P.FILE_ABORT, rid))
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -301,6 +412,18 @@ class SbxClient:
             fut = self.pending.pop(f.exec_id, None)
             if fut and not fut.done():
                 fut.set_result(pid)
+        elif f.type == P.FILE_DATA:
+            req = self.requests.get(f.exec_id)
+            if req is not None and req.chunks is not None:
+                req.chunks.put_nowait(f.payload)
+        elif f.type == P.DONE:
+            count, _r = P.DONE_S.unpack(f.payload)
+            req = self.requests.pop(f.exec_id, None)
+            if req is not None:
+                if not req.done.done():
+                    req.done.set_result(count)
+                if req.chunks is not None:
+                    req.chunks.put_nowait(None)
         elif f.type == P.ERROR:
             self._on_error(f)
         elif f.type == P.HELLO_OK:
@@ -312,6 +435,18 @@ class SbxClient:
     def _on_error(self, f: P.Frame) -> None:
         code = P.ERROR_S.unpack_from(f.payload)[0]
         msg = f.payload[P.ERROR_S.size :].decode("utf-8", "replace")
+        req = self.requests.pop(f.exec_id, None)
+        if req is not None:
+            cls_: type[Exception] = BackendError
+            if code == errno.ENOENT:
+                cls_ = NotFound
+            elif code in FILE_USER_ERRNOS:
+                cls_ = BadRequest
+            if not req.done.done():
+                req.done.set_exception(cls_(f"sandbox {self.sandbox_id}: {msg}"))
+            if req.chunks is not None:
+                req.chunks.put_nowait(None)
+            return
         h = self.handles.get(f.exec_id)
         if h is not None and h.abandoned and f.exec_id not in self.pending:
             self.handles.pop(f.exec_id)  # an abandoned exec that could not start
@@ -343,6 +478,14 @@ class SbxClient:
             if not fut.done():
                 fut.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went away"))
         self.pending.clear()
+        for req in self.requests.values():
+            if not req.done.done():
+                req.done.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went "
+                                                    f"away"))
+                req.done.exception()  # retrieved: nobody may be waiting
+            if req.chunks is not None:
+                req.chunks.put_nowait(None)
+        self.requests.clear()
         for h in self.handles.values():
             h._push(ExecEnd(reason="killed", exit_code=None, signal=signal.SIGKILL,
                             duration_s=0.0, peak_memory_bytes=None))

@@ -32,8 +32,15 @@ END_S = struct.Struct("<IiiIQQ")
 ERROR_S = struct.Struct("<iI")
 #: struct sbx_event: kind, pid, nr, arch, args[6], ip, dropped, reserved, comm[16]
 EVENT_S = struct.Struct("<IIiI6QQII16s")
+#: struct sbx_file: mode, uid, gid, flags (then the path, NUL-terminated)
+FILE_S = struct.Struct("<IIII")
+#: struct sbx_done: count, reserved
+DONE_S = struct.Struct("<QQ")
+MAX_FILES = 16
+MAX_PATH = 4096
 
 assert HDR.size == 16 and EXEC.size == 40 and END_S.size == 32 and EVENT_S.size == 96
+assert FILE_S.size == 16 and DONE_S.size == 16
 
 # client -> sbx-init
 HELLO = 1
@@ -44,6 +51,13 @@ SIGNAL_T = 5
 RESIZE_T = 6
 KILL = 7
 CREDIT = 8
+KILL_ALL = 9
+FILE_PUT = 10
+FILE_DATA = 11
+FILE_END = 12
+FILE_GET = 13
+FILE_CREDIT = 14
+FILE_ABORT = 15
 # sbx-init -> client
 HELLO_OK = 0x81
 STARTED = 0x82
@@ -52,6 +66,7 @@ STDERR = 0x84
 END = 0x85
 ERROR = 0x86
 EVENT = 0x87
+DONE = 0x88
 
 #: SBX_EVENT kinds
 EV_SECCOMP = 1
@@ -110,6 +125,19 @@ def exec_frame(
     if len(payload) > MAX_PAYLOAD:
         raise ValueError(f"argv+env: {len(payload)} bytes exceed {MAX_PAYLOAD}")
     return frame(EXEC_T, exec_id, payload)
+
+
+def file_frame(type_: int, request_id: int, path: str, mode: int = 0, uid: int = 0,
+               gid: int = 0) -> bytes:
+    """Encode a FILE_PUT or FILE_GET request. Raises ValueError for a path sbx-init would
+    refuse (not absolute, a NUL in it, too long)."""
+    b = path.encode("utf-8", "surrogateescape")
+    if not b.startswith(b"/") or b"\0" in b or len(b) + 1 > MAX_PATH:
+        raise ValueError(f"path {path[:60]!r}: must be absolute, without NUL, at most "
+                         f"{MAX_PATH - 1} bytes")
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode {mode:#o} out of range")
+    return frame(type_, request_id, FILE_S.pack(mode, uid, gid, 0) + b + b"\0")
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,47 @@ def test_pause_resume(backend: ContainerBackend, busybox_tree: Path) -> None:
     run(body)
 
 
+def test_files_and_kill_all_through_sbx_init(backend: ContainerBackend, busybox_tree: Path,
+                                             tmp_path: Path) -> None:
+    """The frames a guest needs, here through a container's sbx-init (PID 1 of its pid
+    namespace): a put lands inside the sandbox's root owned by the sandbox's uid, planted
+    symlinks resolve inside it, a get reads it back; KILL_ALL kills every process but
+    sbx-init, daemonized ones included, and the sandbox goes on."""
+    secret = tmp_path / "host-secret"
+    secret.write_text("host secret")
+
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            conn = backend._sandboxes["sb1"].conn
+            assert conn is not None
+            data = os.urandom(700_000)
+            assert await conn.put_file("/tmp/f", data, mode=0o600, uid=1000, gid=1001) == \
+                len(data)
+            out, _, _ = await sh(backend, "sb1", "stat -c '%u %g %a' /tmp/f")
+            assert out.split() == [b"1000", b"1001", b"600"]
+            assert await read_file(backend, "sb1", "/tmp/f") == data
+            await sh(backend, "sb1", f"ln -s {secret} /tmp/abs; ln -s / /tmp/root")
+            with pytest.raises(NotFound):  # the host's file is not the sandbox's
+                await conn.get_file("/tmp/abs")
+            got = b"".join([c async for c in await conn.get_file("/tmp/root/tmp/f")])
+            assert got == data
+            await conn.put_file("/tmp/abs", b"replaced")
+            assert secret.read_text() == "host secret"
+            h = await backend.exec("sb1", ExecSpec(argv=(
+                "sh", "-c", "(setsid sh -c 'sleep 1000 & sleep 1000' &); sleep 1000"), env=ENV))
+            await asyncio.sleep(0.3)
+            assert await conn.kill_all() >= 3  # its sleeps (a shell may exec its last one)
+            _, _, end = await collect(h)
+            assert end.reason == "killed"
+            out, _, _ = await sh(backend, "sb1", "ps -o comm | grep -c sleep || true")
+            assert out.strip() == b"0", "a sleeper survived KILL_ALL"
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
 def test_files_put_get_and_escapes(backend: ContainerBackend, busybox_tree: Path,
                                    tmp_path: Path) -> None:
     secret = tmp_path / "host-secret"
