@@ -15,6 +15,9 @@ APT_PACKAGES=(
   mmdebstrap                                  # real Debian rootfs for tests and the main job
   xfsprogs attr zstd busybox-static bubblewrap util-linux
   musl-tools                                  # static sbx-init (~100 KiB); glibc -static otherwise
+  qemu-system-x86 qemu-utils                  # microVM backend: the VMM (microvm machine, TCG/KVM)
+  kmod                                        # modinfo: the guest kernel modules' dependencies
+  e2fsprogs                                   # mkfs.ext4: a microVM's upper disk
   python3-venv
 )
 
@@ -37,3 +40,6 @@ fi
 # Editable install: builds layerfs._native and edged._native (the C core) in place through cffi.
 .venv/bin/python -m pip install -q -e '.[test]'
 .venv/bin/python -c 'import layerfs.native, edged.native' # fails loudly if the C core did not build
+# The microVM guest's kernel (Debian's cloud kernel, fetched and unpacked, not installed on
+# the host) and its module lists, in /var/cache/edged-guest (or $EDGED_GUEST_DIR).
+.venv/bin/python -m edged.backends.microvm.guestkit install >/dev/null

@@ -280,6 +280,15 @@ void child_run(const struct sbx_policy *pol, struct child_args *a)
 	}
 	/* as sandbox root, in a grader's view of /etc when it has one */
 	envp = login_env(a);
+	if (pol->restrict_caps) {
+		/* In a container the spawner restricted sbx-init itself; a guest's
+		 * sbx-init keeps every capability (mounts for grader views, the
+		 * cgroup tree), so each exec drops to the set here. */
+		struct lfs_error err = {0};
+
+		if (lfs_caps_restrict(pol->caps, &err) < 0)
+			child_fail(a->errpipe_w, err.code, "capabilities", err.msg);
+	}
 	if (setgroups(0, NULL) < 0 && errno != EPERM)
 		child_fail(a->errpipe_w, errno, "setgroups", "");
 	if (setresgid(a->req->gid, a->req->gid, a->req->gid) < 0)

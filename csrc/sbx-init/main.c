@@ -5,7 +5,7 @@
  * every fd non-blocking so that no peer (client or workload) can stall it.
  * Its parts are listed in sbx-init.h.
  *
- * Usage: sbx-init (-l LISTEN_FD | -c FD[:WFD])
+ * Usage: sbx-init -g | (-l LISTEN_FD | -c FD[:WFD])
  *                 [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
  *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
  *                 [-P LOWER_FD[:LOWER_FD...] -G PATH[:PATH...]]
@@ -14,6 +14,10 @@
  *                  sbx-init); each connection replaces the last;
  *   FD[:WFD]       one client for good: a connected socket, a port, or the read
  *                  and write ends of two pipes (control.c);
+ *   -g             PID 1 of a microVM guest (guest.c): boots the sandbox from
+ *                  the disks and policies the host sends on the control port,
+ *                  then serves on that port (re-opened while the host side is
+ *                  away), every other option coming from there;
  *   *_CG_FD        directories of the sandbox's cgroups, delegated to the
  *                  sandbox root, under which each exec gets its own cgroup so
  *                  that a timeout or kill takes its whole tree, daemonized
@@ -53,6 +57,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "guest.h"
 #include "lfs_confine.h"
 #include "sbx-init.h"
 
@@ -284,13 +289,25 @@ static void dispatch(struct sbx *s, const struct epoll_event *ev)
 	}
 }
 
+static int guest_port_open(struct sbx_ctl *c, int *rfd, int *wfd)
+{
+	int fd = sbx_guest_reconnect();
+
+	(void)c;
+	if (fd < 0)
+		return -1;
+	*rfd = *wfd = fd;
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	static struct sbx sbx;
 	struct sbx *s = &sbx;
 	struct epoll_event evs[64];
 	sigset_t mask;
-	int opt, ll_fd = -1, sc_fd = -1, listen_fd = -1, rfd = -1, wfd = -1;
+	int opt, ll_fd = -1, sc_fd = -1, listen_fd = -1, rfd = -1, wfd = -1, guest_mode = 0;
+	struct sbx_guest guest;
 
 	s->ep = s->sig_fd = -1;
 	s->ctl.rfd = s->ctl.wfd = s->ctl.listen_fd = s->ctl.retry_ms = -1;
@@ -299,8 +316,9 @@ int main(int argc, char **argv)
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
 	s->pol.ll_ruleset = s->pol.scratch_fd = -1;
 	s->spare.sock = -1;
-	while ((opt = getopt(argc, argv, "l:c:f:m:u:L:S:U:A:P:G:")) != -1) {
+	while ((opt = getopt(argc, argv, "gl:c:f:m:u:L:S:U:A:P:G:")) != -1) {
 		switch (opt) {
+		case 'g': guest_mode = 1; break;
 		case 'l': listen_fd = parse_fd(optarg); break;
 		case 'c':
 			if (parse_stream(optarg, &rfd, &wfd) < 0) {
@@ -324,16 +342,26 @@ int main(int argc, char **argv)
 			break;
 		case 'G': s->pol.grader_paths = optarg; break;
 		default:
-			logmsg("usage: sbx-init (-l LISTEN_FD | -c FD[:WFD]) "
+			logmsg("usage: sbx-init -g | (-l LISTEN_FD | -c FD[:WFD]) "
 			       "[-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
 			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
 			       "[-P LOWER_FD[:LOWER_FD...] -G PATHS]");
 			return 2;
 		}
 	}
+	if (guest_mode) {
+		sbx_guest_boot(&guest); /* returns only with the sandbox's rootfs as / */
+		ll_fd = guest.landlock_fd;
+		sc_fd = guest.seccomp_fd;
+		s->cg.v2 = guest.cgroup_fd;
+		s->pol.grader_paths = guest.grader_paths;
+		s->pol.restrict_caps = !!(guest.flags & SBX_BOOT_CONFINE_CAPS);
+		s->pol.caps = guest.caps;
+		rfd = wfd = guest.port;
+	}
 	if (load_policies(&s->pol, ll_fd, sc_fd) < 0)
 		return 1;
-	if (s->pol.n_lowers && drop_inheritable() < 0)
+	if (s->pol.n_lowers && !guest_mode && drop_inheritable() < 0)
 		return 1; /* fail closed: an exec could inherit CAP_SYS_ADMIN */
 	if ((listen_fd < 0) == (rfd < 0)) {
 		logmsg("sbx-init: one of -l LISTEN_FD and -c FD[:WFD] is required");
@@ -364,6 +392,12 @@ int main(int argc, char **argv)
 	}
 	if (rfd >= 0)
 		ctl_transport_stream(s, rfd, wfd);
+	if (guest_mode) {
+		/* the host side went away (a daemon restart): poll for its return,
+		 * since a disconnected port reports POLLHUP without end */
+		s->ctl.open = guest_port_open;
+		s->ctl.retry_ms = 20;
+	}
 	exec_init_slots(s);
 	files_init(s);
 	s->root_fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);

@@ -111,6 +111,8 @@ struct sbx_policy {
 	int n_lowers;             /* 0: no grader views in this sandbox */
 	int scratch_fd;           /* the scratch dir (upper/, work/, empty/), -1: none */
 	const char *grader_paths; /* ':'-separated paths a grader view replaces */
+	int restrict_caps;        /* each exec drops to `caps` (a guest: guest.c) */
+	uint64_t caps;
 };
 
 /* The child forked ahead of the next exec (spare.c); pid 0: none. */

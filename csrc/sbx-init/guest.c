@@ -1,0 +1,533 @@
+/* sbx-init's guest mode: the boot of a microVM guest (see guest.h for the two
+ * steps and the threat model).  Everything here runs once, before sbx-init's
+ * event loop, as PID 1 of the guest with every capability; failures are fatal
+ * (reported on the control port when it is open, then the guest powers off,
+ * which the host sees as the VMM exiting). */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "guest.h"
+
+#ifndef SYS_finit_module
+#define SYS_finit_module 313
+#endif
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 1u
+#endif
+
+#define RUN "/run/sbx"
+#define WAIT_PORT_MS 10000
+#define WAIT_DISKS_MS 10000
+
+static int port = -1;
+static uint64_t boot_t0;
+static char port_dev[64]; /* /dev/vportNpM of SBX_GUEST_PORT */
+
+static uint64_t ns_of(clockid_t c)
+{
+	struct timespec ts;
+
+	clock_gettime(c, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void write_file(const char *path, const char *val);
+
+static void sleep_ms(long ms)
+{
+	struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000L};
+
+	nanosleep(&ts, NULL);
+}
+
+static int write_all(int fd, const void *p, size_t n)
+{
+	const char *c = p;
+
+	while (n) {
+		ssize_t w = write(fd, c, n);
+
+		if (w < 0 && errno == EINTR)
+			continue;
+		if (w <= 0)
+			return -1;
+		c += w;
+		n -= (size_t)w;
+	}
+	return 0;
+}
+
+static int read_all(int fd, void *p, size_t n)
+{
+	char *c = p;
+
+	while (n) {
+		ssize_t r = read(fd, c, n);
+
+		if (r < 0 && (errno == EINTR || errno == EAGAIN)) {
+			struct pollfd pfd = {.fd = fd, .events = POLLIN};
+
+			poll(&pfd, 1, 100);
+			continue;
+		}
+		if (r == 0) { /* no host connected yet (or it went away): wait for one */
+			sleep_ms(2);
+			continue;
+		}
+		if (r < 0)
+			return -1;
+		c += r;
+		n -= (size_t)r;
+	}
+	return 0;
+}
+
+static void send_done(int code, const char *msg, uint64_t t0)
+{
+	struct sbx_boot_done d = {.magic = "SBXBOOTD", .code = code};
+	size_t n = msg ? strlen(msg) : 0;
+
+	if (port < 0)
+		return;
+	if (n > 512)
+		n = 512;
+	d.msg_len = (uint32_t)n;
+	d.boot_ns = ns_of(CLOCK_MONOTONIC) - t0;
+	if (write_all(port, &d, sizeof(d)) == 0 && n)
+		write_all(port, msg, n);
+}
+
+
+/* Fatal: say why (console and port), then power off. */
+static void __attribute__((noreturn, format(printf, 2, 3))) die(int code, const char *fmt, ...)
+{
+	char msg[512];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	dprintf(2, "sbx-init (guest): %s: %s\n", msg, strerror(code));
+	{
+		char full[600];
+
+		snprintf(full, sizeof(full), "%s: %s", msg, strerror(code));
+		send_done(code ? code : EIO, full, boot_t0);
+	}
+	sync();
+	reboot(RB_POWER_OFF);
+	_exit(1);
+}
+
+static void must_mount(const char *src, const char *dst, const char *type, unsigned long fl,
+		       const char *opts)
+{
+	if (mkdir(dst, 0755) < 0 && errno != EEXIST)
+		die(errno, "mkdir `%s`", dst);
+	if (mount(src, dst, type, fl, opts) < 0)
+		die(errno, "mount %s `%s` on `%s`", type ? type : "bind", src, dst);
+}
+
+/* finit_module(2) each path listed in `list` (one per line), in order. */
+static void load_modules(const char *list)
+{
+	char line[256];
+	FILE *f = fopen(list, "re");
+
+	if (!f)
+		die(errno, "open `%s`", list);
+	while (fgets(line, sizeof(line), f)) {
+		int fd;
+
+		line[strcspn(line, "\n")] = 0;
+		if (!line[0])
+			continue;
+		fd = open(line, O_RDONLY | O_CLOEXEC);
+		if (fd < 0)
+			die(errno, "open module `%s`", line);
+		if (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST)
+			die(errno, "finit_module `%s`", line);
+		close(fd);
+	}
+	fclose(f);
+}
+
+static int read_small(const char *path, char *out, size_t size)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+
+	if (fd < 0)
+		return -1;
+	n = read(fd, out, size - 1);
+	close(fd);
+	if (n < 0)
+		return -1;
+	out[n] = 0;
+	out[strcspn(out, "\n")] = 0;
+	return 0;
+}
+
+/* The port named SBX_GUEST_PORT appears asynchronously after virtio_console
+ * loads (the host announces port names over the control queue). */
+static void find_port(void)
+{
+	int waited;
+
+	for (waited = 0; waited < WAIT_PORT_MS; waited++) {
+		DIR *d = opendir("/sys/class/virtio-ports");
+		struct dirent *de;
+
+		while (d && (de = readdir(d))) {
+			char path[300], name[64];
+
+			if (de->d_name[0] == '.')
+				continue;
+			snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
+			if (read_small(path, name, sizeof(name)) == 0 && !strcmp(name, SBX_GUEST_PORT)) {
+				snprintf(port_dev, sizeof(port_dev), "/dev/%.24s", de->d_name);
+				closedir(d);
+				for (; waited < WAIT_PORT_MS; waited++) {
+					port = open(port_dev, O_RDWR | O_CLOEXEC);
+					if (port >= 0)
+						return;
+					sleep_ms(1);
+				}
+				die(errno, "open `%s`", port_dev);
+			}
+		}
+		if (d)
+			closedir(d);
+		sleep_ms(1);
+	}
+	die(ENOENT, "no virtio-serial port named %s", SBX_GUEST_PORT);
+}
+
+int sbx_guest_reconnect(void)
+{
+	struct pollfd pfd;
+	int fd = open(port_dev, O_RDWR | O_CLOEXEC | O_NONBLOCK);
+
+	if (fd < 0)
+		return -1;
+	/* virtio_console reports POLLHUP while no host is connected */
+	pfd.fd = fd;
+	pfd.events = POLLIN;
+	if (poll(&pfd, 1, 0) < 0 || (pfd.revents & POLLHUP)) {
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* /dev/vdX of each disk by its virtio serial: lowers[i] for "sbx-l<i>", upper. */
+static void find_disks(uint32_t n, char lowers[][32], char *upper)
+{
+	uint32_t found = 0;
+	int waited, have_upper = 0;
+
+	for (waited = 0; waited < WAIT_DISKS_MS; waited++) {
+		DIR *d = opendir("/sys/block");
+		struct dirent *de;
+
+		while (d && (de = readdir(d))) {
+			char path[300], serial[32];
+
+			if (strncmp(de->d_name, "vd", 2))
+				continue;
+			snprintf(path, sizeof(path), "/sys/block/%s/serial", de->d_name);
+			if (read_small(path, serial, sizeof(serial)) < 0)
+				continue;
+			if (!strcmp(serial, SBX_GUEST_SERIAL_UPPER) && !have_upper) {
+				snprintf(upper, 32, "/dev/%.24s", de->d_name);
+				have_upper = 1;
+			} else if (!strncmp(serial, SBX_GUEST_SERIAL_LOWER,
+					    strlen(SBX_GUEST_SERIAL_LOWER))) {
+				char *end;
+				unsigned long i = strtoul(serial + strlen(SBX_GUEST_SERIAL_LOWER), &end, 10);
+
+				if (!*end && i < n && !lowers[i][0]) {
+					snprintf(lowers[i], 32, "/dev/%.24s", de->d_name);
+					found++;
+				}
+			}
+		}
+		if (d)
+			closedir(d);
+		if (found == n && have_upper) {
+			/* devtmpfs makes the nodes a moment after sysfs shows the disks */
+			for (; waited < WAIT_DISKS_MS; waited++) {
+				uint32_t i, ok = access(upper, F_OK) == 0;
+
+				for (i = 0; ok && i < n; i++)
+					ok = access(lowers[i], F_OK) == 0;
+				if (ok)
+					return;
+				sleep_ms(1);
+			}
+		}
+		sleep_ms(1);
+	}
+	die(ENODEV, "%u of %u layer disks and %s the upper disk", found, n,
+	    have_upper ? "" : "not");
+}
+
+/* Bind the clone's disks: ask the virtio bus to probe every device (those
+ * already bound, the console and the balloon, are left as they are). */
+static void probe_disks(void)
+{
+	DIR *d = opendir("/sys/bus/virtio/devices");
+	struct dirent *de;
+
+	if (!d)
+		die(errno, "open `/sys/bus/virtio/devices`");
+	while ((de = readdir(d))) {
+		if (de->d_name[0] == '.')
+			continue;
+		write_file("/sys/bus/virtio/drivers_probe", de->d_name);
+	}
+	closedir(d);
+}
+
+static int memfd_of(const void *p, size_t n, const char *name)
+{
+	int fd;
+
+	if (!n)
+		return -1;
+	fd = (int)syscall(SYS_memfd_create, name, MFD_CLOEXEC);
+	if (fd < 0)
+		die(errno, "memfd_create %s", name);
+	if (write_all(fd, p, n) < 0)
+		die(errno, "write %s", name);
+	return fd;
+}
+
+static void write_file(const char *path, const char *val)
+{
+	int fd = open(path, O_WRONLY | O_CLOEXEC);
+
+	if (fd < 0 || write(fd, val, strlen(val)) < 0)
+		die(errno, "write `%s` to `%s`", val, path);
+	close(fd);
+}
+
+static void make_dev(void)
+{
+	static const struct { const char *name; unsigned maj, min; } nodes[] = {
+		{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7},
+		{"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0},
+	};
+	static const char *const links[][2] = {
+		{"pts/ptmx", "/dev/ptmx"},     {"/proc/self/fd", "/dev/fd"},
+		{"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"},
+		{"/proc/self/fd/2", "/dev/stderr"},
+	};
+	size_t i;
+
+	/* Only these nodes: no disk, no console, no control port, no /dev/mem. */
+	must_mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64");
+	for (i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
+		char path[32];
+
+		snprintf(path, sizeof(path), "/dev/%s", nodes[i].name);
+		if (mknod(path, S_IFCHR | 0666, makedev(nodes[i].maj, nodes[i].min)) < 0)
+			die(errno, "mknod `%s`", path);
+	}
+	must_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+		   "newinstance,ptmxmode=0666,mode=0620");
+	must_mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m");
+	chmod("/dev/shm", 01777);
+	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++)
+		if (symlink(links[i][0], links[i][1]) < 0)
+			die(errno, "symlink `%s`", links[i][1]);
+}
+
+/* Read-only binds of the protected paths, after the chroot so that a symlink
+ * in the image resolves inside the sandbox.  A path that is itself a symlink
+ * (merged /usr) is left to Landlock, as in the container (spawner.c). */
+static void protect_paths(char *paths)
+{
+	char *p, *save = NULL;
+
+	for (p = strtok_r(paths, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
+		struct stat st;
+
+		if (p[0] != '/' || lstat(p, &st) < 0 || S_ISLNK(st.st_mode))
+			continue;
+		if (mount(p, p, NULL, MS_BIND | MS_REC, NULL) < 0 ||
+		    mount(NULL, p, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV,
+			  NULL) < 0)
+			die(errno, "protect `%s`", p);
+	}
+}
+
+static void ensure_dir(const char *path, mode_t mode)
+{
+	struct stat st;
+
+	if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode))
+		return;
+	if (mkdir(path, mode) < 0)
+		die(errno, "mkdir `%s` in the rootfs", path);
+	chmod(path, mode);
+}
+
+/* Step 2: the clone's own sandbox. */
+static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *payload)
+{
+	char lowers[SBX_GUEST_MAX_LAYERS][32] = {{0}}, upper[32] = "", opts[2048];
+	const char *sp = payload + b->landlock_len + b->seccomp_len;
+	char *hostname, *protect, *grader;
+	size_t off = 0, sl = b->strings_len;
+	int i, cg;
+
+	/* the strings: exactly three, NUL-terminated, inside the payload */
+	hostname = (char *)sp;
+	off = strnlen(hostname, sl) + 1;
+	protect = (char *)sp + off;
+	off += off <= sl ? strnlen(protect, sl - off) + 1 : 1;
+	grader = (char *)sp + off;
+	off += off <= sl ? strnlen(grader, sl - off) + 1 : 1;
+	if (off > sl || sp[sl - 1])
+		die(EINVAL, "boot strings: want hostname, protected and grader paths");
+	if (b->realtime_ns) {
+		struct timespec ts = {.tv_sec = (time_t)(b->realtime_ns / 1000000000ull),
+				      .tv_nsec = (long)(b->realtime_ns % 1000000000ull)};
+
+		if (clock_settime(CLOCK_REALTIME, &ts) < 0)
+			die(errno, "set the clock");
+	}
+	probe_disks();
+	if (mkdir(RUN, 0700) < 0 && errno != EEXIST)
+		die(errno, "mkdir `%s`", RUN);
+	find_disks(b->nlayers, lowers, upper);
+	for (i = 0; i < (int)b->nlayers; i++) {
+		char dst[64];
+
+		snprintf(dst, sizeof(dst), RUN "/l%d", i);
+		must_mount(lowers[i], dst, "erofs", MS_RDONLY | MS_NODEV, NULL);
+	}
+	must_mount(upper, RUN "/u", "ext4", MS_NODEV | MS_NOSUID, "errors=remount-ro");
+	if ((mkdir(RUN "/u/upper", 0755) < 0 && errno != EEXIST) ||
+	    (mkdir(RUN "/u/work", 0755) < 0 && errno != EEXIST))
+		die(errno, "mkdir upper/work on the upper disk");
+	/* overlay's lowerdir lists the top layer first */
+	off = (size_t)snprintf(opts, sizeof(opts), "lowerdir=");
+	for (i = (int)b->nlayers - 1; i >= 0; i--)
+		off += (size_t)snprintf(opts + off, sizeof(opts) - off, RUN "/l%d%s", i, i ? ":" : "");
+	snprintf(opts + off, sizeof(opts) - off, ",upperdir=" RUN "/u/upper,workdir=" RUN
+		 "/u/work,volatile");
+	must_mount("overlay", RUN "/root", "overlay", 0, opts);
+	/* the grader's view: the lowers alone (an empty tmpfs at the bottom, since
+	 * an overlay without upper wants two lowers) */
+	g->pristine_fd = -1;
+	if (grader[0]) {
+		must_mount("tmpfs", RUN "/empty", "tmpfs", MS_RDONLY, "size=4k,mode=0755");
+		opts[off] = 0;
+		snprintf(opts + off, sizeof(opts) - off, ":" RUN "/empty");
+		must_mount("overlay", RUN "/pristine", "overlay", MS_RDONLY, opts);
+		g->pristine_fd = open(RUN "/pristine", O_PATH | O_DIRECTORY | O_CLOEXEC);
+		if (g->pristine_fd < 0)
+			die(errno, "open the pristine tree");
+		g->grader_paths = strdup(grader);
+	}
+	/* The workload's cgroup: cgroup2 mounted here, outside the sandbox's
+	 * root, so that no workload process can move itself out or raise a limit
+	 * (DAC_OVERRIDE would pass the files' modes). */
+	must_mount("cgroup2", RUN "/cg", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	write_file(RUN "/cg/cgroup.subtree_control", "+memory +pids");
+	if (mkdir(RUN "/cg/w", 0755) < 0 && errno != EEXIST)
+		die(errno, "mkdir the workload cgroup");
+	if (b->memory_max) {
+		snprintf(opts, sizeof(opts), "%llu", (unsigned long long)b->memory_max);
+		write_file(RUN "/cg/w/memory.max", opts);
+	}
+	if (b->pids_max) {
+		snprintf(opts, sizeof(opts), "%u", b->pids_max);
+		write_file(RUN "/cg/w/pids.max", opts);
+	}
+	write_file(RUN "/cg/w/cgroup.subtree_control", "+memory +pids");
+	cg = open(RUN "/cg/w", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (cg < 0)
+		die(errno, "open the workload cgroup");
+	g->cgroup_fd = cg;
+	g->landlock_fd = memfd_of(payload, b->landlock_len, "landlock");
+	g->seccomp_fd = memfd_of(payload + b->landlock_len, b->seccomp_len, "seccomp");
+	g->caps = b->caps;
+	g->flags = b->flags;
+
+	/* switch_root: the initramfs cannot be pivot_root'ed away; move the
+	 * overlay onto / and chroot into it.  The initramfs stays underneath,
+	 * unreachable from the new root (its pages are the template's, shared). */
+	if (chdir(RUN "/root") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 ||
+	    chdir("/") < 0)
+		die(errno, "switch to the sandbox's root");
+	ensure_dir("/proc", 0555);
+	ensure_dir("/dev", 0755);
+	ensure_dir("/sys", 0555);
+	ensure_dir("/tmp", 01777);
+	must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	must_mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	make_dev();
+	protect_paths(protect);
+	if (sethostname(hostname, strlen(hostname)) < 0)
+		die(errno, "sethostname `%s`", hostname);
+}
+
+void sbx_guest_boot(struct sbx_guest *g)
+{
+	struct sbx_boot_ready ready = {.magic = "SBXREADY", .version = SBX_GUEST_VERSION};
+	struct sbx_boot b;
+	char *payload;
+	int fl;
+
+	memset(g, 0, sizeof(*g));
+	g->port = g->landlock_fd = g->seccomp_fd = g->cgroup_fd = g->pristine_fd = -1;
+	/* step 1: the template's part */
+	must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	must_mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+	load_modules("/etc/sbx/modules.early");
+	/* The late modules (virtio_blk) are loaded now but bind no device: with
+	 * the bus's autoprobe off, the template's placeholder disks stay
+	 * driverless, and a clone binds its own disks in step 2 (probe_disks). */
+	write_file("/sys/bus/virtio/drivers_autoprobe", "0");
+	load_modules("/etc/sbx/modules.late");
+	find_port();
+	ready.boot_ns = ns_of(CLOCK_BOOTTIME);
+	if (write_all(port, &ready, sizeof(ready)) < 0)
+		die(errno, "write the ready record");
+	/* The template is saved while we wait here; each clone resumes here. */
+	if (read_all(port, &b, sizeof(b)) < 0)
+		die(errno, "read the boot record");
+	boot_t0 = ns_of(CLOCK_MONOTONIC);
+	if (memcmp(b.magic, "SBXBOOT1", 8) || b.len > SBX_GUEST_MAX_PAYLOAD || !b.nlayers ||
+	    b.nlayers > SBX_GUEST_MAX_LAYERS || !b.strings_len ||
+	    (uint64_t)b.landlock_len + b.seccomp_len + b.strings_len != b.len)
+		die(EPROTO, "bad boot record");
+	payload = malloc(b.len);
+	if (!payload || read_all(port, payload, b.len) < 0)
+		die(errno ? errno : ENOMEM, "read the boot payload");
+	/* step 2 */
+	boot_sandbox(g, &b, payload);
+	free(payload);
+	send_done(0, NULL, boot_t0);
+	fl = fcntl(port, F_GETFL);
+	fcntl(port, F_SETFL, fl | O_NONBLOCK);
+	g->port = port;
+}

@@ -1,0 +1,138 @@
+"""One running microVM sandbox: its VMM, its disks and the sbx-init connection on its
+control port.
+
+:meth:`GuestVm.clone` is the fast create: upper disk, template clone, boot record, HELLO.
+The sbx-init client is the container backend's connection class for now (the protocol is
+the same, only the byte stream differs); it moves to the shared sbx-init room with the
+backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from edged.backends.base import ExecEnd
+from edged.backends.container import protocol as P
+from edged.backends.container.backend import ContainerExec, _Conn
+from edged.backends.microvm import boot, disks
+from edged.backends.microvm.template import Template, Templates, boot_guest, open_port
+from edged.backends.microvm.vmm import Disk, Vm
+from edged.errors import BackendError
+
+HELLO_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Timings:
+    """Where a create's time went, seconds: ``upper`` (mkfs), ``vmm`` (VMM start and state
+    load requested), ``boot`` (boot record to answer, host side), ``guest_boot`` (the guest's
+    own count of that), ``hello``; ``total``."""
+
+    upper: float = 0.0
+    vmm: float = 0.0
+    boot: float = 0.0
+    guest_boot: float = 0.0
+    hello: float = 0.0
+    total: float = 0.0
+
+
+@dataclass
+class GuestVm:
+    """A microVM sandbox that is up: ``vm``, ``conn`` (sbx-init), ``run_dir`` (sockets,
+    console, upper disk)."""
+
+    vm: Vm
+    conn: _Conn
+    run_dir: Path
+    timings: Timings = field(default_factory=Timings)
+    next_exec: int = 1
+
+    @classmethod
+    async def clone(cls, templates: Templates, template: Template, layers: Sequence[str],
+                    run_dir: Path, spec: boot.BootSpec, disk_bytes: int = 1 << 30,
+                    sandbox_id: str = "") -> GuestVm:
+        """Create a sandbox from ``template``: ``layers`` are EROFS image files, bottom
+        first (one disk each, read-only, no copy); the upper disk is made in ``run_dir``.
+        The machine's disk count must be ``len(layers) + 1``. Raises BackendError (and
+        leaves nothing running) if any step fails."""
+        if len(layers) + 1 != template.machine.ndisks:
+            raise BackendError(f"{len(layers)} layers for a template with "
+                               f"{template.machine.ndisks - 1} layer disks")
+        t = Timings()
+        t0 = time.monotonic()
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        upper = run_dir / "upper.img"
+        vm: Vm | None = None
+        writer: asyncio.StreamWriter | None = None
+        try:
+            await asyncio.to_thread(disks.make_upper, upper, disk_bytes)
+            t.upper = time.monotonic() - t0
+            dl = [Disk(p, f"{boot.SERIAL_LOWER}{i}") for i, p in enumerate(layers)]
+            dl.append(Disk(str(upper), boot.SERIAL_UPPER, read_only=False))
+            vm = await templates.clone(template, dl, run_dir)
+            reader, writer = await open_port(vm)
+            t.vmm = time.monotonic() - t0 - t.upper
+            t1 = time.monotonic()
+            t.guest_boot = await boot_guest(reader, writer, vm, spec)
+            t.boot = time.monotonic() - t1
+            t2 = time.monotonic()
+            conn = _Conn(sandbox_id or run_dir.name, reader, writer)
+            await conn.send(P.frame(P.HELLO))
+            try:
+                version, _mode, *_ = await asyncio.wait_for(conn.hello, HELLO_TIMEOUT_S)
+            except TimeoutError as e:
+                raise BackendError(f"VM {run_dir.name}: no HELLO from sbx-init") from e
+            if version != P.VERSION:
+                raise BackendError(f"VM {run_dir.name}: sbx-init speaks protocol {version}")
+            t.hello = time.monotonic() - t2
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            if vm is not None:
+                await vm.kill()
+            await asyncio.to_thread(shutil.rmtree, run_dir, True)
+            raise
+        t.total = time.monotonic() - t0
+        return cls(vm, conn, run_dir, t)
+
+    async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                    cwd: str = "/", timeout_s: float | None = None, uid: int = 0,
+                    gid: int = 0) -> ContainerExec:
+        """Start a command (stdin /dev/null); returns once it runs. Raises BackendError or
+        BadRequest as sbx-init answers."""
+        eid = self.next_exec
+        self.next_exec += 1
+        data = P.exec_frame(eid, tuple(argv), dict(env or {"PATH": "/usr/bin:/bin"}), cwd,
+                            uid, gid, math.ceil(timeout_s * 1000) if timeout_s else 0, 0, 0)
+        h = ContainerExec(self.conn, eid, False)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.conn.handles[eid] = h
+        self.conn.pending[eid] = fut
+        await self.conn.send(data)
+        await fut
+        return h
+
+    async def run(self, argv: Sequence[str], **kw: object) -> tuple[ExecEnd, bytes, bytes]:
+        """Run a command to its end: ``(end, stdout, stderr)``."""
+        h = await self.start(argv, **kw)  # type: ignore[arg-type]
+        out, err = bytearray(), bytearray()
+        async for item in h.events():
+            if isinstance(item, ExecEnd):
+                return item, bytes(out), bytes(err)
+            (out if item[0] == "stdout" else err).extend(item[1])
+        raise BackendError("exec ended without an END")  # pragma: no cover
+
+    async def destroy(self) -> None:
+        """Kill the VMM, drop the connection, remove the run directory (upper disk,
+        sockets, console). Idempotent."""
+        await self.vm.kill()
+        with contextlib.suppress(Exception):
+            await self.conn.close()
+        await asyncio.to_thread(shutil.rmtree, self.run_dir, True)

@@ -1,0 +1,286 @@
+"""QEMU as the VMM: the ``microvm`` machine, TCG or KVM.
+
+Command line (see :func:`argv`): ``-M microvm`` with virtio-mmio devices only (no PCI, no
+firmware: ``x-option-roms=off``, the kernel loaded directly), ``isa-serial`` for the console
+(the guest kernel's panic message is the recorded cause of a crash), ``rtc=off``; RAM from a
+``memory-backend-file``; one ``virtio-serial-device`` with the control port
+(``virtserialport name=sbx.ctl``), ``virtio-balloon-device,free-page-reporting=on``, and the
+disks as ``virtio-blk-device`` with a ``serial`` each. ``-no-reboot``: a guest that panics
+(``panic=-1`` reboots at once) or powers off ends the process. ``-sandbox on`` with every
+optional class denied (obsolete syscalls, setuid/setgid, fork/exec, scheduler/affinity
+changes): QEMU's own seccomp filter, so a guest that escapes into QEMU cannot start programs.
+
+Sockets: ``qmp.sock`` and ``ctl.sock`` in the VM's run directory are bound and listened on
+*here* and handed to QEMU as fds (``-chardev socket,fd=N,server=on``), so that they exist
+before the process does (no connect-retry loop) and outlive a daemon restart (a restarted
+daemon reconnects by path).
+
+Template clones (:mod:`.template` has the why): the template runs with ``share=on`` (its RAM is
+the file), and is saved with the ``x-ignore-shared`` migration capability (shared RAM is left
+out of the stream: ~50 KB of device state). A clone runs with ``share=off`` (the file mapped
+MAP_PRIVATE: untouched pages are the page cache's, shared by every clone) and
+``-incoming defer``; over QMP ``migrate-set-capabilities x-ignore-shared`` (QEMU 7.2 has no
+``-global migration.x-ignore-shared``) and ``migrate-incoming fd:N`` on the state file it
+inherited; without ``-S`` the guest runs as soon as the state is in (a stream saved from a
+running VM restores running). The stream goes to and from files we open (QMP ``getfd`` +
+``migrate fd:``, the inherited fd), never through ``exec:``, which spawn=deny forbids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from edged.backends.microvm.boot import PORT_NAME
+from edged.backends.microvm.qmp import Qmp, QmpError
+from edged.backends.microvm.vmm import Disk, Machine
+from edged.errors import BackendError
+
+log = logging.getLogger("edged.microvm")
+
+QEMU = "qemu-system-x86_64"
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+#: A template placeholder disk: the guest never probes it (virtio_blk loads after restore).
+PLACEHOLDER_BYTES = 1 << 20
+
+
+def _listen(path: Path) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(str(path))
+    os.chmod(path, 0o600)
+    s.listen(4)
+    return s
+
+
+def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path, share: bool,
+         qmp_fd: int, ctl_fd: int, console: Path, incoming_fd: int | None = None,
+         binary: str = QEMU) -> list[str]:
+    """The QEMU command line (see the module docstring). Raises ValueError if ``disks``
+    does not match ``machine.ndisks``."""
+    if len(disks) != machine.ndisks:
+        raise ValueError(f"{len(disks)} disks for a machine with {machine.ndisks}")
+    accel = machine.accel
+    if accel == "tcg" and machine.tb_size_mib:
+        accel += f",tb-size={machine.tb_size_mib}"
+    a = [
+        binary, "-name", "sbx,debug-threads=on",
+        "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off,memory-backend=mem",
+        "-accel", accel, "-cpu", "max" if machine.accel == "tcg" else "host",
+        "-smp", str(machine.vcpus), "-m", f"{machine.memory_mib}M",
+        "-object", (f"memory-backend-file,id=mem,size={machine.memory_mib}M,"
+                    f"mem-path={mem_path},share={'on' if share else 'off'}"),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-sandbox", SANDBOX,
+        "-kernel", machine.kernel, "-initrd", machine.initrd, "-append", machine.cmdline,
+        "-chardev", f"file,id=con,path={console}", "-serial", "chardev:con",
+        "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
+        "-device", "virtio-serial-device,max_ports=2",
+        "-chardev", f"socket,id=ctl,fd={ctl_fd},server=on,wait=off",
+        "-device", f"virtserialport,chardev=ctl,name={PORT_NAME}",
+    ]
+    if machine.free_page_reporting:
+        a += ["-device", "virtio-balloon-device,free-page-reporting=on"]
+    for i, d in enumerate(disks):
+        if d.path is None:
+            node = (f"driver=null-co,node-name=d{i},size={PLACEHOLDER_BYTES},"
+                    "read-zeroes=on")
+        elif d.read_only:
+            # locking=off: many VMs read one layer file and none ever writes it
+            node = (f"driver=file,filename={d.path},node-name=d{i},read-only=on,"
+                    "locking=off")
+        else:
+            node = f"driver=file,filename={d.path},node-name=d{i},discard=unmap"
+        a += ["-blockdev", node, "-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
+    if incoming_fd is not None:
+        a += ["-incoming", "defer"]
+    return a
+
+
+class QemuVm:
+    """A QEMU process (ours, or found again after a restart: :meth:`attach`)."""
+
+    def __init__(self, pid: int, run_dir: Path, qmp: Qmp | None,
+                 proc: subprocess.Popen[bytes] | None) -> None:
+        self.pid = pid
+        self.run_dir = run_dir
+        self._qmp = qmp
+        self._proc = proc
+        self._pidfd: int | None = None
+        with contextlib.suppress(OSError):
+            self._pidfd = os.pidfd_open(pid)
+
+    @property
+    def ctl_path(self) -> Path:
+        return self.run_dir / "ctl.sock"
+
+    @property
+    def qmp_path(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @classmethod
+    async def attach(cls, run_dir: Path, pid: int) -> QemuVm:
+        """A live QEMU of a previous daemon: reconnect to its QMP socket. Raises
+        BackendError if the process or its monitor is gone."""
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError as e:
+            raise BackendError(f"QEMU {pid}: gone") from e
+        vm = cls(pid, run_dir, None, None)
+        await vm.qmp()
+        return vm
+
+    async def qmp(self) -> Qmp:
+        """The QMP connection (made on first use). Raises QmpError."""
+        if self._qmp is None:
+            self._qmp = await Qmp.connect(str(self.qmp_path))
+        return self._qmp
+
+    def alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    async def wait_exit(self, timeout: float | None = None) -> int | None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            if self._pidfd is not None and self.alive():
+                ev = asyncio.Event()
+                loop.add_reader(self._pidfd, ev.set)
+                try:
+                    await ev.wait()
+                finally:
+                    loop.remove_reader(self._pidfd)
+            while self.alive():
+                await asyncio.sleep(0.01)
+        if self._proc is not None:
+            return self._proc.wait()
+        return None
+
+    async def save(self, state: Path) -> None:
+        qmp = await self.qmp()
+        # No "stop" first: migration stops the vCPUs itself before it saves the devices, and
+        # a stream saved from a running VM makes the restored one start running at once
+        # (one saved from a stopped VM would restore paused and need a "cont").
+        await qmp.execute("migrate-set-capabilities", {"capabilities": [
+            {"capability": "x-ignore-shared", "state": True}]})
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await qmp.execute("getfd", {"fdname": "state"}, fds=[fd])
+        finally:
+            os.close(fd)
+        await qmp.execute("migrate", {"uri": "fd:state"})
+        while True:
+            info = await qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise BackendError(f"QEMU {self.pid}: save failed: {info.get('error-desc')}")
+            await asyncio.sleep(0.005)
+
+    async def pause(self) -> None:
+        await (await self.qmp()).execute("stop")
+
+    async def cont(self) -> None:
+        await (await self.qmp()).execute("cont")
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await self.wait_exit(10)
+        self.close()
+
+    def close(self) -> None:
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class QemuVmm:
+    """Starts QEMU ``microvm`` guests (the :class:`~.vmm.Vmm` interface)."""
+
+    name = "qemu"
+
+    def __init__(self, binary: str = QEMU) -> None:
+        self.binary = binary
+
+    def available(self) -> str | None:
+        if shutil.which(self.binary) is None:
+            return f"{self.binary} not installed (Debian qemu-system-x86)"
+        return None
+
+    async def _start(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
+                     mem_path: Path, share: bool, state: Path | None) -> QemuVm:
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        qs = _listen(run_dir / "qmp.sock")
+        cs = _listen(run_dir / "ctl.sock")
+        sfd = os.open(state, os.O_RDONLY | os.O_CLOEXEC) if state is not None else None
+        out = open(run_dir / "qemu.log", "ab")  # noqa: SIM115 - handed to the child
+        try:
+            a = argv(machine, disks, mem_path, share, qs.fileno(), cs.fileno(),
+                     run_dir / "console.log", sfd, self.binary)
+            fds = [qs.fileno(), cs.fileno(), *([sfd] if sfd is not None else [])]
+            try:
+                proc = subprocess.Popen(a, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                        pass_fds=fds, start_new_session=True)
+            except OSError as e:
+                raise BackendError(f"start {self.binary}: {e}") from e
+        finally:
+            qs.close()
+            cs.close()
+            out.close()
+            if sfd is not None:
+                os.close(sfd)  # QEMU has its own copy
+        (run_dir / "qemu.pid").write_text(f"{proc.pid}\n")
+        vm = QemuVm(proc.pid, run_dir, None, proc)
+        if sfd is not None:
+            try:
+                qmp = await vm.qmp()
+                await qmp.execute("migrate-set-capabilities", {"capabilities": [
+                    {"capability": "x-ignore-shared", "state": True}]})
+                await qmp.execute("migrate-incoming", {"uri": f"fd:{sfd}"})
+            except BaseException as e:
+                await vm.kill()
+                if isinstance(e, QmpError):
+                    raise BackendError(f"restore: {e}; qemu: {qemu_log_tail(run_dir)!r}") from e
+                raise
+        return vm
+
+    async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
+                   mem_path: Path, share: bool) -> QemuVm:
+        return await self._start(machine, disks, run_dir, mem_path, share, None)
+
+    async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
+                      mem_path: Path, state: Path) -> QemuVm:
+        return await self._start(machine, disks, run_dir, mem_path, False, state)
+
+
+def qemu_log_tail(run_dir: Path, limit: int = 2000) -> str:
+    """The end of QEMU's own stderr log (for error messages)."""
+    try:
+        data = (run_dir / "qemu.log").read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+__all__ = ["QemuVm", "QemuVmm", "QmpError", "argv", "qemu_log_tail"]

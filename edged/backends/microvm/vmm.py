@@ -1,0 +1,122 @@
+"""The VMM interface: what the microVM backend asks of a virtual machine monitor.
+
+One implementation now, QEMU (:mod:`.qemu`); Firecracker or Cloud Hypervisor can implement
+the same where installed (both boot a bzImage/vmlinux with an initramfs, have virtio-blk,
+a serial/vsock channel and snapshot/restore; Firecracker restores a memory file mapped
+MAP_PRIVATE like the template clone here).
+
+A VM is described by a :class:`Machine` (what a template is keyed by: the clone must have the
+same devices and RAM size as the template it restores) and its :class:`Disk` list; it runs in
+a run directory of its own holding its sockets (``qmp.sock``, ``ctl.sock``: the guest's control
+port) and ``console.log``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Machine:
+    """A guest machine. ``memory_mib``: guest RAM; ``vcpus``; ``accel``: ``"tcg"`` or
+    ``"kvm"``; ``ndisks``: virtio-blk devices (lowers + 1 upper); ``free_page_reporting``:
+    virtio-balloon that hands pages the guest frees back to the host; ``tb_size_mib``: TCG's
+    translation cache (None: QEMU's default, 1 GiB reserved, filled on use);
+    ``kernel``/``initrd``/``cmdline``: the guest's boot files."""
+
+    kernel: str
+    initrd: str
+    cmdline: str
+    memory_mib: int = 512
+    vcpus: int = 1
+    accel: str = "tcg"
+    ndisks: int = 4
+    free_page_reporting: bool = True
+    tb_size_mib: int | None = 32
+
+    def key(self) -> str:
+        """A short stable digest of everything that must match between a template and its
+        clones (the kernel and initrd by content-addressed path, so a changed file is a new
+        template)."""
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Disk:
+    """A virtio-blk disk: ``path`` (a raw image file), ``serial`` (how the guest finds it),
+    ``read_only``. ``path`` None: an empty placeholder (templates)."""
+
+    path: str | None
+    serial: str
+    read_only: bool = True
+
+
+class Vm(Protocol):
+    """A running VMM process."""
+
+    pid: int
+    run_dir: Path
+
+    @property
+    def ctl_path(self) -> Path:
+        """The host end of the guest's control port (a unix socket)."""
+        ...
+
+    def alive(self) -> bool:
+        """Whether the VMM process still runs."""
+        ...
+
+    async def wait_exit(self, timeout: float | None = None) -> int | None:
+        """Wait for the process to end; its exit status if it was our child, else None.
+        Raises TimeoutError after ``timeout`` seconds."""
+        ...
+
+    async def save(self, state: Path) -> None:
+        """Write the guest's device state (and the RAM that is not a shared file) to
+        ``state``; the guest is stopped from then on, and a VM restored from ``state`` runs
+        at once."""
+        ...
+
+    async def pause(self) -> None:
+        """Stop the guest's vCPUs (the process stays)."""
+        ...
+
+    async def cont(self) -> None:
+        """Resume the vCPUs."""
+        ...
+
+    async def kill(self) -> None:
+        """End the VMM process at once (SIGKILL) and reap it. Idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Drop our connections to the VMM (it keeps running)."""
+        ...
+
+
+class Vmm(Protocol):
+    """Starts VMs. ``name``: ``"qemu"``, ..."""
+
+    name: str
+
+    def available(self) -> str | None:
+        """None if usable here, else why not (binary missing...)."""
+        ...
+
+    async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
+                   mem_path: Path, share: bool) -> Vm:
+        """Cold-boot ``machine`` with its RAM in the file ``mem_path`` (``share``: mapped
+        shared, so a template's RAM is the file itself)."""
+        ...
+
+    async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
+                      mem_path: Path, state: Path) -> Vm:
+        """Start ``machine`` from a state written by :meth:`Vm.save`, its RAM mapped
+        privately (copy-on-write) from ``mem_path``, with ``disks`` in place of the saved
+        VM's; the guest runs as soon as the state is loaded."""
+        ...

@@ -1,0 +1,112 @@
+"""Fixtures for real microVMs (marked ``vm``): the guest kit made by scripts/install.sh, an
+initramfs with this checkout's sbx-init, busybox layers as EROFS image files, a template
+store shared by the session's tests, and a check that no QEMU of a test is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import edged
+from edged.backends.microvm import guestkit
+from edged.backends.microvm.qemu import QemuVmm
+from edged.backends.microvm.template import Templates
+from edged.backends.microvm.vmm import Machine
+from layerfs.sources.directory import load_directory
+from layerfs.writer import write_image
+
+BUSYBOX = shutil.which("busybox") or "/bin/busybox"
+SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
+
+
+@pytest.fixture(scope="session")
+def kit() -> guestkit.GuestKit:
+    try:
+        return guestkit.load()
+    except guestkit.GuestKitError as e:
+        pytest.skip(f"no guest kit: {e}")
+
+
+@pytest.fixture(scope="session")
+def vm_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("i13vm")
+
+
+@pytest.fixture(scope="session")
+def initrd(kit: guestkit.GuestKit, vm_root: Path) -> Path:
+    return guestkit.build_initramfs(kit, SBX_INIT, vm_root / "initrd")
+
+
+def make_layer(root: Path, out: Path, files: dict[str, str] | None = None) -> Path:
+    """A busybox rootfs (+ ``files``: path -> text) written as an EROFS image by layerfs."""
+    if not os.path.exists(BUSYBOX):
+        pytest.skip("needs busybox-static")
+    (root / "bin").mkdir(parents=True)
+    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
+    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    for a in applets:
+        if a != "busybox":
+            (root / "bin" / a).symlink_to("busybox")
+    for d in ("etc", "tmp", "usr", "root"):
+        (root / d).mkdir(exist_ok=True)
+    for rel, text in (files or {}).items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    write_image(load_directory(root), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def layer(vm_root: Path) -> Path:
+    return make_layer(vm_root / "bb", vm_root / "bb.erofs", {"etc/hostname": "layer\n"})
+
+
+@pytest.fixture(scope="session")
+def machine(kit: guestkit.GuestKit, initrd: Path) -> Machine:
+    """256 MiB, 1 vCPU, TCG, one layer disk + the upper."""
+    return Machine(str(kit.kernel), str(initrd), guestkit.cmdline(), memory_mib=256, ndisks=2)
+
+
+@pytest.fixture
+def templates(vm_root: Path) -> Templates:
+    """A template store shared by the session (the first test pays the cold boot)."""
+    return Templates(QemuVmm(), vm_root / "templates", vm_root / "run")
+
+
+def qemu_pids(mark: str) -> list[int]:
+    """Pids of QEMU processes whose command line mentions ``mark`` (a test's directory)."""
+    out = []
+    for e in os.scandir("/proc"):
+        if not e.name.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{e.name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" in cmd and mark.encode() in cmd:
+            out.append(int(e.name))
+    return out
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory for the test's VMs; afterwards no QEMU of it may be left."""
+    d = tmp_path / "vms"
+    d.mkdir()
+    yield d
+    left = qemu_pids(str(d))
+    for pid in left:
+        os.kill(pid, 9)
+    assert not left, f"QEMU processes left running: {left}"
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)

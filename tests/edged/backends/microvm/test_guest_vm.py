@@ -1,0 +1,160 @@
+"""Real microVMs: a template booted once, clones with their own disks, the guest's sbx-init
+answering over virtio-serial, and what a guest may and may not do (marked ``vm``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from edged.backends.microvm import boot
+from edged.backends.microvm.guest import GuestVm
+from edged.backends.microvm.template import Templates, console_tail
+from edged.backends.microvm.vmm import Machine
+from edged.errors import BackendError
+from edged.security.confine import WORKLOAD_CAPS
+
+from .conftest import make_layer, run
+
+pytestmark = [pytest.mark.vm, pytest.mark.root]
+
+
+def spec(name: str = "sbx", **kw: object) -> boot.BootSpec:
+    return boot.BootSpec(nlayers=1, hostname=name, realtime_ns=time.time_ns(),
+                         memory_max=160 << 20, pids_max=256, **kw)  # type: ignore[arg-type]
+
+
+async def _clone(templates: Templates, machine: Machine, layer: Path, d: Path,
+                 name: str = "sbx", **kw: object) -> GuestVm:
+    t = await templates.get(machine)
+    return await GuestVm.clone(templates, t, [str(layer)], d, spec(name, **kw),
+                               disk_bytes=64 << 20)
+
+
+def test_clone_runs_commands_in_the_layer_rootfs(templates: Templates, machine: Machine,
+                                                 layer: Path, run_dir: Path) -> None:
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a", name="guest-a")
+        try:
+            end, out, err = await g.run(["sh", "-c", "hostname; cat /etc/hostname; "
+                                         "grep -c erofs /proc/mounts; date +%Y"])
+            assert (end.reason, end.exit_code) == ("exited", 0), err
+            host, layer_host, n_erofs, year = out.decode().split()
+            assert host == "guest-a" and layer_host == "layer"
+            # the lowers are mounted outside the sandbox's root: not in its mount table
+            assert n_erofs == "0"
+            # the clock was set from the host at boot (a clone has the template's)
+            assert year == time.strftime("%Y")
+            end, out, _ = await g.run(["sh", "-c", "echo hi > /tmp/f; cat /tmp/f; exit 3"])
+            assert (end.reason, end.exit_code, out) == ("exited", 3, b"hi\n")
+        finally:
+            await g.destroy()
+        assert not g.vm.alive()
+        assert not (run_dir / "a").exists()
+
+    run(go())
+
+
+def test_clones_see_their_own_disks(templates: Templates, machine: Machine, layer: Path,
+                                    run_dir: Path, tmp_path: Path) -> None:
+    """The template's guest never probed a disk; each clone binds the files it was started
+    with (two clones of one template, different layer files, at the same time)."""
+    other = make_layer(tmp_path / "other", tmp_path / "other.erofs",
+                       {"etc/hostname": "other\n", "marker": "only in the other layer\n"})
+
+    async def go() -> None:
+        a, b = await asyncio.gather(_clone(templates, machine, layer, run_dir / "a"),
+                                    _clone(templates, machine, other, run_dir / "b"))
+        try:
+            ra, rb = await asyncio.gather(a.run(["cat", "/etc/hostname"]),
+                                          b.run(["cat", "/etc/hostname", "/marker"]))
+            assert ra[1] == b"layer\n"
+            assert rb[1] == b"other\nonly in the other layer\n"
+            # what one writes the other does not see
+            await a.run(["sh", "-c", "echo a > /written"])
+            end, _, _ = await b.run(["cat", "/written"])
+            assert end.exit_code == 1
+        finally:
+            await asyncio.gather(a.destroy(), b.destroy())
+
+    run(go())
+
+
+def test_upper_disk_is_size_limited(templates: Templates, machine: Machine, layer: Path,
+                                    run_dir: Path) -> None:
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            end, _, err = await g.run(["dd", "if=/dev/zero", "of=/big", "bs=1M", "count=200"],
+                                      timeout_s=120)
+            assert end.exit_code != 0 and b"No space left" in err
+            # the guest goes on; the host file never grew past its size
+            end, out, _ = await g.run(["sh", "-c", "rm /big; echo ok"])
+            assert out == b"ok\n"
+            assert os.stat(run_dir / "a" / "upper.img").st_size == 64 << 20
+        finally:
+            await g.destroy()
+
+    run(go())
+
+
+def test_workload_reaches_no_device_port_or_cgroup(templates: Templates, machine: Machine,
+                                                   layer: Path, run_dir: Path) -> None:
+    """The sandbox's /dev has no disk, console or control port; it cannot make one; kill -9
+    -1 as guest root leaves sbx-init (PID 1) serving."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a", caps=WORKLOAD_CAPS)
+        try:
+            _, out, _ = await g.run(["ls", "/dev"])
+            names = set(out.decode().split())
+            assert names >= {"null", "zero", "urandom", "pts", "shm"}
+            assert not {n for n in names if n.startswith(("vd", "vport", "ttyS", "hvc", "mem"))}
+            end, _, _ = await g.run(["mknod", "/tmp/vda", "b", "254", "0"])
+            assert end.exit_code != 0, "CAP_MKNOD must be gone"
+            end, _, _ = await g.run(["sh", "-c", "ls /sys/fs/cgroup/cgroup.procs"])
+            assert end.exit_code != 0, "the cgroup tree must not be in the sandbox"
+            end, _, _ = await g.run(["mount", "-t", "tmpfs", "x", "/tmp"])
+            assert end.exit_code != 0, "CAP_SYS_ADMIN must be gone"
+            await g.run(["sh", "-c", "sleep 100 & sleep 100 & kill -9 -1"])
+            end, out, _ = await g.run(["echo", "alive"])
+            assert out == b"alive\n"
+        finally:
+            await g.destroy()
+
+    run(go())
+
+
+def test_guest_kernel_crash_ends_only_that_vm(templates: Templates, machine: Machine,
+                                              layer: Path, run_dir: Path) -> None:
+    async def go() -> None:
+        a, b = await asyncio.gather(_clone(templates, machine, layer, run_dir / "a"),
+                                    _clone(templates, machine, layer, run_dir / "b"))
+        try:
+            h = await a.start(["sh", "-c", "echo c > /proc/sysrq-trigger"])
+            async for item in h.events():
+                last = item
+            assert last.reason == "killed"  # type: ignore[union-attr]
+            await asyncio.wait_for(a.vm.wait_exit(), 30)
+            assert "Kernel panic - not syncing: sysrq triggered crash" in console_tail(
+                a.run_dir, 20000)
+            _, out, _ = await b.run(["echo", "still here"])
+            assert out == b"still here\n"
+        finally:
+            await asyncio.gather(a.destroy(), b.destroy())
+
+    run(go())
+
+
+def test_bad_layer_fails_the_create_with_the_guests_reason(
+        templates: Templates, machine: Machine, run_dir: Path, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.erofs"
+    junk.write_bytes(os.urandom(1 << 20))
+
+    async def go() -> None:
+        with pytest.raises(BackendError, match="mount erofs"):
+            await _clone(templates, machine, junk, run_dir / "a")
+
+    run(go())
