@@ -422,7 +422,10 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 		snprintf(dst, sizeof(dst), RUN "/l%d", i);
 		must_mount(lowers[i], dst, "erofs", MS_RDONLY | MS_NODEV, NULL);
 	}
-	must_mount(upper, RUN "/u", "ext4", MS_NODEV | MS_NOSUID, "errors=remount-ro");
+	/* noinit_itable: no ext4lazyinit thread zeroing inode tables behind the
+	 * first execs (mkfs left them uninitialised, which the group descriptors
+	 * record, so nothing reads them as inodes) */
+	must_mount(upper, RUN "/u", "ext4", MS_NODEV | MS_NOSUID, "errors=remount-ro,noinit_itable");
 	if ((mkdir(RUN "/u/upper", 0755) < 0 && errno != EEXIST) ||
 	    (mkdir(RUN "/u/work", 0755) < 0 && errno != EEXIST))
 		die(errno, "mkdir upper/work on the upper disk");

@@ -62,13 +62,18 @@ def _listen(path: Path) -> socket.socket:
     return s
 
 
-def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path, share: bool,
+def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | None, share: bool,
          qmp_fd: int, ctl_fd: int, console: Path, incoming_fd: int | None = None,
          binary: str = QEMU) -> list[str]:
     """The QEMU command line (see the module docstring). Raises ValueError if ``disks``
     does not match ``machine.ndisks``."""
     if len(disks) != machine.ndisks:
         raise ValueError(f"{len(disks)} disks for a machine with {machine.ndisks}")
+    if mem_path is None:  # a resumed snapshot: every page it has is in the stream
+        memory = f"memory-backend-ram,id=mem,size={machine.memory_mib}M"
+    else:
+        memory = (f"memory-backend-file,id=mem,size={machine.memory_mib}M,"
+                  f"mem-path={mem_path},share={'on' if share else 'off'}")
     accel = machine.accel
     if accel == "tcg" and machine.tb_size_mib:
         accel += f",tb-size={machine.tb_size_mib}"
@@ -77,8 +82,7 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path, share: bool,
         "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off,memory-backend=mem",
         "-accel", accel, "-cpu", "max" if machine.accel == "tcg" else "host",
         "-smp", str(machine.vcpus), "-m", f"{machine.memory_mib}M",
-        "-object", (f"memory-backend-file,id=mem,size={machine.memory_mib}M,"
-                    f"mem-path={mem_path},share={'on' if share else 'off'}"),
+        "-object", memory,
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-sandbox", SANDBOX,
         "-kernel", machine.kernel, "-initrd", machine.initrd, "-append", machine.cmdline,
@@ -117,12 +121,18 @@ class QemuVm:
         self._qmp = qmp
         self._proc = proc
         self._pidfd: int | None = None
+        self._port: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         with contextlib.suppress(OSError):
             self._pidfd = os.pidfd_open(pid)
 
     @property
     def ctl_path(self) -> Path:
         return self.run_dir / "ctl.sock"
+
+    def take_port(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The control port connection made before the state was loaded (restores), once."""
+        port, self._port = self._port, None
+        return port
 
     @property
     def qmp_path(self) -> Path:
@@ -229,7 +239,7 @@ class QemuVmm:
         return None
 
     async def _start(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                     mem_path: Path, share: bool, state: Path | None) -> QemuVm:
+                     mem_path: Path | None, share: bool, state: Path | None) -> QemuVm:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         qs = _listen(run_dir / "qmp.sock")
         cs = _listen(run_dir / "ctl.sock")
@@ -255,12 +265,19 @@ class QemuVmm:
         if sfd is not None:
             try:
                 qmp = await vm.qmp()
+                # Connected before the load: the port's "host connected" state travels in
+                # the stream, and a guest restored without a host on the port would see it
+                # go away (sbx-init then ends the execs of the lost connection).
+                vm._port = await asyncio.wait_for(
+                    asyncio.open_unix_connection(str(vm.ctl_path), limit=1 << 20), 5)
                 await qmp.execute("migrate-set-capabilities", {"capabilities": [
                     {"capability": "x-ignore-shared", "state": True}]})
                 await qmp.execute("migrate-incoming", {"uri": f"fd:{sfd}"})
             except BaseException as e:
+                if vm._port is not None:
+                    vm._port[1].close()
                 await vm.kill()
-                if isinstance(e, QmpError):
+                if isinstance(e, QmpError | OSError | TimeoutError):
                     raise BackendError(f"restore: {e}; qemu: {qemu_log_tail(run_dir)!r}") from e
                 raise
         return vm
@@ -270,7 +287,7 @@ class QemuVmm:
         return await self._start(machine, disks, run_dir, mem_path, share, None)
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path, state: Path) -> QemuVm:
+                      mem_path: Path | None, state: Path) -> QemuVm:
         return await self._start(machine, disks, run_dir, mem_path, False, state)
 
 

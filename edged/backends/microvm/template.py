@@ -98,9 +98,14 @@ def console_tail(run_dir: Path, limit: int = 1500) -> str:
 
 async def open_port(vm: Vm, timeout: float = 5.0) -> tuple[asyncio.StreamReader,
                                                            asyncio.StreamWriter]:
-    """Connect to the VM's control port (the socket exists from the VMM's start)."""
+    """Connect to the VM's control port (the socket exists from the VMM's start), or take
+    the connection the VMM made before a restore."""
+    port = vm.take_port()
+    if port is not None:
+        return port
     try:
-        return await asyncio.wait_for(asyncio.open_unix_connection(str(vm.ctl_path)), timeout)
+        return await asyncio.wait_for(
+            asyncio.open_unix_connection(str(vm.ctl_path), limit=1 << 20), timeout)
     except (OSError, TimeoutError) as e:
         raise BackendError(f"VM {vm.run_dir.name}: control port: {e}") from e
 

@@ -13,6 +13,7 @@ port) and ``console.log``.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Sequence
@@ -26,7 +27,11 @@ class Machine:
     """A guest machine. ``memory_mib``: guest RAM; ``vcpus``; ``accel``: ``"tcg"`` or
     ``"kvm"``; ``ndisks``: virtio-blk devices (lowers + 1 upper); ``free_page_reporting``:
     virtio-balloon that hands pages the guest frees back to the host; ``tb_size_mib``: TCG's
-    translation cache (None: QEMU's default, 1 GiB reserved, filled on use);
+    translation cache (None: QEMU's default, 1 GiB, filled on use, so a busy guest's VMM
+    could grow by up to that). Measured here (2026-12-01, load ~7): an idle clone fills
+    ~24 MiB of it; 8 MiB cuts that to ~7 MiB but the guest then retranslates all the time
+    (exec round trip 570 ms vs 25 ms at 32 MiB and 32 ms at 16 MiB); 32 MiB bounds the
+    growth with no slowdown seen;
     ``kernel``/``initrd``/``cmdline``: the guest's boot files."""
 
     kernel: str
@@ -69,6 +74,11 @@ class Vm(Protocol):
 
     def alive(self) -> bool:
         """Whether the VMM process still runs."""
+        ...
+
+    def take_port(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The control port's connection if the VMM made it already (a restore connects
+        before the state loads), else None; given out once."""
         ...
 
     async def wait_exit(self, timeout: float | None = None) -> int | None:
@@ -115,8 +125,9 @@ class Vmm(Protocol):
         ...
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path, state: Path) -> Vm:
+                      mem_path: Path | None, state: Path) -> Vm:
         """Start ``machine`` from a state written by :meth:`Vm.save`, its RAM mapped
-        privately (copy-on-write) from ``mem_path``, with ``disks`` in place of the saved
-        VM's; the guest runs as soon as the state is loaded."""
+        privately (copy-on-write) from ``mem_path`` (a template's RAM file), or anonymous
+        RAM when None (a full snapshot, which carries every page), with ``disks`` in place
+        of the saved VM's; the guest runs as soon as the state is loaded."""
         ...

@@ -12,12 +12,17 @@ import pytest
 
 from edged.backends.microvm import boot
 from edged.backends.microvm.guest import GuestVm
+from edged.backends.microvm.qemu import QemuVmm
 from edged.backends.microvm.template import Templates, console_tail
 from edged.backends.microvm.vmm import Machine
 from edged.errors import BackendError
 from edged.security.confine import WORKLOAD_CAPS
 
-from .conftest import make_layer, run
+from .conftest import make_layer, qemu_pids, run
+
+
+def qemu_pids_of(d: Path) -> list[int]:
+    return qemu_pids(str(d))
 
 pytestmark = [pytest.mark.vm, pytest.mark.root]
 
@@ -156,5 +161,40 @@ def test_bad_layer_fails_the_create_with_the_guests_reason(
     async def go() -> None:
         with pytest.raises(BackendError, match="mount erofs"):
             await _clone(templates, machine, junk, run_dir / "a")
+
+    run(go())
+
+
+def test_pause_to_a_snapshot_and_resume(templates: Templates, machine: Machine, layer: Path,
+                                        run_dir: Path) -> None:
+    """Pause ends the VMM (nothing left running) with the guest in a file; resume brings the
+    same guest back: what it wrote and a process it left running are still there."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            await g.run(["sh", "-c", "echo kept > /state; (sleep 1000 &) ; echo $(hostname)"])
+            _, ps_before, _ = await g.run(["sh", "-c", "pidof sleep"])
+            snap = run_dir / "a.snapshot"
+            await g.pause(snap)
+            assert not g.vm.alive() and not qemu_pids_of(run_dir / "a")
+            assert snap.stat().st_size > 1 << 20  # the guest's RAM is in it
+            await g.resume(templates.vmm, machine, snap)
+            _, out, _ = await g.run(["sh", "-c", "cat /state; pidof sleep"])
+            assert out == b"kept\n" + ps_before
+        finally:
+            await g.destroy()
+
+    run(go())
+
+
+def test_cold_boot_without_a_template(machine: Machine, layer: Path, run_dir: Path) -> None:
+    async def go() -> None:
+        g = await GuestVm.cold_boot(QemuVmm(), machine, [str(layer)], run_dir / "a",
+                                    spec("cold"), disk_bytes=64 << 20)
+        try:
+            _, out, _ = await g.run(["hostname"])
+            assert out == b"cold\n"
+        finally:
+            await g.destroy()
 
     run(go())
