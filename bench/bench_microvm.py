@@ -13,11 +13,11 @@ working), one busybox EROFS layer disk + a 1 GiB sparse ext4 upper disk. What is
   HELLO) vs cold boot (the same with the kernel booted) vs the container backend on the same
   layer (mounted file-backed) with the daemon's default task profile;
 - exec round trip: `true`, guest vs container, after the first;
-- host memory per idle microVM: MemAvailable before and after N clones are up and idle (each
-  wrote 60 MiB to its tmpfs and removed it: memory the guest freed), divided by N, and the QEMU processes' PSS/RSS; with free page reporting and
-  template sharing (the default), without free page reporting, and without sharing (cold
-  boots, private RAM). MemAvailable is node-wide: other work on the machine moves it (the
-  PSS sum is each VM's own);
+- host memory per idle microVM: MemAvailable before and after N clones are up and idle
+  (each wrote 60 MiB to its tmpfs and removed it: memory the guest freed), divided by N, and
+  the QEMU processes' PSS/RSS; with free page reporting and template sharing (the default),
+  without free page reporting, and without sharing (cold boots, private RAM). MemAvailable
+  is node-wide: other work on the machine moves it (the PSS sum is each VM's own);
 - pause → resume: snapshot to a file and VMM exit, then restore to a first exec; what a
   paused VM keeps (its snapshot file; its host memory is freed).
 """

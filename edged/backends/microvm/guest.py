@@ -2,16 +2,14 @@
 control port.
 
 :meth:`GuestVm.clone` is the fast create: upper disk, template clone, boot record, HELLO.
-The sbx-init client is the container backend's connection class for now (the protocol is
-the same, only the byte stream differs); it moves to the shared sbx-init room with the
-backend.
+The sbx-init client is the shared one (:mod:`edged.sbxinit`): the protocol is the
+container's, only the byte stream (the guest's virtio-serial port) differs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -19,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edged.backends.base import ExecEnd
-from edged.backends.container import protocol as P
-from edged.backends.container.backend import ContainerExec, _Conn
 from edged.backends.microvm import boot, disks
 from edged.backends.microvm.template import (
     BOOT_TIMEOUT_S,
@@ -32,25 +28,19 @@ from edged.backends.microvm.template import (
 )
 from edged.backends.microvm.vmm import Disk, Machine, Vm, Vmm
 from edged.errors import BackendError
+from edged.sbxinit import SbxClient, SbxExec
 
 HELLO_TIMEOUT_S = 10.0
 
 
 async def _hello(name: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> _Conn:
-    conn = _Conn(name, reader, writer)
+                 writer: asyncio.StreamWriter) -> SbxClient:
+    conn = SbxClient(name, reader, writer)
     try:
-        await conn.send(P.frame(P.HELLO))
-        version, _mode, *_ = await asyncio.wait_for(conn.hello, HELLO_TIMEOUT_S)
-    except (TimeoutError, OSError) as e:
-        await conn.close()
-        raise BackendError(f"VM {name}: no HELLO from sbx-init ({e})") from e
+        await conn.hello(HELLO_TIMEOUT_S)
     except BaseException:
         await conn.close()
         raise
-    if version != P.VERSION:
-        await conn.close()
-        raise BackendError(f"VM {name}: sbx-init speaks protocol {version}")
     return conn
 
 
@@ -74,11 +64,10 @@ class GuestVm:
     console, upper disk)."""
 
     vm: Vm
-    conn: _Conn
+    conn: SbxClient
     run_dir: Path
     disks: list[Disk]
     timings: Timings = field(default_factory=Timings)
-    next_exec: int = 1
 
     @classmethod
     async def clone(cls, templates: Templates, template: Template, layers: Sequence[str],
@@ -174,20 +163,11 @@ class GuestVm:
 
     async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     cwd: str = "/", timeout_s: float | None = None, uid: int = 0,
-                    gid: int = 0) -> ContainerExec:
+                    gid: int = 0) -> SbxExec:
         """Start a command (stdin /dev/null); returns once it runs. Raises BackendError or
         BadRequest as sbx-init answers."""
-        eid = self.next_exec
-        self.next_exec += 1
-        data = P.exec_frame(eid, tuple(argv), dict(env or {"PATH": "/usr/bin:/bin"}), cwd,
-                            uid, gid, math.ceil(timeout_s * 1000) if timeout_s else 0, 0, 0)
-        h = ContainerExec(self.conn, eid, False)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self.conn.handles[eid] = h
-        self.conn.pending[eid] = fut
-        await self.conn.send(data)
-        await fut
-        return h
+        return await self.conn.exec(tuple(argv), env or {"PATH": "/usr/bin:/bin"}, cwd=cwd,
+                                    uid=uid, gid=gid, timeout_s=timeout_s)
 
     async def run(self, argv: Sequence[str], **kw: object) -> tuple[ExecEnd, bytes, bytes]:
         """Run a command to its end: ``(end, stdout, stderr)``."""
