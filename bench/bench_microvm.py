@@ -117,7 +117,9 @@ async def bench_create(templates: Templates, machine: Machine, layer: Path, work
         g = await GuestVm.clone(templates, t, [str(layer)], work / f"c{i}", spec(i))
         await first_exec(g)
         clone_lat.append(time.perf_counter() - t0)
-        phases.append(dataclasses.asdict(g.timings))
+        ph = dataclasses.asdict(g.timings)
+        ph.update({f"guest:{k}": v for k, v in ph.pop("guest_steps").items()})
+        phases.append(ph)
         for _ in range(5):
             t1 = time.perf_counter()
             await first_exec(g)

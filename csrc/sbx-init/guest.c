@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/reboot.h>
@@ -34,6 +36,9 @@
 #define WAIT_DISKS_MS 10000
 
 static int port = -1;
+static char steps[256]; /* "name=us " per step of step 2: the boot-done message */
+static size_t steps_len;
+static uint64_t step_t;
 static uint64_t boot_t0;
 static char port_dev[64]; /* /dev/vportNpM of SBX_GUEST_PORT */
 
@@ -46,6 +51,18 @@ static uint64_t ns_of(clockid_t c)
 }
 
 static void write_file(const char *path, const char *val);
+
+/* Record the time since the last step under `name` (for the host's figures). */
+static void step(const char *name)
+{
+	uint64_t t = ns_of(CLOCK_MONOTONIC);
+	int n = snprintf(steps + steps_len, sizeof(steps) - steps_len, "%s=%llu ", name,
+			 (unsigned long long)((t - step_t) / 1000));
+
+	if (n > 0 && (size_t)n < sizeof(steps) - steps_len)
+		steps_len += (size_t)n;
+	step_t = t;
+}
 
 static void sleep_ms(long ms)
 {
@@ -286,9 +303,10 @@ static void find_disks(uint32_t n, char lowers[][32], char *upper)
 	    have_upper ? "" : "not");
 }
 
-/* Bind the clone's disks: ask the virtio bus to probe every device (those
- * already bound, the console and the balloon, are left as they are). */
-static void probe_disks(void)
+/* Bind the devices left driverless in the template (those of late
+ * modules): ask the virtio bus to probe every device (those already bound
+ * are left as they are). */
+static void probe_devices(void)
 {
 	DIR *d = opendir("/sys/bus/virtio/devices");
 	struct dirent *de;
@@ -301,6 +319,22 @@ static void probe_disks(void)
 		write_file("/sys/bus/virtio/drivers_probe", de->d_name);
 	}
 	closedir(d);
+}
+
+static int file_empty(const char *path)
+{
+	struct stat st;
+
+	return stat(path, &st) < 0 || st.st_size == 0;
+}
+
+static void flush_bdev(const char *dev)
+{
+	int fd = open(dev, O_RDONLY | O_CLOEXEC);
+
+	if (fd < 0 || ioctl(fd, BLKFLSBUF, 0) < 0)
+		die(errno, "BLKFLSBUF `%s`", dev);
+	close(fd);
 }
 
 static int memfd_of(const void *p, size_t n, const char *name)
@@ -412,10 +446,21 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 		if (clock_settime(CLOCK_REALTIME, &ts) < 0)
 			die(errno, "set the clock");
 	}
-	probe_disks();
+	step("record");
+	probe_devices();
 	if (mkdir(RUN, 0700) < 0 && errno != EEXIST)
 		die(errno, "mkdir `%s`", RUN);
 	find_disks(b->nlayers, lowers, upper);
+	/* The template's kernel probed these disks on its placeholders: drop
+	 * what it cached of them (the partition scan read zeros).  Their size
+	 * stays the placeholder's, larger than any file: each filesystem keeps
+	 * to the size its superblock records, and no workload process can reach
+	 * the raw disks.  (Serial numbers are asked of the device on each read
+	 * of /sys/block/vdX/serial, so find_disks saw the clone's.) */
+	for (i = 0; i < (int)b->nlayers; i++)
+		flush_bdev(lowers[i]);
+	flush_bdev(upper);
+	step("disks");
 	for (i = 0; i < (int)b->nlayers; i++) {
 		char dst[64];
 
@@ -435,7 +480,9 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 		off += (size_t)snprintf(opts + off, sizeof(opts) - off, RUN "/l%d%s", i, i ? ":" : "");
 	snprintf(opts + off, sizeof(opts) - off, ",upperdir=" RUN "/u/upper,workdir=" RUN
 		 "/u/work,volatile");
+	step("lowers+upper");
 	must_mount("overlay", RUN "/root", "overlay", 0, opts);
+	step("overlay");
 	/* the grader's view: the lowers alone (an empty tmpfs at the bottom, since
 	 * an overlay without upper wants two lowers) */
 	g->pristine_fd = -1;
@@ -469,6 +516,7 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 	if (cg < 0)
 		die(errno, "open the workload cgroup");
 	g->cgroup_fd = cg;
+	step("cgroup");
 	g->landlock_fd = memfd_of(payload, b->landlock_len, "landlock");
 	g->seccomp_fd = memfd_of(payload + b->landlock_len, b->seccomp_len, "seccomp");
 	g->caps = b->caps;
@@ -490,6 +538,7 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 	protect_paths(protect);
 	if (sethostname(hostname, strlen(hostname)) < 0)
 		die(errno, "sethostname `%s`", hostname);
+	step("root");
 }
 
 void sbx_guest_boot(struct sbx_guest *g)
@@ -506,11 +555,13 @@ void sbx_guest_boot(struct sbx_guest *g)
 	must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	must_mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
 	load_modules("/etc/sbx/modules.early");
-	/* The late modules (virtio_blk) are loaded now but bind no device: with
-	 * the bus's autoprobe off, the template's placeholder disks stay
-	 * driverless, and a clone binds its own disks in step 2 (probe_disks). */
-	write_file("/sys/bus/virtio/drivers_autoprobe", "0");
-	load_modules("/etc/sbx/modules.late");
+	/* Late modules are loaded now but bind no device: with the bus's
+	 * autoprobe off, their devices stay driverless in the template, and a
+	 * clone binds its own in step 2 (probe_devices). */
+	if (!file_empty("/etc/sbx/modules.late")) {
+		write_file("/sys/bus/virtio/drivers_autoprobe", "0");
+		load_modules("/etc/sbx/modules.late");
+	}
 	find_port();
 	ready.boot_ns = ns_of(CLOCK_BOOTTIME);
 	if (write_all(port, &ready, sizeof(ready)) < 0)
@@ -518,7 +569,7 @@ void sbx_guest_boot(struct sbx_guest *g)
 	/* The template is saved while we wait here; each clone resumes here. */
 	if (read_all(port, &b, sizeof(b)) < 0)
 		die(errno, "read the boot record");
-	boot_t0 = ns_of(CLOCK_MONOTONIC);
+	boot_t0 = step_t = ns_of(CLOCK_MONOTONIC);
 	if (memcmp(b.magic, "SBXBOOT1", 8) || b.len > SBX_GUEST_MAX_PAYLOAD || !b.nlayers ||
 	    b.nlayers > SBX_GUEST_MAX_LAYERS || !b.strings_len ||
 	    (uint64_t)b.landlock_len + b.seccomp_len + b.strings_len != b.len)
@@ -529,7 +580,7 @@ void sbx_guest_boot(struct sbx_guest *g)
 	/* step 2 */
 	boot_sandbox(g, &b, payload);
 	free(payload);
-	send_done(0, NULL, boot_t0);
+	send_done(0, steps, boot_t0);
 	fl = fcntl(port, F_GETFL);
 	fcntl(port, F_SETFL, fl | O_NONBLOCK);
 	g->port = port;

@@ -4,20 +4,23 @@
  * steps around the template snapshot:
  *
  *   1. (template boot) mount /proc, /sys, /dev (devtmpfs); load the modules of
- *      /etc/sbx/modules.early with finit_module(2); open the virtio-serial
+ *      /etc/sbx/modules.early with finit_module(2) (virtio_blk probes the
+ *      template's placeholder disks); those of modules.late with the virtio
+ *      bus's autoprobe off (their devices stay unbound); open the virtio-serial
  *      port named SBX_GUEST_PORT; send struct sbx_boot_ready; block reading
  *      struct sbx_boot.  The host saves the template while the guest waits
  *      here, so every clone resumes at this read.
  *   2. (each clone) the host sends struct sbx_boot and its payload; the guest
- *      sets its clock, loads /etc/sbx/modules.late (virtio_blk: its first probe
- *      sees the clone's own disks, never the template's placeholders), finds
- *      the disks by their virtio serial numbers, mounts the EROFS lowers
+ *      sets its clock, binds unbound devices, finds the disks by their virtio
+ *      serial numbers (asked of the device: the clone's), drops what the
+ *      template cached of them (BLKFLSBUF), mounts the EROFS lowers
  *      read-only, the ext4 upper disk, the overlay, /proc, /sys (read-only),
  *      a small /dev with only the harmless nodes, the protected paths as
  *      read-only binds; makes the workload's cgroup (cgroup v2, mounted
  *      outside the sandbox's root so no workload process can reach it); moves
- *      the overlay onto / and chroots; answers struct sbx_boot_done.  From then
- *      on the same port carries the protocol of protocol.h.
+ *      the overlay onto / and chroots; answers struct sbx_boot_done (its
+ *      message, on success, the step times: "name=microseconds ...").  From
+ *      then on the same port carries the protocol of protocol.h.
  *
  * Threat model: the workload runs as guest root with the container's
  * capability set (no CAP_SYS_ADMIN, CAP_MKNOD, CAP_SYS_MODULE, CAP_SYS_RAWIO),

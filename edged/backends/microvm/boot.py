@@ -93,3 +93,14 @@ def parse_done(head: bytes) -> tuple[int, int, int]:
     if magic != b"SBXBOOTD":
         raise ValueError(f"not a boot-done record: {head!r}")
     return int(code), int(msg_len), int(boot_ns)
+
+
+def parse_steps(msg: str) -> dict[str, float]:
+    """The step times of a successful boot's message (``"name=MICROSECONDS ..."``), in
+    seconds; unparsable parts are skipped."""
+    out: dict[str, float] = {}
+    for part in msg.split():
+        name, _, us = part.partition("=")
+        if us.isdigit():
+            out[name] = int(us) / 1e6
+    return out

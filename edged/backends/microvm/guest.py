@@ -48,7 +48,7 @@ async def _hello(name: str, reader: asyncio.StreamReader,
 class Timings:
     """Where a create's time went, seconds: ``upper`` (mkfs), ``vmm`` (VMM start and state
     load requested), ``boot`` (boot record to answer, host side), ``guest_boot`` (the guest's
-    own count of that), ``hello``; ``total``."""
+    own count of that, by step in ``guest_steps``), ``hello``; ``total``."""
 
     upper: float = 0.0
     vmm: float = 0.0
@@ -56,6 +56,7 @@ class Timings:
     guest_boot: float = 0.0
     hello: float = 0.0
     total: float = 0.0
+    guest_steps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class GuestVm:
                                                   BOOT_TIMEOUT_S))
             t.vmm = time.monotonic() - t0 - t.upper
             t1 = time.monotonic()
-            t.guest_boot = await boot_guest(reader, writer, vm, spec)
+            t.guest_boot, t.guest_steps = await boot_guest(reader, writer, vm, spec)
             t.boot = time.monotonic() - t1
             t2 = time.monotonic()
             conn = await _hello(sandbox_id or run_dir.name, reader, writer)

@@ -19,9 +19,10 @@ bootloader hooks. In Debian's cloud kernel (6.1), ``virtio_mmio``, ``virtio_blk`
 ``modinfo`` (kmod) and the init loads them itself with ``finit_module(2)`` in the order
 written here (``../shared/reference/host.md``).
 
-Why two lists: ``virtio_blk`` is loaded only after a template clone is restored (see
-:mod:`edged.backends.microvm.template`), so the template's kernel never probes the template's
-placeholder disks, and a clone's kernel probes the disks the clone was started with.
+Why two lists: the *early* modules are loaded while the template boots (virtio_blk too: the
+template's guest probes placeholder disks, and a clone's guest finds its own disks behind the
+same devices, see :mod:`edged.backends.microvm.template`); a *late* module is loaded with the
+virtio bus's autoprobe off and binds its devices only in a clone (none now).
 
 The initramfs is written here in the kernel's ``newc`` cpio format (uncompressed: under TCG
 decompression would cost boot time, and the template's RAM holding it is shared by every
@@ -55,9 +56,11 @@ META_PACKAGE = "linux-image-cloud-amd64"
 #: Loaded by the init while the template boots: the virtio-mmio transport, the control
 #: channel (virtio-serial), free page reporting (virtio-balloon), the filesystems of the
 #: sandbox's rootfs. ext4 (the upper disk) is built into this kernel.
-EARLY_MODULES = ("virtio_mmio", "virtio_console", "virtio_balloon", "erofs", "overlay")
-#: Loaded once a clone has its disks (the driver then probes them for the first time).
-LATE_MODULES = ("virtio_blk",)
+EARLY_MODULES = ("virtio_mmio", "virtio_console", "virtio_balloon", "virtio_blk", "erofs",
+                 "overlay")
+#: Loaded in the template with the virtio bus's autoprobe off, and bound to their devices
+#: only in a clone (none now: see :mod:`.template` for why the disks need not wait).
+LATE_MODULES: tuple[str, ...] = ()
 
 
 class GuestKitError(RuntimeError):
@@ -167,13 +170,14 @@ def install(root: Path | None = None, package: str | None = None) -> GuestKit:
     """Fetch the cloud kernel package (``apt-get download``; ``package`` defaults to what
     :data:`META_PACKAGE` depends on), unpack it, keep the kernel and the modules of
     :data:`EARLY_MODULES` + :data:`LATE_MODULES` with their dependencies, write the lists and
-    point ``current`` at it. Idempotent: a release already made is only re-pointed.
+    point ``current`` at it. Idempotent: a release already made for these module lists is
+    only re-pointed.
     Raises GuestKitError (apt, dpkg-deb or modinfo failing, a module missing)."""
     root = root or kit_dir()
     pkg = package or _current_package()
     release = pkg.removeprefix("linux-image-").removesuffix("-unsigned")
     dest = root / release
-    if not (dest / "kit.json").is_file():
+    if _wanted(dest) != _WANTED:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root, prefix=".fetch-") as tmp_s:
             tmp = Path(tmp_s)
@@ -219,6 +223,7 @@ def _stage(unpacked: Path, release: str, out: Path, pkg: str, version: str) -> N
     (out / "modules.early").write_text("".join(f"{_name(p)}\n" for p in early))
     (out / "modules.late").write_text("".join(f"{_name(p)}\n" for p in late))
     meta = {
+        "wanted": _WANTED,
         "package": pkg,
         "version": version,
         "release": moddir.name,
@@ -227,6 +232,17 @@ def _stage(unpacked: Path, release: str, out: Path, pkg: str, version: str) -> N
     }
     (out / "kit.json").write_text(json.dumps(meta, indent=1) + "\n")
     log.info("guest kit %s: early %s, late %s", release, meta["early"], meta["late"])
+
+
+#: What a kit was made for: a kit made for other module lists is made again.
+_WANTED = {"early": list(EARLY_MODULES), "late": list(LATE_MODULES)}
+
+
+def _wanted(dest: Path) -> object:
+    try:
+        return json.loads((dest / "kit.json").read_text()).get("wanted")
+    except (OSError, ValueError):
+        return None
 
 
 def _name(ko: Path) -> str:

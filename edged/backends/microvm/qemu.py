@@ -48,8 +48,10 @@ log = logging.getLogger("edged.microvm")
 
 QEMU = "qemu-system-x86_64"
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-#: A template placeholder disk: the guest never probes it (virtio_blk loads after restore).
-PLACEHOLDER_BYTES = 1 << 20
+#: A template's placeholder disk: the template's guest probes it, and a clone's guest keeps
+#: this as its disk's size (larger than any layer or upper file: filesystems keep to their
+#: superblock's size). 1 TiB of nothing (null-co reads zeros, stores nothing).
+PLACEHOLDER_BYTES = 1 << 40
 
 
 def _listen(path: Path) -> socket.socket:
@@ -97,8 +99,10 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | None, share: 
         a += ["-device", "virtio-balloon-device,free-page-reporting=on"]
     for i, d in enumerate(disks):
         if d.path is None:
+            # read-only like the disk a clone puts in its place: virtio-blk's F_RO is
+            # negotiated when the template's guest probes it
             node = (f"driver=null-co,node-name=d{i},size={PLACEHOLDER_BYTES},"
-                    "read-zeroes=on")
+                    f"read-zeroes=on,read-only={'on' if d.read_only else 'off'}")
         elif d.read_only:
             # locking=off: many VMs read one layer file and none ever writes it
             node = (f"driver=file,filename={d.path},node-name=d{i},read-only=on,"
