@@ -283,6 +283,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                                            args.many, args.settle)
         res["pause"] = await bench_pause(templates, machine, layer, tmp / "p")
         res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
+        templates.close()
         mv, ct = res["microvm"], res["container"]
         res["ratios"] = {
             "clone_vs_cold_p50": mv["clone"]["p50_ms"] / mv["cold"]["p50_ms"],

@@ -64,7 +64,7 @@ def _listen(path: Path) -> socket.socket:
     return s
 
 
-def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | None, share: bool,
+def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, share: bool,
          qmp_fd: int, ctl_fd: int, console: Path, incoming_fd: int | None = None,
          binary: str = QEMU) -> list[str]:
     """The QEMU command line (see the module docstring). Raises ValueError if ``disks``
@@ -73,6 +73,9 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | None, share: 
         raise ValueError(f"{len(disks)} disks for a machine with {machine.ndisks}")
     if mem_path is None:  # a resumed snapshot: every page it has is in the stream
         memory = f"memory-backend-ram,id=mem,size={machine.memory_mib}M"
+    elif isinstance(mem_path, int):  # an inherited fd (a template's sealed memfd)
+        memory = (f"memory-backend-file,id=mem,size={machine.memory_mib}M,"
+                  f"mem-path=/proc/self/fd/{mem_path},share={'on' if share else 'off'}")
     else:
         memory = (f"memory-backend-file,id=mem,size={machine.memory_mib}M,"
                   f"mem-path={mem_path},share={'on' if share else 'off'}")
@@ -243,7 +246,8 @@ class QemuVmm:
         return None
 
     async def _start(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                     mem_path: Path | None, share: bool, state: Path | None) -> QemuVm:
+                     mem_path: Path | int | None, share: bool,
+                     state: Path | None) -> QemuVm:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         qs = _listen(run_dir / "qmp.sock")
         cs = _listen(run_dir / "ctl.sock")
@@ -252,7 +256,8 @@ class QemuVmm:
         try:
             a = argv(machine, disks, mem_path, share, qs.fileno(), cs.fileno(),
                      run_dir / "console.log", sfd, self.binary)
-            fds = [qs.fileno(), cs.fileno(), *([sfd] if sfd is not None else [])]
+            fds = [qs.fileno(), cs.fileno(), *([sfd] if sfd is not None else []),
+                   *([mem_path] if isinstance(mem_path, int) else [])]
             try:
                 proc = subprocess.Popen(a, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                         pass_fds=fds, start_new_session=True)
@@ -291,7 +296,7 @@ class QemuVmm:
         return await self._start(machine, disks, run_dir, mem_path, share, None)
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path | None, state: Path) -> QemuVm:
+                      mem_path: Path | int | None, state: Path) -> QemuVm:
         return await self._start(machine, disks, run_dir, mem_path, False, state)
 
 

@@ -12,6 +12,17 @@ privately, and a change to the file would show through every page a clone has no
 are read from the page cache shared by every clone and copied only when the guest writes one),
 loading ``state``; the guest resumes inside its read of the control port.
 
+**The template's RAM as clones see it: a write-sealed memfd.** QEMU 7.2 opens a private
+(``share=off``) memory-backend-file read-write (its ``readonly=on`` makes the guest's RAM
+read-only: the guest hangs) and keeps the fd: a clone's QEMU taken over by its guest could
+``pwrite`` the template and so reach every later clone, and every running clone's pages it
+has not copied yet. So clones never get the file: :meth:`Templates.clone` copies it once
+into a memfd (holes and zero pages left out) sealed against writes, growing and shrinking
+(``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``), which each clone inherits
+and maps privately through ``/proc/self/fd/N``: writes through the fd are refused (EPERM),
+private copy-on-write mappings are not. The cost: the template's pages are shmem (swap,
+not eviction, takes them from memory), once per node.
+
 **The sandbox's disks** (the question this module answers): a clone needs the template's
 device set (migration restores device state onto the destination's devices, matched by
 their order), but its *own* backing files. QEMU takes a device's backend from the
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -128,6 +140,7 @@ class Templates:
         self.root = root
         self.run_root = run_root
         self._locks: dict[str, asyncio.Lock] = {}
+        self._ram_fds: dict[str, int] = {}
 
     def _placeholders(self, machine: Machine) -> list[Disk]:
         # the last disk is the upper: writable, as the clone's will be
@@ -196,9 +209,20 @@ class Templates:
         return Template(machine, dest, boot_s)
 
     async def clone(self, template: Template, disks: Sequence[Disk], run_dir: Path) -> Vm:
-        """Start a clone of ``template`` with ``disks`` (same count as the machine's)."""
-        return await self.vmm.restore(template.machine, disks, run_dir, template.mem,
-                                      template.state)
+        """Start a clone of ``template`` with ``disks`` (same count as the machine's), its
+        RAM the template's sealed memfd (made on first use)."""
+        key = template.dir.name
+        fd = self._ram_fds.get(key)
+        if fd is None:
+            fd = await asyncio.to_thread(sealed_copy, template.mem)
+            self._ram_fds[key] = fd
+        return await self.vmm.restore(template.machine, disks, run_dir, fd, template.state)
+
+    def close(self) -> None:
+        """Close the templates' memfds (running clones keep their own references)."""
+        for fd in self._ram_fds.values():
+            os.close(fd)
+        self._ram_fds.clear()
 
     def remove_stale(self, keep: set[str]) -> list[str]:
         """Remove template directories whose key is not in ``keep`` and half-made ones;
@@ -207,9 +231,56 @@ class Templates:
         with contextlib.suppress(FileNotFoundError):
             for d in self.root.iterdir():
                 if d.name not in keep:
+                    fd = self._ram_fds.pop(d.name, None)
+                    if fd is not None:
+                        os.close(fd)
                     shutil.rmtree(d, ignore_errors=True)
                     removed.append(d.name)
         return removed
+
+
+F_ADD_SEALS = 1033  # fcntl.h: F_LINUX_SPECIFIC_BASE + 9
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 0x1, 0x2, 0x4, 0x8
+_PAGE = 4096
+
+
+def sealed_copy(path: Path) -> int:
+    """A memfd holding ``path``'s bytes (same size; holes and all-zero pages left as
+    holes), sealed against writes, growing, shrinking and further sealing; returns its fd
+    (close-on-exec; the caller owns it). Raises BackendError on I/O failure."""
+    fd = os.memfd_create(f"sbx-template-{path.parent.name}",
+                         os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        with open(path, "rb", buffering=0) as src:
+            size = os.fstat(src.fileno()).st_size
+            os.ftruncate(fd, size)
+            off = 0
+            zero = bytes(_PAGE)
+            while off < size:
+                try:
+                    start = os.lseek(src.fileno(), off, os.SEEK_DATA)
+                except OSError:  # ENXIO: only a hole is left
+                    break
+                end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+                while start < end:
+                    buf = os.pread(src.fileno(), min(end - start, 1 << 20), start)
+                    if not buf:
+                        break
+                    run = -1  # start of the current run of non-zero pages in buf
+                    for i in range(0, len(buf) + _PAGE, _PAGE):
+                        nonzero = i < len(buf) and buf[i : i + _PAGE] != zero[: len(buf) - i]
+                        if nonzero and run < 0:
+                            run = i
+                        elif not nonzero and run >= 0:
+                            os.pwrite(fd, buf[run:i], start + run)
+                            run = -1
+                    start += len(buf)
+                off = end
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL)
+    except OSError as e:
+        os.close(fd)
+        raise BackendError(f"template RAM {path}: sealed copy: {e}") from e
+    return fd
 
 
 async def boot_guest(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, vm: Vm,

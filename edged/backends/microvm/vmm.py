@@ -125,9 +125,10 @@ class Vmm(Protocol):
         ...
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path | None, state: Path) -> Vm:
+                      mem_path: Path | int | None, state: Path) -> Vm:
         """Start ``machine`` from a state written by :meth:`Vm.save`, its RAM mapped
-        privately (copy-on-write) from ``mem_path`` (a template's RAM file), or anonymous
-        RAM when None (a full snapshot, which carries every page), with ``disks`` in place
-        of the saved VM's; the guest runs as soon as the state is loaded."""
+        privately (copy-on-write) from ``mem_path`` (a template's RAM: a file, or an fd the
+        VMM inherits), or anonymous RAM when None (a full snapshot, which carries every
+        page), with ``disks`` in place of the saved VM's; the guest runs as soon as the
+        state is loaded."""
         ...

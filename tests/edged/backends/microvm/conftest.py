@@ -76,9 +76,11 @@ def machine(kit: guestkit.GuestKit, initrd: Path) -> Machine:
 
 
 @pytest.fixture
-def templates(vm_root: Path) -> Templates:
+def templates(vm_root: Path) -> Iterator[Templates]:
     """A template store shared by the session (the first test pays the cold boot)."""
-    return Templates(QemuVmm(), vm_root / "templates", vm_root / "run")
+    t = Templates(QemuVmm(), vm_root / "templates", vm_root / "run")
+    yield t
+    t.close()
 
 
 def qemu_pids(mark: str) -> list[int]:

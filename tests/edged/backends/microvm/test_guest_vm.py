@@ -198,3 +198,30 @@ def test_cold_boot_without_a_template(machine: Machine, layer: Path, run_dir: Pa
             await g.destroy()
 
     run(go())
+
+
+def test_clones_map_the_template_ram_from_a_write_sealed_memfd(
+        templates: Templates, machine: Machine, layer: Path, run_dir: Path) -> None:
+    """A clone's QEMU never has the template's file: its RAM is a memfd that refuses
+    writes (a VMM taken over by its guest cannot change what other clones map)."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            pid = g.vm.pid
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "memfd:sbx-template-" in maps
+            assert str(templates.root) not in maps
+            fds = [os.readlink(f"/proc/{pid}/fd/{f}") for f in os.listdir(f"/proc/{pid}/fd")]
+            assert not [f for f in fds if str(templates.root) in f]
+            memfd = next(f for f in os.listdir(f"/proc/{pid}/fd")
+                         if os.readlink(f"/proc/{pid}/fd/{f}").startswith("/memfd:sbx-template"))
+            # the same open file QEMU has, writable by its mode, refused by its seals
+            with open(f"/proc/{pid}/fd/{memfd}", "r+b", buffering=0) as f, \
+                    pytest.raises(PermissionError):
+                f.write(b"x")
+            _, out, _ = await g.run(["echo", "ok"])
+            assert out == b"ok\n"
+        finally:
+            await g.destroy()
+
+    run(go())
