@@ -91,10 +91,10 @@ class GuestVm:
     async def cold_boot(cls, vmm: Vmm, machine: Machine, layers: Sequence[str],
                         run_dir: Path, spec: boot.BootSpec, disk_bytes: int = 1 << 30,
                         sandbox_id: str = "") -> GuestVm:
-        """As :meth:`clone`, but boot the kernel afresh (RAM private, in ``run_dir``): the
+        """As :meth:`clone`, but boot the kernel afresh (RAM anonymous, private): the
         baseline a template saves, and the way when no template can be made."""
         async def start(dl: list[Disk]) -> Vm:
-            return await vmm.boot(machine, dl, run_dir, run_dir / "mem", share=False)
+            return await vmm.boot(machine, dl, run_dir, None, share=False)
 
         return await cls._launch(start, True, layers, run_dir, spec, disk_bytes, sandbox_id)
 

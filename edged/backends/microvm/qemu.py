@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from edged.backends.microvm.boot import PORT_NAME
@@ -64,13 +65,34 @@ def _listen(path: Path) -> socket.socket:
     return s
 
 
+@dataclass(frozen=True)
+class Fds:
+    """The files a QEMU process gets as inherited fds rather than paths (so that, run as a
+    user of its own, it needs access to no path of ours): ``qmp``/``ctl`` listening
+    sockets, ``console`` (the log, open for appending), ``kernel``/``initrd`` (read through
+    ``/proc/self/fd/N``, which reaches the file whatever its directories' modes), ``disks``
+    (one per disk, None for a placeholder; fd sets: ``-add-fd``, ``/dev/fdset/N``)."""
+
+    qmp: int
+    ctl: int
+    console: int
+    kernel: int
+    initrd: int
+    disks: tuple[int | None, ...]
+
+    def all(self) -> list[int]:
+        return [self.qmp, self.ctl, self.console, self.kernel, self.initrd,
+                *(fd for fd in self.disks if fd is not None)]
+
+
 def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, share: bool,
-         qmp_fd: int, ctl_fd: int, console: Path, incoming_fd: int | None = None,
-         binary: str = QEMU) -> list[str]:
-    """The QEMU command line (see the module docstring). Raises ValueError if ``disks``
-    does not match ``machine.ndisks``."""
-    if len(disks) != machine.ndisks:
-        raise ValueError(f"{len(disks)} disks for a machine with {machine.ndisks}")
+         fds: Fds, incoming: bool = False, binary: str = QEMU) -> list[str]:
+    """The QEMU command line (see the module docstring). Raises ValueError if ``disks`` or
+    ``fds.disks`` does not match ``machine.ndisks``."""
+    disk_fds = fds.disks
+    if not len(disks) == len(disk_fds) == machine.ndisks:
+        raise ValueError(f"{len(disks)} disks ({len(disk_fds)} fds) for a machine with "
+                         f"{machine.ndisks}")
     if mem_path is None:  # a resumed snapshot: every page it has is in the stream
         memory = f"memory-backend-ram,id=mem,size={machine.memory_mib}M"
     elif isinstance(mem_path, int):  # an inherited fd (a template's sealed memfd)
@@ -90,17 +112,23 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, s
         "-object", memory,
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-sandbox", SANDBOX,
-        "-kernel", machine.kernel, "-initrd", machine.initrd, "-append", machine.cmdline,
-        "-chardev", f"file,id=con,path={console}", "-serial", "chardev:con",
-        "-chardev", f"socket,id=qmp,fd={qmp_fd},server=on,wait=off",
+        "-kernel", f"/proc/self/fd/{fds.kernel}", "-initrd", f"/proc/self/fd/{fds.initrd}",
+        "-append", machine.cmdline,
+        "-add-fd", f"fd={fds.console},set=1",
+        "-chardev", "file,id=con,path=/dev/fdset/1", "-serial", "chardev:con",
+        "-chardev", f"socket,id=qmp,fd={fds.qmp},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
         "-device", "virtio-serial-device,max_ports=2",
-        "-chardev", f"socket,id=ctl,fd={ctl_fd},server=on,wait=off",
+        "-chardev", f"socket,id=ctl,fd={fds.ctl},server=on,wait=off",
         "-device", f"virtserialport,chardev=ctl,name={PORT_NAME}",
     ]
     if machine.free_page_reporting:
         a += ["-device", "virtio-balloon-device,free-page-reporting=on"]
-    for i, d in enumerate(disks):
+    for i, (d, fd) in enumerate(zip(disks, disk_fds, strict=True)):
+        if d.path is not None:
+            if fd is None:
+                raise ValueError(f"disk {i} ({d.path}): no fd")
+            a += ["-add-fd", f"fd={fd},set={10 + i}"]
         if d.path is None:
             # read-only like the disk a clone puts in its place: virtio-blk's F_RO is
             # negotiated when the template's guest probes it
@@ -108,12 +136,12 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, s
                     f"read-zeroes=on,read-only={'on' if d.read_only else 'off'}")
         elif d.read_only:
             # locking=off: many VMs read one layer file and none ever writes it
-            node = (f"driver=file,filename={d.path},node-name=d{i},read-only=on,"
+            node = (f"driver=file,filename=/dev/fdset/{10 + i},node-name=d{i},read-only=on,"
                     "locking=off")
         else:
-            node = f"driver=file,filename={d.path},node-name=d{i},discard=unmap"
+            node = f"driver=file,filename=/dev/fdset/{10 + i},node-name=d{i},discard=unmap"
         a += ["-blockdev", node, "-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
-    if incoming_fd is not None:
+    if incoming:
         a += ["-incoming", "defer"]
     return a
 
@@ -237,8 +265,13 @@ class QemuVmm:
 
     name = "qemu"
 
-    def __init__(self, binary: str = QEMU) -> None:
+    def __init__(self, binary: str = QEMU, run_as: tuple[int, int] | None = None) -> None:
+        """``run_as``: ``(uid, gid)`` to start clones and resumed VMs as (a user of their
+        own: one VMM taken over by its guest then holds nothing but its own fds, and cannot
+        signal or trace VMMs of other users). Template boots run as the caller: they open
+        the template's RAM file, and run no workload."""
         self.binary = binary
+        self.run_as = run_as
 
     def available(self) -> str | None:
         if shutil.which(self.binary) is None:
@@ -249,26 +282,44 @@ class QemuVmm:
                      mem_path: Path | int | None, share: bool,
                      state: Path | None) -> QemuVm:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        opened: list[int] = []
+
+        def open_fd(path: str | Path, flags: int, mode: int = 0o600) -> int:
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC, mode)
+            except OSError as e:
+                raise BackendError(f"VM {run_dir.name}: open {path}: {e}") from e
+            opened.append(fd)
+            return fd
+
         qs = _listen(run_dir / "qmp.sock")
         cs = _listen(run_dir / "ctl.sock")
-        sfd = os.open(state, os.O_RDONLY | os.O_CLOEXEC) if state is not None else None
-        out = open(run_dir / "qemu.log", "ab")  # noqa: SIM115 - handed to the child
         try:
-            a = argv(machine, disks, mem_path, share, qs.fileno(), cs.fileno(),
-                     run_dir / "console.log", sfd, self.binary)
-            fds = [qs.fileno(), cs.fileno(), *([sfd] if sfd is not None else []),
-                   *([mem_path] if isinstance(mem_path, int) else [])]
+            sfd = open_fd(state, os.O_RDONLY) if state is not None else None
+            out = open_fd(run_dir / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+            fds = Fds(
+                qs.fileno(), cs.fileno(),
+                open_fd(run_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                open_fd(machine.kernel, os.O_RDONLY), open_fd(machine.initrd, os.O_RDONLY),
+                tuple(None if d.path is None else
+                      open_fd(d.path, os.O_RDONLY if d.read_only else os.O_RDWR)
+                      for d in disks))
+            a = argv(machine, disks, mem_path, share, fds, sfd is not None, self.binary)
+            inherit = [*fds.all(), *([sfd] if sfd is not None else []),
+                       *([mem_path] if isinstance(mem_path, int) else [])]
+            user = self.run_as if not isinstance(mem_path, Path) else None
             try:
-                proc = subprocess.Popen(a, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
-                                        pass_fds=fds, start_new_session=True)
+                proc = subprocess.Popen(
+                    a, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=inherit,
+                    start_new_session=True, user=user[0] if user else None,
+                    group=user[1] if user else None, extra_groups=[] if user else None)
             except OSError as e:
                 raise BackendError(f"start {self.binary}: {e}") from e
         finally:
             qs.close()
             cs.close()
-            out.close()
-            if sfd is not None:
-                os.close(sfd)  # QEMU has its own copy
+            for fd in opened:
+                os.close(fd)  # QEMU has its own copies
         (run_dir / "qemu.pid").write_text(f"{proc.pid}\n")
         vm = QemuVm(proc.pid, run_dir, None, proc)
         if sfd is not None:
@@ -292,7 +343,7 @@ class QemuVmm:
         return vm
 
     async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                   mem_path: Path, share: bool) -> QemuVm:
+                   mem_path: Path | None, share: bool) -> QemuVm:
         return await self._start(machine, disks, run_dir, mem_path, share, None)
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,

@@ -119,9 +119,9 @@ class Vmm(Protocol):
         ...
 
     async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                   mem_path: Path, share: bool) -> Vm:
+                   mem_path: Path | None, share: bool) -> Vm:
         """Cold-boot ``machine`` with its RAM in the file ``mem_path`` (``share``: mapped
-        shared, so a template's RAM is the file itself)."""
+        shared, so a template's RAM is the file itself), or anonymous RAM when None."""
         ...
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,

@@ -23,6 +23,8 @@ from layerfs.writer import write_image
 
 BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
+#: The user the tests' VMMs run as: unprivileged, below the container uid grid (1 << 30).
+VMM_UID = 900_000_000 + os.getpid() % 100_000
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +80,7 @@ def machine(kit: guestkit.GuestKit, initrd: Path) -> Machine:
 @pytest.fixture
 def templates(vm_root: Path) -> Iterator[Templates]:
     """A template store shared by the session (the first test pays the cold boot)."""
-    t = Templates(QemuVmm(), vm_root / "templates", vm_root / "run")
+    t = Templates(QemuVmm(run_as=(VMM_UID, VMM_UID)), vm_root / "templates", vm_root / "run")
     yield t
     t.close()
 

@@ -18,7 +18,7 @@ from edged.backends.microvm.vmm import Machine
 from edged.errors import BackendError
 from edged.security.confine import WORKLOAD_CAPS
 
-from .conftest import make_layer, qemu_pids, run
+from .conftest import VMM_UID, make_layer, qemu_pids, run
 
 
 def qemu_pids_of(d: Path) -> list[int]:
@@ -139,9 +139,18 @@ def test_guest_kernel_crash_ends_only_that_vm(templates: Templates, machine: Mac
                                     _clone(templates, machine, layer, run_dir / "b"))
         try:
             h = await a.start(["sh", "-c", "echo c > /proc/sysrq-trigger"])
-            async for item in h.events():
-                last = item
-            assert last.reason == "killed"  # type: ignore[union-attr]
+
+            async def last_event() -> object:
+                async for item in h.events():
+                    last = item
+                return last
+
+            try:
+                end = await asyncio.wait_for(last_event(), 60)
+            except TimeoutError:
+                pytest.fail(f"no end after the crash; alive={a.vm.alive()}; console: "
+                            f"{console_tail(a.run_dir, 3000)!r}")
+            assert end.reason == "killed"  # type: ignore[attr-defined]
             await asyncio.wait_for(a.vm.wait_exit(), 30)
             assert "Kernel panic - not syncing: sysrq triggered crash" in console_tail(
                 a.run_dir, 20000)
@@ -189,7 +198,8 @@ def test_pause_to_a_snapshot_and_resume(templates: Templates, machine: Machine, 
 
 def test_cold_boot_without_a_template(machine: Machine, layer: Path, run_dir: Path) -> None:
     async def go() -> None:
-        g = await GuestVm.cold_boot(QemuVmm(), machine, [str(layer)], run_dir / "a",
+        g = await GuestVm.cold_boot(QemuVmm(run_as=(VMM_UID, VMM_UID)), machine,
+                                    [str(layer)], run_dir / "a",
                                     spec("cold"), disk_bytes=64 << 20)
         try:
             _, out, _ = await g.run(["hostname"])
@@ -221,6 +231,28 @@ def test_clones_map_the_template_ram_from_a_write_sealed_memfd(
                 f.write(b"x")
             _, out, _ = await g.run(["echo", "ok"])
             assert out == b"ok\n"
+        finally:
+            await g.destroy()
+
+    run(go())
+
+
+def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: Machine,
+                                                layer: Path, run_dir: Path) -> None:
+    """The clone's QEMU runs as an unprivileged user and still reads its layer in a 0700
+    root-owned directory and its kernel/initramfs: every file it has is an fd we gave it."""
+    async def go() -> None:
+        assert os.stat(layer.parent).st_mode & 0o077 == 0 and os.stat(layer.parent).st_uid == 0
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            status = Path(f"/proc/{g.vm.pid}/status").read_text()
+            uids = next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1:]
+            gids = next(ln for ln in status.splitlines() if ln.startswith("Gid:")).split()[1:]
+            groups = next(ln for ln in status.splitlines() if ln.startswith("Groups:"))
+            assert uids == [str(VMM_UID)] * 4 and gids == [str(VMM_UID)] * 4
+            assert groups.split()[1:] == []
+            _, out, _ = await g.run(["cat", "/etc/hostname"])
+            assert out == b"layer\n"
         finally:
             await g.destroy()
 

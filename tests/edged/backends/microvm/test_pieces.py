@@ -123,19 +123,29 @@ def test_boot_record_layout_and_checks() -> None:
 def test_qemu_argv() -> None:
     m = Machine("/k", "/i", "console=ttyS0", memory_mib=256, ndisks=2, tb_size_mib=16)
     disks = [Disk("/layer.erofs", "sbx-l0"), Disk("/upper.img", "sbx-upper", read_only=False)]
-    a = qemu.argv(m, disks, Path("/mem"), False, 5, 6, Path("/con"))
+    fds = qemu.Fds(5, 6, 7, 8, 9, (20, 21))
+    a = qemu.argv(m, disks, Path("/mem"), False, fds)
     s = " ".join(a)
     assert "-sandbox on,obsolete=deny,elevateprivileges=deny,spawn=deny" in s
     assert "mem-path=/mem,share=off" in s and "tcg,tb-size=16" in s
-    assert "driver=file,filename=/layer.erofs,node-name=d0,read-only=on" in s
+    # every file is an inherited fd: the VMM needs access to no path of ours
+    assert "-add-fd fd=20,set=10" in s and "-add-fd fd=21,set=11" in s
+    assert "driver=file,filename=/dev/fdset/10,node-name=d0,read-only=on" in s
+    assert "-kernel /proc/self/fd/8 -initrd /proc/self/fd/9" in s
+    assert "-add-fd fd=7,set=1 -chardev file,id=con,path=/dev/fdset/1" in s
+    assert "/layer.erofs" not in s and "/upper.img" not in s
     assert "virtio-blk-device,drive=d1,serial=sbx-upper" in s
     assert "-incoming" not in a and "-no-reboot" in a
     assert "socket,id=qmp,fd=5,server=on" in s and "socket,id=ctl,fd=6,server=on" in s
-    t = qemu.argv(m, [Disk(None, "p0"), Disk(None, "p1")], Path("/mem"), True, 5, 6,
-                  Path("/con"), incoming_fd=7)
+    t = qemu.argv(m, [Disk(None, "p0"), Disk(None, "p1")], 30, True,
+                  qemu.Fds(5, 6, 7, 8, 9, (None, None)), incoming=True)
     assert "driver=null-co" in " ".join(t) and t[-2:] == ["-incoming", "defer"]
+    assert "mem-path=/proc/self/fd/30,share=on" in " ".join(t)
+    assert "memory-backend-ram" in " ".join(qemu.argv(m, disks, None, False, fds))
     with pytest.raises(ValueError):
-        qemu.argv(m, disks[:1], Path("/mem"), False, 5, 6, Path("/con"))
+        qemu.argv(m, disks[:1], Path("/mem"), False, fds)
+    with pytest.raises(ValueError):
+        qemu.argv(m, disks, Path("/mem"), False, qemu.Fds(5, 6, 7, 8, 9, (20, None)))
     assert m.key() == Machine("/k", "/i", "console=ttyS0", memory_mib=256, ndisks=2,
                               tb_size_mib=16).key()
     assert m.key() != Machine("/k", "/i2", "console=ttyS0", memory_mib=256, ndisks=2).key()
