@@ -32,7 +32,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,22 +50,17 @@ from layerfs.mount import mounted_erofs
 from layerfs.sources.directory import load_directory
 from layerfs.writer import write_image
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_create import busybox_tree
+
 ENV = {"PATH": "/bin"}
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
 
 
 def busybox_layer(tmp: Path) -> Path:
-    root = tmp / "rootfs"
-    bb = shutil.which("busybox") or "/bin/busybox"
-    (root / "bin").mkdir(parents=True)
-    shutil.copy2(bb, root / "bin" / "busybox")
-    for a in subprocess.run([bb, "--list"], capture_output=True, text=True).stdout.split():
-        if a != "busybox":
-            (root / "bin" / a).symlink_to("busybox")
-    for d in ("proc", "dev", "sys", "tmp", "etc"):
-        (root / d).mkdir()
     out = tmp / "rootfs.erofs"
-    write_image(load_directory(root), out)
+    (tmp / "rootfs").mkdir()
+    write_image(load_directory(busybox_tree(tmp / "rootfs" / "r")), out)
     return out
 
 

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "guest.h"
+#include "sbx-init.h"
 
 #ifndef SYS_finit_module
 #define SYS_finit_module 313
@@ -183,18 +184,11 @@ static void load_modules(const char *list)
 	fclose(f);
 }
 
-static int read_small(const char *path, char *out, size_t size)
+/* The first line of sysfs file dir/file (cg_read works on any directory). */
+static int read_small(const char *dir, const char *file, char *out, size_t size)
 {
-	int fd = open(path, O_RDONLY | O_CLOEXEC);
-	ssize_t n;
-
-	if (fd < 0)
+	if (cg_read(AT_FDCWD, dir, file, out, size) < 0)
 		return -1;
-	n = read(fd, out, size - 1);
-	close(fd);
-	if (n < 0)
-		return -1;
-	out[n] = 0;
 	out[strcspn(out, "\n")] = 0;
 	return 0;
 }
@@ -210,12 +204,13 @@ static void find_port(void)
 		struct dirent *de;
 
 		while (d && (de = readdir(d))) {
-			char path[300], name[64];
+			char dir[64], name[64];
 
 			if (de->d_name[0] == '.')
 				continue;
-			snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
-			if (read_small(path, name, sizeof(name)) == 0 && !strcmp(name, SBX_GUEST_PORT)) {
+			snprintf(dir, sizeof(dir), "/sys/class/virtio-ports/%.24s", de->d_name);
+			if (read_small(dir, "name", name, sizeof(name)) == 0 &&
+			    !strcmp(name, SBX_GUEST_PORT)) {
 				snprintf(port_dev, sizeof(port_dev), "/dev/%.24s", de->d_name);
 				closedir(d);
 				for (; waited < WAIT_PORT_MS; waited++) {
@@ -262,12 +257,12 @@ static void find_disks(uint32_t n, char lowers[][32], char *upper)
 		struct dirent *de;
 
 		while (d && (de = readdir(d))) {
-			char path[300], serial[32];
+			char dir[48], serial[32];
 
 			if (strncmp(de->d_name, "vd", 2))
 				continue;
-			snprintf(path, sizeof(path), "/sys/block/%s/serial", de->d_name);
-			if (read_small(path, serial, sizeof(serial)) < 0)
+			snprintf(dir, sizeof(dir), "/sys/block/%.24s", de->d_name);
+			if (read_small(dir, "serial", serial, sizeof(serial)) < 0)
 				continue;
 			if (!strcmp(serial, SBX_GUEST_SERIAL_UPPER) && !have_upper) {
 				snprintf(upper, 32, "/dev/%.24s", de->d_name);
