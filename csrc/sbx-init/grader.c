@@ -38,6 +38,7 @@
 #define SYS_fsmount 432
 #endif
 #define FSOPEN_CLOEXEC_ 0x1
+#define FSCONFIG_SET_STRING_ 1
 #define FSCONFIG_SET_FD_ 5
 #define FSCONFIG_CMD_CREATE_ 6
 #define FSMOUNT_CLOEXEC_ 0x1
@@ -65,10 +66,33 @@ static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 	}
 	for (i = pol->n_lowers - 1; i >= 0; i--)
 		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, pol->lowers[i]) < 0)
+			break;
+	if (i >= 0 && i == pol->n_lowers - 1 && (errno == EINVAL || errno == EOPNOTSUPP)) {
+		/* no lowerdir+ before Linux 6.8 (a microVM guest's 6.1): the same
+		 * layers by their fds' paths, which the overlay looks up when it is
+		 * created, in this process */
+		static char dirs[SBX_MAX_LOWERS * 24 + 32];
+		size_t off = 0;
+
+		for (i = pol->n_lowers - 1; i >= 0; i--)
+			off += (size_t)snprintf(dirs + off, sizeof(dirs) - off, "/proc/self/fd/%d:",
+						pol->lowers[i]);
+		snprintf(dirs + off, sizeof(dirs) - off, "/proc/self/fd/%d", empty);
+		close(ovl); /* a context that refused a parameter is not reused */
+		ovl = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC_);
+		if (ovl < 0) {
+			saved = errno;
+			close(empty);
+			return sbx_fail(f, saved, "grader view", "fsopen overlay");
+		}
+		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_STRING_, "lowerdir", dirs, 0) < 0 ||
+		    syscall(SYS_fsconfig, ovl, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0)
 			goto fail;
-	if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, empty) < 0 ||
-	    syscall(SYS_fsconfig, ovl, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0)
+	} else if (i >= 0 ||
+		   syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, empty) < 0 ||
+		   syscall(SYS_fsconfig, ovl, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0) {
 		goto fail;
+	}
 	mnt = (int)syscall(SYS_fsmount, ovl, FSMOUNT_CLOEXEC_,
 			   MOUNT_ATTR_RDONLY_ | MOUNT_ATTR_NODEV_ | MOUNT_ATTR_NOSUID_);
 	if (mnt < 0)
@@ -95,6 +119,35 @@ fail:
 	return sbx_fail(f, saved, "grader view", "overlay of the layers");
 }
 
+/* Linux before 6.x (a microVM guest's 6.1) clones no tree out of a detached
+ * mount (open_tree: EINVAL): there the pristine tree is attached first, on a
+ * tmpfs over /dev/shm in this child's namespace alone, detached again once
+ * the grader paths have their clones (which stand on their own). */
+static int attach_if_needed(int *pristine_fd, int *attached, struct sbx_fail *f)
+{
+	int t = (int)syscall(SYS_open_tree, *pristine_fd, "", OPEN_TREE_CLONE | O_CLOEXEC |
+			     AT_EMPTY_PATH);
+
+	if (t >= 0) {
+		close(t);
+		return 0;
+	}
+	if (errno != EINVAL)
+		return sbx_fail(f, errno, "grader view", "clone the layers' tree");
+	if (mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,mode=0700") < 0 ||
+	    mkdir("/dev/shm/p", 0700) < 0)
+		return sbx_fail(f, errno, "grader view", "a place for the layers' tree");
+	*attached = 1;
+	if (syscall(SYS_move_mount, *pristine_fd, "", AT_FDCWD, "/dev/shm/p",
+		    MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return sbx_fail(f, errno, "grader view", "attach the layers' tree");
+	close(*pristine_fd);
+	*pristine_fd = open("/dev/shm/p", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (*pristine_fd < 0)
+		return sbx_fail(f, errno, "grader view", "open the layers' tree");
+	return 0;
+}
+
 /* Does `path` name the same symlink in the pristine tree and in our view? */
 static int same_link(int pristine_fd, const char *path)
 {
@@ -115,17 +168,23 @@ int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct
 	static char paths[128 << 10];
 	char *p, *save = NULL, opts[96];
 	struct stat want, have;
-	int pristine_fd;
+	int pristine_fd, attached = 0;
 
 	if (!pol->n_lowers)
 		return sbx_fail(f, ENOTSUP, "grader view", "no layers for it in this sandbox");
+	/* Made before this child has a mount namespace of its own: kept open
+	 * until it execs (the clones below hold the overlay), and a detached
+	 * mount either way; but a layer that is a mount of sbx-init's namespace
+	 * (a microVM guest's) is one only there: overlayfs refuses to take a
+	 * lower from another namespace ("failed to clone lowerpath"). */
+	pristine_fd = pristine_tree(pol, f);
+	if (pristine_fd < 0)
+		return -1;
 	if (unshare(CLONE_NEWNS) < 0)
 		return sbx_fail(f, errno, "grader view", "unshare the mount namespace");
 	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
 		return sbx_fail(f, errno, "grader view", "make / private");
-	/* kept open until this child execs: the clones below hold the overlay */
-	pristine_fd = pristine_tree(pol, f);
-	if (pristine_fd < 0)
+	if (attach_if_needed(&pristine_fd, &attached, f) < 0)
 		return -1;
 	snprintf(paths, sizeof(paths), "%s", pol->grader_paths ? pol->grader_paths : "");
 	for (p = strtok_r(paths, ":", &save); p; p = strtok_r(NULL, ":", &save)) {
@@ -162,6 +221,8 @@ int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct
 			return sbx_fail(f, errno, "grader view: mount over", p);
 		close(t);
 	}
+	if (attached && umount2("/dev/shm", MNT_DETACH) < 0)
+		return sbx_fail(f, errno, "grader view: detach", "/dev/shm");
 	if (lstat("/root", &have) == 0 && S_ISDIR(have.st_mode)) {
 		snprintf(opts, sizeof(opts), "size=64m,mode=0700,uid=%u,gid=%u", uid, gid);
 		if (mount("tmpfs", "/root", "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0)

@@ -478,19 +478,28 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 	step("lowers+upper");
 	must_mount("overlay", RUN "/root", "overlay", 0, opts);
 	step("overlay");
-	/* the grader's view: the lowers alone (an empty tmpfs at the bottom, since
-	 * an overlay without upper wants two lowers) */
-	g->pristine_fd = -1;
+	/* A grader's view: sbx-init makes an overlay of the layers alone when a
+	 * grader exec runs (grader.c), from their mount roots here and the upper
+	 * disk's empty/ as its bottom layer; mounted outside the sandbox's root,
+	 * so no workload process reaches them. */
+	g->n_lowers = 0;
 	if (grader[0]) {
-		must_mount("tmpfs", RUN "/empty", "tmpfs", MS_RDONLY, "size=4k,mode=0755");
-		opts[off] = 0;
-		snprintf(opts + off, sizeof(opts) - off, ":" RUN "/empty");
-		must_mount("overlay", RUN "/pristine", "overlay", MS_RDONLY, opts);
-		g->pristine_fd = open(RUN "/pristine", O_PATH | O_DIRECTORY | O_CLOEXEC);
-		if (g->pristine_fd < 0)
-			die(errno, "open the pristine tree");
+		if (mkdir(RUN "/u/empty", 0755) < 0 && errno != EEXIST)
+			die(errno, "mkdir empty/ on the upper disk");
+		for (i = 0; i < (int)b->nlayers; i++) {
+			char dir[64];
+
+			snprintf(dir, sizeof(dir), RUN "/l%d", i);
+			g->lowers[i] = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+			if (g->lowers[i] < 0)
+				die(errno, "open `%s`", dir);
+		}
+		g->n_lowers = (int)b->nlayers;
 		g->grader_paths = strdup(grader);
 	}
+	g->scratch_fd = open(RUN "/u", O_PATH | O_DIRECTORY | O_CLOEXEC);
+	if (g->scratch_fd < 0)
+		die(errno, "open the upper disk's root");
 	/* The workload's cgroup: cgroup2 mounted here, outside the sandbox's
 	 * root, so that no workload process can move itself out or raise a limit
 	 * (DAC_OVERRIDE would pass the files' modes). */
@@ -544,7 +553,7 @@ void sbx_guest_boot(struct sbx_guest *g)
 	int fl;
 
 	memset(g, 0, sizeof(*g));
-	g->port = g->landlock_fd = g->seccomp_fd = g->cgroup_fd = g->pristine_fd = -1;
+	g->port = g->landlock_fd = g->seccomp_fd = g->cgroup_fd = g->scratch_fd = -1;
 	/* step 1: the template's part */
 	must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);

@@ -87,7 +87,9 @@ struct sbx_guest {
 	int landlock_fd;  /* memfd with the ruleset blob, or -1 */
 	int seccomp_fd;   /* memfd with the seccomp program, or -1 */
 	int cgroup_fd;    /* the workload's cgroup v2 directory */
-	int pristine_fd;  /* the lowers-only tree (grader views), or -1 */
+	int lowers[SBX_GUEST_MAX_LAYERS]; /* the layers' mount roots (grader views) */
+	int n_lowers;     /* 0: no grader views */
+	int scratch_fd;   /* the upper disk's root (upper/, work/, empty/) */
 	char *grader_paths;
 	uint64_t caps;
 	uint32_t flags;

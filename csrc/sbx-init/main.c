@@ -354,6 +354,9 @@ int main(int argc, char **argv)
 		ll_fd = guest.landlock_fd;
 		sc_fd = guest.seccomp_fd;
 		s->cg.v2 = guest.cgroup_fd;
+		memcpy(s->pol.lowers, guest.lowers, sizeof(int) * (size_t)guest.n_lowers);
+		s->pol.n_lowers = guest.n_lowers;
+		s->pol.scratch_fd = guest.scratch_fd;
 		s->pol.grader_paths = guest.grader_paths;
 		s->pol.restrict_caps = !!(guest.flags & SBX_BOOT_CONFINE_CAPS);
 		s->pol.caps = guest.caps;

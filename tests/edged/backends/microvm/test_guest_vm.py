@@ -257,3 +257,30 @@ def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: M
             await g.destroy()
 
     run(go())
+
+
+def test_grader_view_in_the_guest(templates: Templates, machine: Machine, layer: Path,
+                                  run_dir: Path) -> None:
+    """A grader exec sees the grader paths as the layers hold them: what the workload
+    wrote under /etc is not there for it (on the guest's 6.1 kernel, whose overlay has no
+    lowerdir+, through the layers' fd paths)."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a", caps=WORKLOAD_CAPS,
+                         grader_paths=("/etc",))
+        try:
+            await g.run(["sh", "-c", "echo evil > /etc/injected; echo x >> /etc/hostname"])
+            h = await g.conn.exec(("sh", "-c", "ls /etc; cat /etc/hostname"),
+                                  {"PATH": "/bin"}, grader=True)
+            out = bytearray()
+            async for item in h.events():
+                if isinstance(item, tuple):
+                    out += item[1]
+                else:
+                    assert item.exit_code == 0, (item, bytes(out))
+            assert bytes(out) == b"hostname\nlayer\n"
+            _, seen, _ = await g.run(["ls", "/etc"])
+            assert b"injected" in seen
+        finally:
+            await g.destroy()
+
+    run(go())
