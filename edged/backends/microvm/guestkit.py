@@ -352,12 +352,14 @@ def host_tsc_khz() -> int:
 def cmdline(tsc_khz: int | None = None) -> str:
     """The guest kernel's command line: the console on the ISA serial port, ``quiet`` (a
     panic's message still shows: it is KERN_EMERG), ``panic=-1`` (reboot at once, which ends
-    the VMM under ``-no-reboot``), the TSC frequency, sbx-init as the initramfs's init in
-    guest mode (``-- -g``). Not ``acpi=off`` (microvm lists its virtio-mmio devices in ACPI)
-    nor ``pit=off`` (host.md)."""
+    the VMM under ``-no-reboot``) by a triple fault (``reboot=t``: the default tries ACPI,
+    then the keyboard controller microvm lacks, waiting on it for seconds: under load a
+    crashed guest's VMM was seen still running a minute later), the TSC frequency, sbx-init
+    as the initramfs's init in guest mode (``-- -g``). Not ``acpi=off`` (microvm lists its
+    virtio-mmio devices in ACPI) nor ``pit=off`` (host.md)."""
     khz = host_tsc_khz() if tsc_khz is None else tsc_khz
-    parts = ["console=ttyS0", "quiet", "panic=-1", "rdinit=/init", "random.trust_cpu=on",
-             "8250.nr_uarts=1", "rcupdate.rcu_expedited=1"]
+    parts = ["console=ttyS0", "quiet", "panic=-1", "reboot=t", "rdinit=/init",
+             "random.trust_cpu=on", "8250.nr_uarts=1", "rcupdate.rcu_expedited=1"]
     if khz:
         parts.append(f"tsc_early_khz={khz}")
     return " ".join(parts) + " -- -g"

@@ -147,7 +147,7 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, s
 
 
 class QemuVm:
-    """A QEMU process (ours, or found again after a restart: :meth:`attach`)."""
+    """A QEMU process we started."""
 
     def __init__(self, pid: int, run_dir: Path, qmp: Qmp | None,
                  proc: subprocess.Popen[bytes] | None) -> None:
@@ -172,18 +172,6 @@ class QemuVm:
     @property
     def qmp_path(self) -> Path:
         return self.run_dir / "qmp.sock"
-
-    @classmethod
-    async def attach(cls, run_dir: Path, pid: int) -> QemuVm:
-        """A live QEMU of a previous daemon: reconnect to its QMP socket. Raises
-        BackendError if the process or its monitor is gone."""
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError as e:
-            raise BackendError(f"QEMU {pid}: gone") from e
-        vm = cls(pid, run_dir, None, None)
-        await vm.qmp()
-        return vm
 
     async def qmp(self) -> Qmp:
         """The QMP connection (made on first use). Raises QmpError."""

@@ -193,6 +193,7 @@ class Templates:
         except BaseException:
             await vm.kill()
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(run_dir, ignore_errors=True)
             raise
         await vm.kill()
         shutil.rmtree(run_dir, ignore_errors=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edged.backends.microvm import boot
+from edged.backends.microvm import accel, boot
 from edged.backends.microvm.guest import GuestVm
 from edged.backends.microvm.qemu import QemuVmm
 from edged.backends.microvm.template import Templates, console_tail
@@ -282,5 +282,22 @@ def test_grader_view_in_the_guest(templates: Templates, machine: Machine, layer:
             assert b"injected" in seen
         finally:
             await g.destroy()
+
+    run(go())
+
+
+def test_accelerator_probe_boots_within_its_bound(machine: Machine, run_dir: Path) -> None:
+    """KVM only if a KVM guest reaches sbx-init within the bound (here /dev/kvm exists but
+    hangs guests: TCG with the reason); the probe leaves no VM behind."""
+    async def go() -> None:
+        t0 = time.monotonic()
+        verdict = await accel.probe(QemuVmm(), machine, run_dir / "probe", bound_s=5)
+        assert time.monotonic() - t0 < 30
+        assert verdict.accel in ("kvm", "tcg")
+        if verdict.accel == "kvm":
+            assert verdict.boot_s is not None and verdict.boot_s < 5
+        elif os.path.exists("/dev/kvm"):
+            assert "no guest within 5 s" in verdict.reason or "refused" in verdict.reason
+        assert not list((run_dir / "probe").iterdir())
 
     run(go())

@@ -95,6 +95,7 @@ def test_initramfs_is_deterministic_newc(tmp_path: Path) -> None:
 def test_cmdline_has_the_guest_mode_and_tsc() -> None:
     c = guestkit.cmdline(2299998)
     assert c.endswith(" -- -g") and "tsc_early_khz=2299998" in c and "panic=-1" in c
+    assert "reboot=t" in c
     assert "acpi=off" not in c and "pit=off" not in c
 
 
