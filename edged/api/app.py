@@ -16,35 +16,39 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import codecs
 import contextlib
 import errno
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from edged.api import requests
+from edged.api import harness, requests
+from edged.api.common import (
+    FILE_CHUNK,
+    MANAGER,
+    MAX_JSON_BODY,
+    ClientGone,
+    Handler,
+    OutputEncoder,
+    client_gone,
+    json_body,
+    manager_of,
+    sandbox_id_of,
+    stream_events,
+    until_gone,
+)
 from edged.backends.base import ExecEnd, ExecHandle
-from edged.errors import BadRequest, EdgedError, PayloadTooLarge
+from edged.errors import BadRequest, EdgedError
 from edged.node.manager import SandboxManager
 from edged.security import http as security_http
 from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.api")
-
-MANAGER: web.AppKey[SandboxManager] = web.AppKey("manager", SandboxManager)
-FILE_CHUNK = 256 << 10
-#: how often a streaming exec checks that its client is still there (seconds)
-DISCONNECT_POLL_S = 0.2
-MAX_JSON_BODY = 4 << 20
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 def error_response(code: str, message: str, status: int,
                    retry_after: float | None = None) -> web.Response:
@@ -85,7 +89,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             return error_response("capacity_exhausted",
                                   f"node out of file descriptors: {e.strerror}", 503,
                                   mgr.config.retry_after_s)
-        if isinstance(e, ConnectionError) and _client_gone(request):
+        if isinstance(e, ConnectionError) and client_gone(request):
             # aiohttp says so in several ways (ConnectionResetError, "Cannot write to
             # closing transport", ConnectionError("Connection lost") from a drain): none
             # is an error of ours, and there is nobody left to answer
@@ -96,50 +100,12 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return error_response("internal", f"internal error: {type(e).__name__}: {e}", 500)
 
 
-def _client_gone(request: web.Request) -> bool:
-    """Whether the request's client has closed (or lost) its connection."""
-    t = request.transport
-    return t is None or t.is_closing()
-
-
-async def json_body(request: web.Request) -> Any:
-    """The request's whole JSON body ({} if empty); :class:`BadRequest` if not JSON,
-    :class:`PayloadTooLarge` (413) over ``MAX_JSON_BODY`` bytes."""
-    if not request.body_exists:
-        return {}
-    # StreamReader.read(n) returns what has arrived so far, not n bytes: read to EOF
-    chunks: list[bytes] = []
-    size = 0
-    while chunk := await request.content.read(MAX_JSON_BODY + 1 - size):
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_JSON_BODY:
-            raise PayloadTooLarge(f"body: larger than {MAX_JSON_BODY} bytes")
-    raw = b"".join(chunks)
-    if not raw.strip():
-        return {}
-    try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise BadRequest(f"body: not valid JSON: {e}") from e
-    except RecursionError as e:  # e.g. 100,000 nested arrays: no body of ours nests that deep
-        raise BadRequest("body: JSON nested too deeply") from e
-
-
-def _m(request: web.Request) -> SandboxManager:
-    return request.app[MANAGER]
-
-
-def _sid(request: web.Request) -> str:
-    return request.match_info["id"]
-
-
 # -- sandboxes ----------------------------------------------------------------------------
 
 
 async def create_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes → 201 sandbox (spec: createSandbox)."""
-    rec = await _m(request).create(requests.parse_create(await json_body(request)))
+    rec = await manager_of(request).create(requests.parse_create(await json_body(request)))
     return web.json_response(rec.to_json(), status=201)
 
 
@@ -152,34 +118,34 @@ async def list_sandboxes(request: web.Request) -> web.Response:
             raise BadRequest(f"label {sel!r}: must be key=value")
         want[k] = v
     requests.labels(want, bounded=False)
-    recs = _m(request).find(want)
+    recs = manager_of(request).find(want)
     return web.json_response({"sandboxes": [r.to_json() for r in recs]})
 
 
 async def get_sandbox(request: web.Request) -> web.Response:
     """GET /v1/sandboxes/{id} → the sandbox object."""
-    return web.json_response(_m(request).get(_sid(request)).to_json())
+    return web.json_response(manager_of(request).get(sandbox_id_of(request)).to_json())
 
 
 async def delete_sandbox(request: web.Request) -> web.Response:
     """DELETE /v1/sandboxes/{id} → the final object (state stopped)."""
-    rec = await _m(request).delete(_sid(request))
+    rec = await manager_of(request).delete(sandbox_id_of(request))
     return web.json_response(rec.to_json())
 
 
 async def pause_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/pause → the sandbox (paused)."""
-    return web.json_response((await _m(request).pause(_sid(request))).to_json())
+    return web.json_response((await manager_of(request).pause(sandbox_id_of(request))).to_json())
 
 
 async def resume_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/resume → the sandbox (running)."""
-    return web.json_response((await _m(request).resume(_sid(request))).to_json())
+    return web.json_response((await manager_of(request).resume(sandbox_id_of(request))).to_json())
 
 
 async def set_timeout(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/timeout {ttl_s, idle_timeout_s} → the sandbox."""
-    mgr, sid = _m(request), _sid(request)
+    mgr, sid = manager_of(request), sandbox_id_of(request)
     body = await json_body(request)
     mgr.get(sid)  # an unknown sandbox is a 404 whatever the body
     rec = mgr.set_timeout(sid, requests.parse_timeout(body))
@@ -188,7 +154,7 @@ async def set_timeout(request: web.Request) -> web.Response:
 
 async def signal_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/signal {signal, exec_id?, all?} → {exec_ids, killed?}."""
-    mgr, sid = _m(request), _sid(request)
+    mgr, sid = manager_of(request), sandbox_id_of(request)
     body = await json_body(request)
     mgr.get(sid)
     return web.json_response(await mgr.signal(sid, requests.parse_signal(body)))
@@ -196,7 +162,7 @@ async def signal_sandbox(request: web.Request) -> web.Response:
 
 async def sandbox_stats(request: web.Request) -> web.Response:
     """GET /v1/sandboxes/{id}/stats → backend usage figures."""
-    return web.json_response(await _m(request).stats(_sid(request)))
+    return web.json_response(await manager_of(request).stats(sandbox_id_of(request)))
 
 
 # -- exec ---------------------------------------------------------------------------------
@@ -209,32 +175,7 @@ def end_json(end: ExecEnd, exec_id: int) -> dict[str, Any]:
     return d
 
 
-class _Encoder:
-    """Output chunks → JSON-safe strings: text (incremental UTF-8, invalid bytes replaced, a
-    character split across chunks kept whole) or base64."""
-
-    def __init__(self, encoding: str) -> None:
-        self.b64 = encoding == "base64"
-        self.dec = {s: codecs.getincrementaldecoder("utf-8")("replace")
-                    for s in ("stdout", "stderr")}
-
-    def encode(self, stream: str, data: bytes, final: bool = False) -> str:
-        if self.b64:
-            return base64.b64encode(data).decode()
-        return str(self.dec[stream].decode(data, final))
-
-    def flush(self) -> list[tuple[str, str]]:
-        if self.b64:
-            return []
-        out = []
-        for s, d in self.dec.items():
-            rest = d.decode(b"", True)
-            if rest:
-                out.append((s, rest))
-        return out
-
-
-async def _events(handle: ExecHandle, enc: _Encoder) -> AsyncIterator[dict[str, Any]]:
+async def _events(handle: ExecHandle, enc: OutputEncoder) -> AsyncIterator[dict[str, Any]]:
     yield {"start": {"exec_id": handle.exec_id}}
     async for ev in handle.events():
         if isinstance(ev, ExecEnd):
@@ -248,55 +189,15 @@ async def _events(handle: ExecHandle, enc: _Encoder) -> AsyncIterator[dict[str, 
             yield {stream: text}
 
 
-class _ClientGone(ConnectionResetError):
-    """The client closed or lost its connection while its exec streamed."""
-
-
-async def _until_gone(request: web.Request) -> None:
-    """Return once the request's client has gone. Polled: aiohttp neither cancels a handler
-    when its client goes nor tells it, and a silent exec (``sleep``) writes nothing that
-    could fail."""
-    while not _client_gone(request):
-        await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-async def _stream(events: AsyncIterator[dict[str, Any]],
-                  send: Callable[[dict[str, Any]], Awaitable[None]],
-                  gone: Awaitable[None]) -> None:
-    """``send`` every event, unless ``gone`` (the client's going) completes first: then
-    :class:`_ClientGone` (an error ``gone`` raised is raised as it is). The exec's
-    context (:meth:`SandboxManager.exec`) then kills what is left of the exec."""
-
-    async def pump() -> None:
-        async for ev in events:
-            await send(ev)
-
-    pumping = asyncio.ensure_future(pump())
-    watching = asyncio.ensure_future(gone)
-    try:
-        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (pumping, watching):
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await t
-    if pumping.done() and not pumping.cancelled():
-        pumping.result()
-        return
-    watching.result()
-    raise _ClientGone("the client went away")
-
-
 async def exec_ndjson(request: web.Request) -> web.StreamResponse:
     """POST /v1/sandboxes/{id}/exec → NDJSON stream: start, output chunks, end."""
-    mgr = _m(request)
-    sid = _sid(request)
+    mgr = manager_of(request)
+    sid = sandbox_id_of(request)
     body = await json_body(request)
     mgr.get(sid)  # an unknown sandbox is a 404 whatever the body
     req = requests.parse_exec(body)
     spec = mgr.exec_spec(sid, req)
-    enc = _Encoder(req.encoding)
+    enc = OutputEncoder(req.encoding)
     stdin = req.stdin
     if stdin is True:
         raise BadRequest("stdin: interactive stdin needs the WebSocket endpoint (exec/ws)")
@@ -311,7 +212,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
         try:
             await resp.write(json.dumps(ev).encode() + b"\n")
         except ConnectionError as e:
-            raise _ClientGone(str(e)) from e
+            raise ClientGone(str(e)) from e
 
     try:
         async with mgr.exec(sid, spec) as handle:
@@ -324,7 +225,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
                 feeder = asyncio.ensure_future(feed())
             try:
                 await resp.prepare(request)
-                await _stream(_events(handle, enc), send, _until_gone(request))
+                await stream_events(_events(handle, enc), send, until_gone(request))
             finally:
                 if feeder is not None:
                     feeder.cancel()
@@ -332,15 +233,15 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
                     mgr.metrics.execs.labels(reason=ended["reason"]).inc()
                     mgr.metrics.exec_seconds.observe(ended["duration_s"])
         await resp.write_eof()
-    except _ClientGone as e:
+    except ClientGone as e:
         log.debug("exec in %s: the client went away (%s)", sid, e)
     return resp
 
 
 async def exec_ws(request: web.Request) -> web.StreamResponse:
     """GET /v1/sandboxes/{id}/exec/ws: the WebSocket variant (stdin, PTY, resize)."""
-    mgr = _m(request)
-    sid = _sid(request)
+    mgr = manager_of(request)
+    sid = sandbox_id_of(request)
     mgr.get(sid)  # 404 before the upgrade
     ws = web.WebSocketResponse(heartbeat=30)
     await ws.prepare(request)
@@ -350,13 +251,13 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
             raise BadRequest("first message: must be the exec object")
         req = requests.parse_exec(msg, stdin_default=True)
         spec = mgr.exec_spec(sid, req)
-        enc = _Encoder(req.encoding)
+        enc = OutputEncoder(req.encoding)
 
         async def send(ev: dict[str, Any]) -> None:
             try:
                 await ws.send_json(ev)
             except ConnectionError as e:
-                raise _ClientGone(str(e)) from e
+                raise ClientGone(str(e)) from e
             if "end" in ev:
                 mgr.metrics.execs.labels(reason=ev["end"]["reason"]).inc()
 
@@ -364,8 +265,8 @@ async def exec_ws(request: web.Request) -> web.StreamResponse:
             if spec.pty and req.rows is not None and req.cols is not None:
                 await handle.resize(req.rows, req.cols)
             # the reader ends when the client closes the WebSocket (or loses it)
-            await _stream(_events(handle, enc), send, _ws_input(ws, handle))
-    except _ClientGone as e:
+            await stream_events(_events(handle, enc), send, _ws_input(ws, handle))
+    except ClientGone as e:
         log.debug("exec in %s: the client went away (%s)", sid, e)
     except EdgedError as e:
         with contextlib.suppress(ConnectionError):
@@ -457,14 +358,15 @@ async def put_file(request: web.Request) -> web.Response:
         async for chunk in request.content.iter_chunked(FILE_CHUNK):
             yield chunk
 
-    n = await _m(request).put_file(_sid(request), path, chunks(), mode=mode, uid=uid, gid=gid)
+    n = await manager_of(request).put_file(sandbox_id_of(request), path, chunks(), mode=mode,
+                                           uid=uid, gid=gid)
     return web.json_response({"path": path, "bytes": n})
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
     """GET /v1/sandboxes/{id}/files?path= → the file, streamed."""
     path = _path_query(request)
-    it = await _m(request).get_file(_sid(request), path)
+    it = await manager_of(request).get_file(sandbox_id_of(request), path)
     # Pull the first chunk before answering so "no such file" is a proper 404, not a
     # truncated 200.
     try:
@@ -487,7 +389,7 @@ async def get_file(request: web.Request) -> web.StreamResponse:
 
 async def list_images(request: web.Request) -> web.Response:
     """GET /v1/images → every registered image."""
-    return web.json_response({"images": _m(request).images.all()})
+    return web.json_response({"images": manager_of(request).images.all()})
 
 
 async def put_image(request: web.Request) -> web.Response:
@@ -495,18 +397,18 @@ async def put_image(request: web.Request) -> web.Response:
     body = await json_body(request)
     if not isinstance(body, dict) or set(body) != {"name", "layers"}:
         raise BadRequest("body: must be {\"name\": \"name:tag\", \"layers\": [digest, ...]}")
-    mgr = _m(request)
+    mgr = manager_of(request)
     return web.json_response(mgr.images.put(body["name"], body["layers"]), status=201)
 
 
 async def get_image(request: web.Request) -> web.Response:
     """GET /v1/images/{name:tag} → the image."""
-    return web.json_response(_m(request).images.get(request.match_info["ref"]))
+    return web.json_response(manager_of(request).images.get(request.match_info["ref"]))
 
 
 async def delete_image(request: web.Request) -> web.Response:
     """DELETE /v1/images/{name:tag} → the image removed."""
-    mgr = _m(request)
+    mgr = manager_of(request)
     ref = request.match_info["ref"]
     img = mgr.images.get(ref)
     mgr.images.delete(ref)
@@ -515,12 +417,12 @@ async def delete_image(request: web.Request) -> web.Response:
 
 async def node_info(request: web.Request) -> web.Response:
     """GET /v1/node → capacity, allocations, layer mounts, probed features."""
-    return web.json_response(_m(request).node_info())
+    return web.json_response(manager_of(request).node_info())
 
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics → Prometheus text format."""
-    m = _m(request).metrics
+    m = manager_of(request).metrics
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
@@ -546,6 +448,7 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/sandboxes/{id}/events", security_http.sandbox_events),
     ("GET", "/v1/events", security_http.node_events),
     ("GET", "/metrics", metrics),
+    *harness.ROUTES,
 ]
 
 

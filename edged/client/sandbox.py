@@ -11,6 +11,7 @@ from typing import IO, Any
 from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
 from edged.client._http import Transport, path_for
 from edged.client.errors import NotFoundError
+from edged.client.session import Session, session_body
 
 FILE_CHUNK = 256 << 10
 
@@ -206,6 +207,20 @@ class Sandbox:
             q.append(("kind", kind))
         data = self._t.json("GET", path_for("sandboxes", self.id, "events", query=q))
         return builtins.list(data["events"])
+
+    def session(self, *, id: str | None = None, shell: str | None = None,
+                env: Mapping[str, str] | None = None, cwd: str | None = None,
+                user: int | None = None) -> Session:
+        """Start a persistent shell session (``shell``: ``"bash"``, ``"sh"`` or None: bash
+        if the sandbox has it). See :class:`edged.client.session.Session`."""
+        body = session_body(id=id, shell=shell, env=env, cwd=cwd, user=user)
+        return Session(self, self._t.json("POST", path_for("sandboxes", self.id, "sessions"),
+                                          body))
+
+    def sessions(self) -> builtins.list[Session]:
+        """The sandbox's shell sessions, oldest first."""
+        data = self._t.json("GET", path_for("sandboxes", self.id, "sessions"))
+        return [Session(self, s) for s in data["sessions"]]
 
     def kill(self) -> None:
         """Destroy the sandbox (idempotent: an already gone sandbox is fine)."""

@@ -43,6 +43,7 @@ from edged.node.fds import FdBudget
 from edged.node.reclaim import ReclaimConfig, Reclaimer
 from edged.node.requests import CreateRequest, ExecRequest, SignalRequest, TimeoutRequest
 from edged.node.sandbox import SandboxRecord, State, default_hostname
+from edged.node.sessions import Sessions
 from edged.node.swap import SwapManager
 from edged.security.ledger import Ledger
 
@@ -106,6 +107,8 @@ class SandboxManager:
         #: the security-event ledger (set by the daemon; None: events are not kept)
         self.ledger: Ledger | None = None
         self.default_resources = Resources()
+        #: the sandboxes' shell sessions (POST /v1/sandboxes/{id}/sessions)
+        self.sessions = Sessions(self)
 
     # -- records --------------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class SandboxManager:
         return max(0, min(self.reclaimer.reclaimable(ratio), int(room * (1 - 1 / ratio))))
 
     def _forget(self, rec: SandboxRecord, cause: str) -> None:
+        self.sessions.forget(rec.id)
         self._starts.pop(rec.id, None)
         self.reclaimer.forget(rec.id)
         if self.ledger is not None and rec.id in self._sandboxes:
@@ -498,9 +502,11 @@ class SandboxManager:
         )
 
     @asynccontextmanager
-    async def exec(self, sandbox_id: str, spec: ExecSpec) -> AsyncIterator[ExecHandle]:
+    async def exec(self, sandbox_id: str, spec: ExecSpec, *,
+                   counts_active: bool = True) -> AsyncIterator[ExecHandle]:
         """Start ``spec`` in a running sandbox; yields the handle while the caller streams
-        its events. Counts as activity (no idle reaping while an exec runs).
+        its events. Counts as activity (no idle reaping while an exec runs), unless
+        ``counts_active`` is False (a shell session waiting between runs: its runs count).
 
         An exec left before its end (the caller cancelled, e.g. a trainer's per-step
         timeout; its client disconnected; an error) is abandoned: its whole process tree is
@@ -516,7 +522,8 @@ class SandboxManager:
             raise
         if reclaimed:  # the first exec on a reclaimed sandbox: its wake
             self.metrics.wake_seconds.observe(time.monotonic() - t0)
-        rec.active_execs += 1
+        active = 1 if counts_active else 0
+        rec.active_execs += active
         rec.touch()
         execs = self._execs.setdefault(sandbox_id, {})
         execs[handle.exec_id] = handle
@@ -531,7 +538,7 @@ class SandboxManager:
                 handle.abandon()
                 self._abandoned(sandbox_id, handle.exec_id, spec, how)
             execs.pop(handle.exec_id, None)
-            rec.active_execs -= 1
+            rec.active_execs -= active
             rec.touch()
             start = self._starts.pop(sandbox_id, None)
             if start is not None:  # off the exec's path: the stream ends without waiting

@@ -1,0 +1,147 @@
+"""Routes for agent harnesses: shell sessions (``/v1/sandboxes/{id}/sessions``).
+
+A run streams as NDJSON like an exec: ``{"start": {"session", "run"}}``, ``{"stdout": s}`` /
+``{"stderr": s}`` (text, or base64 with ``"encoding": "base64"``), then one ``{"end": {reason,
+exit_code, signal, duration_s, session_ended}}`` (see :mod:`edged.node.sessions`). A client
+that goes away mid-run gets its run interrupted; the session stays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from edged.api import requests
+from edged.api.common import (
+    ClientGone,
+    Handler,
+    OutputEncoder,
+    json_body,
+    manager_of,
+    sandbox_id_of,
+    stream_events,
+    until_gone,
+)
+from edged.errors import BadRequest
+from edged.node.sessions import RunEnd
+
+log = logging.getLogger("edged.api")
+
+_SESSION_FIELDS = {"id", "shell", "env", "cwd", "uid", "gid"}
+_RUN_FIELDS = {"cmd", "timeout_s", "output_limit", "encoding"}
+
+
+def _fields(body: object, allowed: set[str]) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise BadRequest("body: must be a JSON object")
+    unknown = set(body) - allowed
+    if unknown:
+        raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
+    return body
+
+
+async def create_session(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/sessions {id?, shell?, env?, cwd?, uid?, gid?} → 201 session."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    b = _fields(await json_body(request), _SESSION_FIELDS)
+    mgr.get(sid)
+    session_id = b.get("id")
+    if session_id is not None and not isinstance(session_id, str):
+        raise BadRequest("id: must be a string")
+    shell = b.get("shell")
+    if shell is not None and shell not in ("bash", "sh"):
+        raise BadRequest("shell: must be 'bash' or 'sh'")
+    cwd = b.get("cwd", "/")
+    if not isinstance(cwd, str) or not cwd.startswith("/") or "\0" in cwd:
+        raise BadRequest("cwd: must be an absolute path")
+    ids = {k: requests.integer(b.get(k, 0), k, minimum=0, maximum=65535) for k in ("uid", "gid")}
+    s = await mgr.sessions.create(sid, session_id=session_id, shell=shell,
+                                  env=requests.env(b.get("env"), "env"), cwd=cwd, **ids)
+    return web.json_response(s.to_json(), status=201)
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/sessions → {"sessions": [...]}."""
+    sessions = manager_of(request).sessions.list(sandbox_id_of(request))
+    return web.json_response({"sessions": [s.to_json() for s in sessions]})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/sessions/{session} → the session."""
+    s = manager_of(request).sessions.get(sandbox_id_of(request), request.match_info["session"])
+    return web.json_response(s.to_json())
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    """DELETE /v1/sandboxes/{id}/sessions/{session} → the session, ended."""
+    s = await manager_of(request).sessions.close(sandbox_id_of(request),
+                                                 request.match_info["session"])
+    return web.json_response(s.to_json())
+
+
+async def run_in_session(request: web.Request) -> web.StreamResponse:
+    """POST /v1/sandboxes/{id}/sessions/{session}/run {cmd, timeout_s?, output_limit?,
+    encoding?} → NDJSON: start, output chunks, end."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    session_id = request.match_info["session"]
+    b = _fields(await json_body(request), _RUN_FIELDS)
+    mgr.sessions.get(sid, session_id)
+    cmd = b.get("cmd")
+    if not isinstance(cmd, str) or not cmd.strip():
+        raise BadRequest("cmd: must be a non-empty string")
+    timeout = b.get("timeout_s")
+    if timeout is not None:
+        timeout = requests.number(timeout, "timeout_s", minimum=0.001)
+    limit = b.get("output_limit")
+    if limit is not None:
+        limit = requests.integer(limit, "output_limit", minimum=1, maximum=requests.MAX_BYTES)
+    encoding = b.get("encoding", "text")
+    if encoding not in ("text", "base64"):
+        raise BadRequest(f"encoding: {encoding!r} is not 'text' or 'base64'")
+    enc = OutputEncoder(encoding)
+    items = await mgr.sessions.run(sid, session_id, cmd, timeout_s=timeout,
+                                   output_limit=limit)
+    number = mgr.sessions.get(sid, session_id).runs
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    resp.enable_chunked_encoding()
+
+    async def events() -> AsyncIterator[dict[str, Any]]:
+        yield {"start": {"session": session_id, "run": number}}
+        async for item in items:
+            if isinstance(item, RunEnd):
+                for s, text in enc.flush():
+                    yield {s: text}
+                yield {"end": item.to_json()}
+                return
+            text = enc.encode(item[0], item[1])
+            if text:
+                yield {item[0]: text}
+
+    async def send(ev: dict[str, Any]) -> None:
+        try:
+            await resp.write(json.dumps(ev).encode() + b"\n")
+        except ConnectionError as e:
+            raise ClientGone(str(e)) from e
+
+    try:
+        await resp.prepare(request)
+        await stream_events(events(), send, until_gone(request))
+        await resp.write_eof()
+    except ClientGone as e:
+        log.debug("session run in %s/%s: the client went away (%s)", sid, session_id, e)
+    finally:
+        await items.aclose()  # an unfinished run is interrupted in the background
+    return resp
+
+
+ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/v1/sandboxes/{id}/sessions", create_session),
+    ("GET", "/v1/sandboxes/{id}/sessions", list_sessions),
+    ("GET", "/v1/sandboxes/{id}/sessions/{session}", get_session),
+    ("DELETE", "/v1/sandboxes/{id}/sessions/{session}", delete_session),
+    ("POST", "/v1/sandboxes/{id}/sessions/{session}/run", run_in_session),
+]
