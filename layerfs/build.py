@@ -282,6 +282,20 @@ def _build(src: str, *, kind: str, store: Store | None, output: str | None,
                       scratch=scratch, progress=progress) for j in jobs]
 
 
+def build_tree(tree: Tree, *, kind: str, store: Store, source: str,
+               options: WriterOptions | None = None) -> BuildResult:
+    """Write ``tree`` (e.g. :func:`layerfs.sources.upper.load_upper`'s) as one layer into
+    ``store``; ``source`` is recorded in its manifest. The files the tree points at must
+    not change until this returns (the writer refuses one that did). Raises what
+    :func:`build_layers` raises; on error nothing is added."""
+    check_kind(kind)
+    csize = check_chunk_size(store.chunk_size)
+    opts = writer_options(options, csize)
+    with _scratch(store) as scratch:
+        return _emit(_Job(tree, source, None), kind=kind, store=store, opts=opts,
+                     chunk_size=csize, scratch=scratch, progress=None)
+
+
 def build_layer(src: str, *, kind: str, store: Store | None, output: str | None = None,
                 options: WriterOptions | None = None, flatten: bool = False,
                 chunk_size: int | None = None, clamp_mtime: bool = False,

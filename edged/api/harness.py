@@ -1,4 +1,5 @@
-"""Routes for agent harnesses: shell sessions (``/v1/sandboxes/{id}/sessions``).
+"""Routes for agent harnesses: shell sessions (``/v1/sandboxes/{id}/sessions``) and
+snapshots of a sandbox into a layer (``/v1/sandboxes/{id}/snapshot``).
 
 A run streams as NDJSON like an exec: ``{"start": {"session", "run"}}``, ``{"stdout": s}`` /
 ``{"stderr": s}`` (text, or base64 with ``"encoding": "base64"``), then one ``{"end": {reason,
@@ -138,7 +139,30 @@ async def run_in_session(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+_SNAPSHOT_FIELDS = {"kind", "exclude", "image"}
+LAYER_KINDS = ("base", "workspace", "toolkit")
+
+
+async def snapshot_sandbox(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/snapshot {kind?, exclude?, image?} → 201 the new layer."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    b = _fields(await json_body(request), _SNAPSHOT_FIELDS)
+    mgr.get(sid)
+    kind = b.get("kind", "workspace")
+    if kind not in LAYER_KINDS:
+        raise BadRequest(f"kind: must be one of {', '.join(LAYER_KINDS)}")
+    exclude = b.get("exclude", [])
+    if not isinstance(exclude, list) or not all(isinstance(p, str) for p in exclude):
+        raise BadRequest("exclude: must be a list of path patterns")
+    image = b.get("image")
+    if image is not None and not isinstance(image, str):
+        raise BadRequest("image: must be a name:tag string")
+    out = await mgr.snapshot(sid, kind=kind, exclude=exclude, image=image)
+    return web.json_response(out, status=201)
+
+
 ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/v1/sandboxes/{id}/snapshot", snapshot_sandbox),
     ("POST", "/v1/sandboxes/{id}/sessions", create_session),
     ("GET", "/v1/sandboxes/{id}/sessions", list_sessions),
     ("GET", "/v1/sandboxes/{id}/sessions/{session}", get_session),

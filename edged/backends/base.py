@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
 #: syscall=, path=, address=, detail=)``, the signature of
@@ -308,4 +308,26 @@ class Backend(Protocol):
     async def close(self) -> None:
         """Release what the backend holds for itself (pools, control connections) at
         daemon shutdown; live sandboxes keep running for a later :meth:`adopt`."""
+        ...
+
+
+@dataclass(frozen=True)
+class UpperDir:
+    """A sandbox's writable layer as the host sees it: ``path``, an overlayfs upper
+    directory (whiteouts as 0:0 character devices, opaque directories by xattr), owned by
+    the host ids ``id_base .. id_base + id_count - 1`` of the sandbox's user namespace."""
+
+    path: str
+    id_base: int
+    id_count: int
+
+
+@runtime_checkable
+class SnapshotSource(Protocol):
+    """A backend whose sandboxes' disk changes can become a layer (``POST
+    /v1/sandboxes/{id}/snapshot``): optional, the daemon asks with ``isinstance``."""
+
+    def upper_dir(self, sandbox_id: str) -> UpperDir:
+        """Where the sandbox's upper directory is now. Raises NotFound, InvalidState (the
+        sandbox has no upper the host can read)."""
         ...

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -29,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from edged.backends.base import LayerForm
-from edged.errors import BackendError, EdgedError, NotFound
+from edged.backends.base import LayerForm, UpperDir
+from edged.errors import BackendError, BadRequest, EdgedError, NotFound
 from edged.images.registry import check_digest
 
 log = logging.getLogger("edged.images")
@@ -57,7 +58,10 @@ class LayerOps:
     the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
     of the layer source's metrics, if it has any. ``fetched() -> {digest:
     LayerCounters}``: what the node has fetched and served so far of each layer it serves
-    lazily.
+    lazily. ``add_upper(upper, kind, exclude) -> dict``: make a sandbox's upper directory
+    (:class:`~edged.backends.base.UpperDir`) a layer in the store the node loads layers
+    from (a snapshot; None where the node cannot add layers, e.g. a chunk server remote):
+    its digest, size and what was left out (:class:`layerfs.sources.upper.UpperReport`).
     """
 
     image: Callable[[str], str]
@@ -68,6 +72,7 @@ class LayerOps:
     close: Callable[[], object] | None = None
     collector: Any = None
     fetched: Callable[[], dict[str, LayerCounters]] | None = None
+    add_upper: Callable[[UpperDir, str, list[str]], dict[str, Any]] | None = None
 
 
 class LayerMounts:
@@ -105,14 +110,18 @@ class LayerMounts:
         from layerfs.manager import LayerManager
 
         has: Callable[[str], bool]
+        writable: str | None = None  # the store new layers go to (snapshots)
         if not remote:
             from layerfs.store import Store
 
             st = Store(store_dir or None)
             remote = "file:" + st.root
             has = st.has_layer
+            writable = st.root
         else:
             has = functools.partial(_remote_has, remote)
+            if remote.startswith("file:"):
+                writable = remote[5:]
         try:
             mgr = LayerManager(str(cache_dir), remote, str(mount_dir), idle_seconds=0.0,
                                fetch_timeout=fetch_timeout, cache_limit=cache_limit)
@@ -145,9 +154,12 @@ class LayerMounts:
                                      float(st["wait_seconds"]))
                     for d, st in mgr.client.stats()["layers"].items()}
 
+        def add_upper(upper: UpperDir, kind: str, exclude: list[str]) -> dict[str, Any]:
+            return _add_upper(writable, upper, kind, exclude)
+
         ops = LayerOps(image=image, mount=mount, umount=umount, is_mounted=os.path.ismount,
                        has=has, close=close, collector=LazyCollector(mgr.client),
-                       fetched=fetched)
+                       fetched=fetched, add_upper=add_upper if writable else None)
         return cls(ops, mount_dir)
 
     def mountpoint(self, digest: str) -> Path:
@@ -330,6 +342,32 @@ class LayerMounts:
                 await asyncio.to_thread(self.ops.close)
             except Exception as e:
                 raise BackendError(f"stopping the layer source: {e}") from e
+
+
+def _add_upper(store_dir: str | None, upper: UpperDir, kind: str,
+               exclude: list[str]) -> dict[str, Any]:
+    """:attr:`LayerOps.add_upper` for a layerfs store at ``store_dir``. Raises BadRequest
+    (a hostile or unrepresentable upper entry, a bad exclude: named), BackendError."""
+    from dataclasses import asdict
+
+    from layerfs.build import build_tree
+    from layerfs.errors import InvalidSourceError, LayerfsError
+    from layerfs.sources.upper import load_upper
+    from layerfs.store import Store
+
+    try:
+        tree, rep = load_upper(upper.path, id_base=upper.id_base, id_count=upper.id_count,
+                               exclude=exclude)
+        res = build_tree(tree, kind=kind, store=Store(store_dir), source="snapshot")
+    except (InvalidSourceError, ValueError, LayerfsError, OSError) as e:
+        # the sandbox's own path, not the host's, and not a whole 4 KiB of it
+        msg = str(e).replace(upper.path, "")
+        msg = msg if len(msg) <= 300 else msg[:150] + "..." + msg[-100:]
+        if isinstance(e, InvalidSourceError | ValueError) or getattr(e, "errno", None) in (
+                errno.ENAMETOOLONG, errno.ELOOP, errno.EOVERFLOW):
+            raise BadRequest(f"snapshot: the sandbox's changes cannot be a layer: {msg}") from e
+        raise BackendError(f"snapshot: {msg}") from e
+    return {"digest": res.digest, "size": res.size, "kind": kind, **asdict(rep)}
 
 
 def _remote_has(url: str, digest: str) -> bool:

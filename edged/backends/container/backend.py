@@ -48,6 +48,7 @@ from edged.backends.base import (
     MemoryUsage,
     Resources,
     SandboxSpec,
+    UpperDir,
 )
 from edged.backends.container import confinement, files, scratch
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
@@ -793,6 +794,17 @@ class ContainerBackend:
         finally:
             os.close(root)
         return files.stream(fd)
+
+    def upper_dir(self, sandbox_id: str) -> UpperDir:
+        """The sandbox's overlay upper, through sbx-init's scratch fd (host root only:
+        ``/proc/<pid>/fd/<n>/upper``; see :func:`.confinement.scratch_path`). Raises
+        NotFound, InvalidState (sbx-init gone, no scratch dir)."""
+        sbx = self._get(sandbox_id)
+        scratch_dir = confinement.scratch_path(sbx.pid) if sbx.dead is None else None
+        if scratch_dir is None or not os.path.isdir(os.path.join(scratch_dir, "upper")):
+            raise InvalidState(f"sandbox {sandbox_id}: its writable layer is not reachable "
+                               f"(sbx-init gone?)")
+        return UpperDir(os.path.join(scratch_dir, "upper"), sbx.uid_base, self.id_count)
 
     async def list_existing(self) -> list[str]:
         """Ids under the state dir whose sbx-init is alive (pid and start time match)."""
