@@ -104,6 +104,12 @@ class Config:
     layer_linger_s: float = 30.0
     # How long a sandbox's security events are kept after it is gone (seconds).
     events_retention_s: float = 24 * 3600.0
+    # The E2B-compatible listener (edged.compat.e2b): HOST:PORT on TCP, "" = off. It needs
+    # api_keys_file (no key, no listener).
+    e2b_listen: str = ""
+    # API keys of the TCP listeners (edged.security.apikeys): KEY or NAME KEY per line,
+    # not readable by others.
+    api_keys_file: str = ""
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -124,6 +130,8 @@ class Config:
             raise BadRequest(f"config swap: {self.swap!r} is not 'auto', 'zram' or 'off'")
         if self.on_shutdown not in ("stop", "keep"):
             raise BadRequest(f"config on_shutdown: {self.on_shutdown!r} is not 'stop' or 'keep'")
+        if self.e2b_listen and not self.api_keys_file:
+            raise BadRequest("config e2b_listen: needs api_keys_file (no key, no listener)")
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
         for name in ("reaper_interval_s", "layers_fetch_timeout_s", "reclaim_interval_s",
@@ -231,6 +239,8 @@ _HELP = {
     "spawner_pool": "container spawners started ahead of demand (0 = none)",
     "layer_linger_s": "seconds a layer stays mounted after its last sandbox (0 = unmount)",
     "events_retention_s": "seconds a sandbox's security events are kept after it is gone",
+    "e2b_listen": "HOST:PORT of the E2B-compatible listener ('' = off; needs api_keys_file)",
+    "api_keys_file": "keys of the TCP listeners: KEY or NAME KEY per line, mode o-r",
 }
 
 

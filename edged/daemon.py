@@ -29,6 +29,7 @@ from aiohttp import web
 from edged.api.app import make_app
 from edged.backends.base import Backend
 from edged.backends.registry import Backends
+from edged.compat.e2b.listener import Listener
 from edged.config import Config, mem_total
 from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
@@ -104,6 +105,8 @@ class Server:
         self._lock_fds: list[int] = []  # flocks on the runtime dir's pid file, the state dir
         self._owns_socket = False
         self.swap: SwapManager | None = None
+        #: the E2B-compatible listener, when ``e2b_listen`` is set
+        self.e2b: Listener | None = None
 
     def _start_swap(self, backends: Backends) -> SwapManager:
         """The node's swap (recovered now, set up at the first reclaim) and the cap on all
@@ -230,6 +233,9 @@ class Server:
         await site.start()
         self._owns_socket = True
         self._secure_socket(sock)
+        if cfg.e2b_listen:
+            self.e2b = Listener(self.manager, cfg.e2b_listen, cfg.api_keys_file, cfg.state_dir)
+            await self.e2b.start()
         log.info("serving", extra={"socket": str(sock), "pid": os.getpid(),
                                    "startup_s": round(time.monotonic() - t0, 3)})
         self.started.set()
@@ -303,6 +309,9 @@ class Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
             self._runner = None
+        if self.e2b is not None:
+            await self.e2b.stop()
+            self.e2b = None
         if self._owns_socket:  # never a live daemon's socket that made this one give up
             with contextlib.suppress(FileNotFoundError):
                 Path(self.config.socket).unlink()

@@ -351,6 +351,9 @@ async def put_file(request: web.Request) -> web.Response:
         gid = int(request.query.get("gid", "0"))
     except ValueError as e:
         raise BadRequest(f"mode/uid/gid: {e}") from e
+    parents = request.query.get("parents", "0")
+    if parents not in ("0", "1", "true", "false"):
+        raise BadRequest("parents: must be 0 or 1")
     if not 0 <= mode <= 0o7777:
         raise BadRequest("mode: must be octal within 0..7777")
 
@@ -359,7 +362,8 @@ async def put_file(request: web.Request) -> web.Response:
             yield chunk
 
     n = await manager_of(request).put_file(sandbox_id_of(request), path, chunks(), mode=mode,
-                                           uid=uid, gid=gid)
+                                           uid=uid, gid=gid,
+                                           parents=parents in ("1", "true"))
     return web.json_response({"path": path, "bytes": n})
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -161,7 +162,72 @@ async def snapshot_sandbox(request: web.Request) -> web.Response:
     return web.json_response(out, status=201)
 
 
+def _query_path(request: web.Request, key: str = "path") -> str:
+    path = request.query.get(key)
+    if not path:
+        raise BadRequest(f"{key}: query parameter required")
+    return path
+
+
+def _body_path(b: dict[str, Any], key: str) -> str:
+    v = b.get(key)
+    if not isinstance(v, str) or not v.startswith("/"):
+        raise BadRequest(f"{key}: must be an absolute path")
+    return v
+
+
+async def fs_list(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/fs/list?path=&depth= → {"entries": [...]}."""
+    try:
+        depth = int(request.query.get("depth", "1"))
+    except ValueError as e:
+        raise BadRequest("depth: must be an integer") from e
+    entries = await manager_of(request).list_dir(sandbox_id_of(request), _query_path(request),
+                                                 depth)
+    return web.json_response({"entries": [asdict(e) for e in entries]})
+
+
+async def fs_stat(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/fs/stat?path= → the entry."""
+    info = await manager_of(request).stat_path(sandbox_id_of(request), _query_path(request))
+    return web.json_response(asdict(info))
+
+
+async def fs_mkdir(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/fs/mkdir {path, parents?, uid?, gid?} → {created, entry}."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    b = _fields(await json_body(request), {"path", "parents", "uid", "gid"})
+    path = _body_path(b, "path")
+    ids = {k: requests.integer(b.get(k, 0), k, minimum=0, maximum=65535) for k in ("uid", "gid")}
+    created = await mgr.make_dir(sid, path, parents=requests.flag(b.get("parents", True),
+                                                                  "parents"), **ids)
+    return web.json_response({"created": created,
+                              "entry": asdict(await mgr.stat_path(sid, path))})
+
+
+async def fs_remove(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/fs/remove {path} → {"removed": path}."""
+    b = _fields(await json_body(request), {"path"})
+    path = _body_path(b, "path")
+    await manager_of(request).remove_path(sandbox_id_of(request), path)
+    return web.json_response({"removed": path})
+
+
+async def fs_rename(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/fs/rename {src, dst} → the entry at dst."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    b = _fields(await json_body(request), {"src", "dst"})
+    src, dst = _body_path(b, "src"), _body_path(b, "dst")
+    await mgr.rename_path(sid, src, dst)
+    return web.json_response(asdict(await mgr.stat_path(sid, dst)))
+
+
 ROUTES: list[tuple[str, str, Handler]] = [
+    ("GET", "/v1/sandboxes/{id}/fs/list", fs_list),
+    ("GET", "/v1/sandboxes/{id}/fs/stat", fs_stat),
+    ("POST", "/v1/sandboxes/{id}/fs/mkdir", fs_mkdir),
+    ("POST", "/v1/sandboxes/{id}/fs/remove", fs_remove),
+    ("POST", "/v1/sandboxes/{id}/fs/rename", fs_rename),
     ("POST", "/v1/sandboxes/{id}/snapshot", snapshot_sandbox),
     ("POST", "/v1/sandboxes/{id}/sessions", create_session),
     ("GET", "/v1/sandboxes/{id}/sessions", list_sessions),

@@ -331,3 +331,53 @@ class SnapshotSource(Protocol):
         """Where the sandbox's upper directory is now. Raises NotFound, InvalidState (the
         sandbox has no upper the host can read)."""
         ...
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One entry of a sandbox's filesystem. ``type``: ``"file"`` (anything not a directory
+    or symlink), ``"dir"`` or ``"symlink"`` (the link itself; ``symlink_target`` its text);
+    ``path``: absolute in the sandbox; ``mode``: permission bits; ``permissions``: as
+    ``ls -l`` shows them; ``owner``/``group``: names from the sandbox's passwd/group (the
+    number if none); ``mtime``: seconds since the epoch."""
+
+    name: str
+    path: str
+    type: str
+    size: int
+    mode: int
+    permissions: str
+    owner: str
+    group: str
+    mtime: float
+    symlink_target: str | None = None
+
+
+@runtime_checkable
+class FileOps(Protocol):
+    """A backend that lists, stats, makes, removes and renames paths in its sandboxes
+    (``/v1/sandboxes/{id}/fs/...``): optional, the daemon asks with ``isinstance``. Paths
+    resolve strictly inside the sandbox root, as :meth:`Backend.put_file`'s do."""
+
+    async def list_dir(self, sandbox_id: str, path: str, depth: int = 1) -> list[FileInfo]:
+        """Entries below the directory ``path`` down to ``depth`` levels. NotFound,
+        BadRequest (not a directory, escapes)."""
+        ...
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileInfo:
+        """The entry at ``path`` (a symlink as itself). NotFound, BadRequest."""
+        ...
+
+    async def make_dir(self, sandbox_id: str, path: str, *, parents: bool = True,
+                       uid: int = 0, gid: int = 0) -> bool:
+        """Make a directory (owned by the sandbox's ``uid``/``gid``); False if it already
+        was one. Conflict (a file in the way), NotFound, BadRequest."""
+        ...
+
+    async def remove_path(self, sandbox_id: str, path: str) -> None:
+        """Remove a file, symlink or whole directory. NotFound, BadRequest."""
+        ...
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst``. NotFound, BadRequest."""
+        ...

@@ -34,9 +34,10 @@ class Files:
         self._sbx = sbx
 
     def write(self, path: str, data: str | bytes | IO[bytes] | Iterable[bytes],
-              mode: int = 0o644) -> int:
+              mode: int = 0o644, *, parents: bool = True) -> int:
         """Write ``data`` (text as UTF-8, bytes, a binary file object or an iterable of
-        chunks, streamed) to absolute ``path``; returns bytes written."""
+        chunks, streamed) to absolute ``path``, making its missing parent directories
+        unless ``parents`` is False; returns bytes written."""
         body: bytes | Iterable[bytes]
         if isinstance(data, str):
             body = data.encode()
@@ -53,7 +54,7 @@ class Files:
         else:
             body = data
         t = self._sbx._t
-        q = {"path": path, "mode": f"{mode:o}"}
+        q = {"path": path, "mode": f"{mode:o}", "parents": "1" if parents else "0"}
         conn, resp = t.open("PUT", path_for("sandboxes", self._sbx.id, "files", query=q), body,
                             {"Content-Type": "application/octet-stream"})
         try:
@@ -79,6 +80,45 @@ class Files:
     def read(self, path: str) -> str:
         """The file at ``path`` decoded as UTF-8 (invalid bytes replaced)."""
         return self.read_bytes(path).decode("utf-8", "replace")
+
+    def list(self, path: str, depth: int = 1) -> builtins.list[dict[str, Any]]:
+        """Entries below the directory ``path`` (``depth`` levels), sorted by path: each
+        ``{"name", "path", "type": "file"|"dir"|"symlink", "size", "mode", "permissions",
+        "owner", "group", "mtime", "symlink_target"}``."""
+        q = {"path": path, "depth": str(depth)}
+        data = self._sbx._t.json("GET", path_for("sandboxes", self._sbx.id, "fs", "list",
+                                                 query=q))
+        return builtins.list(data["entries"])
+
+    def stat(self, path: str) -> dict[str, Any]:
+        """The entry at ``path`` (a symlink as itself); ``NotFoundError`` if none."""
+        return dict(self._sbx._t.json("GET", path_for("sandboxes", self._sbx.id, "fs", "stat",
+                                                      query={"path": path})))
+
+    def exists(self, path: str) -> bool:
+        """Whether anything is at ``path``."""
+        try:
+            self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def mkdir(self, path: str, *, parents: bool = True) -> bool:
+        """Make the directory ``path`` (and its parents); False if it already was one."""
+        body = {"path": path, "parents": parents}
+        out = self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs", "mkdir"),
+                                body)
+        return bool(out["created"])
+
+    def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a directory with all it holds."""
+        self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs", "remove"),
+                          {"path": path})
+
+    def rename(self, src: str, dst: str) -> dict[str, Any]:
+        """Move ``src`` to ``dst``; returns the entry at ``dst``."""
+        return dict(self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs",
+                                                       "rename"), {"src": src, "dst": dst}))
 
 
 class Sandbox:

@@ -27,6 +27,8 @@ from edged.backends.base import (
     Backend,
     ExecHandle,
     ExecSpec,
+    FileInfo,
+    FileOps,
     LayerForm,
     MemoryUsage,
     Resources,
@@ -630,13 +632,60 @@ class SandboxManager:
         rec.touch()
         return n
 
+    async def _file_ops(self, sandbox_id: str, op: str) -> FileOps:
+        """The backend of a running sandbox (a paused one resumed) as :class:`FileOps`;
+        BadRequest if its backend has none."""
+        rec = await self._awake(sandbox_id, op)
+        self.reclaimer.woke(sandbox_id)
+        rec.touch()
+        backend = self.backend_of(sandbox_id)
+        if not isinstance(backend, FileOps):
+            raise BadRequest(f"sandbox {sandbox_id}: the {backend.name} backend cannot {op}")
+        return backend
+
+    async def list_dir(self, sandbox_id: str, path: str, depth: int = 1) -> list[FileInfo]:
+        """Entries below ``path`` (see :class:`FileOps`)."""
+        _check_path(path)
+        return await (await self._file_ops(sandbox_id, "list files")).list_dir(
+            sandbox_id, path, depth)
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileInfo:
+        """The entry at ``path`` (see :class:`FileOps`)."""
+        _check_path(path)
+        return await (await self._file_ops(sandbox_id, "stat files")).stat_path(
+            sandbox_id, path)
+
+    async def make_dir(self, sandbox_id: str, path: str, *, parents: bool = True,
+                       uid: int = 0, gid: int = 0) -> bool:
+        """Make a directory; False if it already was one (see :class:`FileOps`)."""
+        _check_path(path)
+        return await (await self._file_ops(sandbox_id, "make directories")).make_dir(
+            sandbox_id, path, parents=parents, uid=uid, gid=gid)
+
+    async def remove_path(self, sandbox_id: str, path: str) -> None:
+        """Remove a file, symlink or directory tree (see :class:`FileOps`)."""
+        _check_path(path)
+        await (await self._file_ops(sandbox_id, "remove files")).remove_path(sandbox_id, path)
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        """Move ``src`` to ``dst`` (see :class:`FileOps`)."""
+        _check_path(src)
+        _check_path(dst)
+        await (await self._file_ops(sandbox_id, "rename files")).rename_path(sandbox_id, src,
+                                                                            dst)
+
     async def put_file(self, sandbox_id: str, path: str, data: AsyncIterator[bytes],
-                       mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:
-        """Stream ``data`` into ``path`` in a running sandbox; returns bytes written."""
+                       mode: int = 0o644, uid: int = 0, gid: int = 0,
+                       parents: bool = False) -> int:
+        """Stream ``data`` into ``path`` in a running sandbox; returns bytes written.
+        ``parents``: make its missing parent directories first (owned by ``uid``/``gid``)."""
         _check_path(path)
         rec = await self._awake(sandbox_id, "write files")
         self.reclaimer.woke(sandbox_id)
         rec.touch()
+        parent = os.path.dirname(os.path.normpath(path))
+        if parents and parent != "/":
+            await self.make_dir(sandbox_id, parent, uid=uid, gid=gid)
         return await self.backend_of(sandbox_id).put_file(sandbox_id, path, data, mode=mode,
                                                           uid=uid, gid=gid)
 

@@ -36,7 +36,7 @@ import signal
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import edged
 from edged.backends.base import (
@@ -44,13 +44,14 @@ from edged.backends.base import (
     EventSink,
     ExecSpec,
     FailureSink,
+    FileInfo,
     LayerForm,
     MemoryUsage,
     Resources,
     SandboxSpec,
     UpperDir,
 )
-from edged.backends.container import confinement, files, scratch
+from edged.backends.container import confinement, fileops, files, scratch
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
 from edged.backends.container.uidslots import UidSlots
 from edged.backends.container.uidslots import starttime as _starttime
@@ -62,6 +63,7 @@ from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, landlock
 
 log = logging.getLogger("edged.container")
+_T = TypeVar("_T")
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
@@ -794,6 +796,38 @@ class ContainerBackend:
         finally:
             os.close(root)
         return files.stream(fd)
+
+    async def _in_root(self, sandbox_id: str, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(root_fd, *args)`` in a thread, with the sandbox's root open."""
+        sbx = self._get(sandbox_id)
+        root = self._root_fd(sbx)
+        try:
+            return await asyncio.to_thread(fn, root, *args)
+        finally:
+            os.close(root)
+
+    async def list_dir(self, sandbox_id: str, path: str, depth: int = 1) -> list[FileInfo]:
+        """See :class:`edged.backends.base.FileOps` (:mod:`.fileops`)."""
+        return await self._in_root(sandbox_id, fileops.list_dir, path,
+                                   self._get(sandbox_id).uid_base, depth)
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileInfo:
+        return await self._in_root(sandbox_id, fileops.stat_path, path,
+                                   self._get(sandbox_id).uid_base)
+
+    async def make_dir(self, sandbox_id: str, path: str, *, parents: bool = True,
+                       uid: int = 0, gid: int = 0) -> bool:
+        sbx = self._get(sandbox_id)
+        if not (0 <= uid < self.id_count and 0 <= gid < self.id_count):
+            raise BadRequest(f"uid/gid {uid}/{gid} outside the sandbox's id range")
+        return await self._in_root(sandbox_id, fileops.make_dir, path, sbx.uid_base + uid,
+                                   sbx.uid_base + gid, 0o755, parents)
+
+    async def remove_path(self, sandbox_id: str, path: str) -> None:
+        await self._in_root(sandbox_id, fileops.remove, path)
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        await self._in_root(sandbox_id, fileops.rename, src, dst)
 
     def upper_dir(self, sandbox_id: str) -> UpperDir:
         """The sandbox's overlay upper, through sbx-init's scratch fd (host root only:
