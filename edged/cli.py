@@ -188,6 +188,12 @@ def cmd_rollout(a: argparse.Namespace) -> int:
     return rollout_main(list(a.args))
 
 
+def cmd_suite(a: argparse.Namespace) -> int:
+    from edged.suite import main as suite_main
+
+    return suite_main(list(a.args))
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``edged``."""
     p = argparse.ArgumentParser(prog="edged", description="Node runtime for agent sandboxes")
@@ -242,8 +248,14 @@ def parser() -> argparse.ArgumentParser:
     sp = client("node", "capacity, allocations and features of this node")
     sp.set_defaults(fn=cmd_node)
 
+    sp = sub.add_parser("suite", add_help=False,
+                        help="a project's test suite in N sandboxes (layers built from PyPI)")
+    sp.add_argument("args", nargs=argparse.REMAINDER)
+    sp.set_defaults(fn=cmd_suite)
+
     sp = sub.add_parser("rollout", add_help=False,
-                        help="the main job: build layers, run N sandboxes of a project's tests")
+                        help="the main job: an RL rollout (tasks on real projects, "
+                             "scripted agents, one that cheats, a trusted grader)")
     sp.add_argument("args", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=cmd_rollout)
     return p
@@ -256,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from edged.rollout import main as rollout_main
 
         return rollout_main(args[1:])
+    if args[:1] == ["suite"]:
+        from edged.suite import main as suite_main
+
+        return suite_main(args[1:])
     a = parser().parse_args(args)
     if getattr(a, "cmd", None) and a.cmd[0] == "--":
         a.cmd = a.cmd[1:]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import io
 import json
@@ -21,6 +22,7 @@ from edged.client._common import (
 )
 from edged.client._http import default_socket, path_for
 from edged.client.errors import DaemonUnavailableError, NotFoundError, from_body
+from edged.client.session import run_body, session_body
 
 if TYPE_CHECKING:
     import aiohttp
@@ -139,6 +141,50 @@ class AsyncFiles:
         return (await self.read_bytes(path)).decode("utf-8", "replace")
 
 
+class AsyncSession:
+    """A shell session of an :class:`AsyncSandbox` (see :class:`edged.client.session.Session`)."""
+
+    def __init__(self, sbx: AsyncSandbox, info: dict[str, Any]) -> None:
+        self._sbx = sbx
+        self.info = info
+        self.id: str = info["id"]
+
+    @property
+    def shell(self) -> str:
+        return str(self.info["shell"])
+
+    async def run(self, cmd: str, *, timeout: float | None = None,
+                  output_limit: int | None = None, on_stdout: OutputCallback | None = None,
+                  on_stderr: OutputCallback | None = None) -> ExecResult:
+        """See :meth:`edged.client.session.Session.run`."""
+        col = ExecCollector(on_stdout, on_stderr)
+        path = path_for("sandboxes", self._sbx.id, "sessions", self.id, "run")
+        resp = await self._sbx._t.request(
+            "POST", path, json=run_body(cmd, timeout=timeout, output_limit=output_limit))
+        async with resp:
+            async for line in resp.content:
+                if line.strip():
+                    col.feed(json.loads(line))
+        return col.result()
+
+    async def refresh(self) -> dict[str, Any]:
+        self.info = await self._sbx._t.json(
+            "GET", path_for("sandboxes", self._sbx.id, "sessions", self.id))
+        return self.info
+
+    async def close(self) -> None:
+        """End the session (idempotent)."""
+        with contextlib.suppress(NotFoundError):
+            self.info = await self._sbx._t.json(
+                "DELETE", path_for("sandboxes", self._sbx.id, "sessions", self.id))
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
 class AsyncSandbox:
     """One sandbox, asyncio flavour. ``async with await AsyncSandbox.create(...) as sbx``
     kills it and closes the session on exit."""
@@ -149,6 +195,8 @@ class AsyncSandbox:
         self._t = transport
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        #: the answer of the last :meth:`snapshot`
+        self.last_snapshot: dict[str, Any] = {}
 
     @classmethod
     async def create(cls, image: str | None = None, layers: Sequence[str] | None = None, *,
@@ -245,6 +293,43 @@ class AsyncSandbox:
             q.append(("kind", kind))
         data = await self._t.json("GET", path_for("sandboxes", self.id, "events", query=q))
         return list(data["events"])
+
+    async def session(self, *, id: str | None = None, shell: str | None = None,
+                      env: Mapping[str, str] | None = None, cwd: str | None = None,
+                      user: int | None = None) -> AsyncSession:
+        """Start a persistent shell session (see :meth:`edged.client.Sandbox.session`)."""
+        body = session_body(id=id, shell=shell, env=env, cwd=cwd, user=user)
+        return AsyncSession(self, await self._t.json(
+            "POST", path_for("sandboxes", self.id, "sessions"), body))
+
+    async def snapshot(self, kind: str = "workspace", exclude: Sequence[str] = (),
+                       image: str | None = None) -> str:
+        """See :meth:`edged.client.Sandbox.snapshot`; the whole answer in
+        :attr:`last_snapshot`."""
+        body: dict[str, Any] = {"kind": kind, "exclude": list(exclude)}
+        if image is not None:
+            body["image"] = image
+        self.last_snapshot = dict(await self._t.json(
+            "POST", path_for("sandboxes", self.id, "snapshot"), body))
+        return str(self.last_snapshot["digest"])
+
+    async def stats(self) -> dict[str, int]:
+        """See :meth:`edged.client.Sandbox.stats`."""
+        return dict(await self._t.json("GET", path_for("sandboxes", self.id, "stats")))
+
+    @classmethod
+    async def list(cls, labels: Mapping[str, str] | None = None,
+                   socket: str | None = None) -> builtins.list[AsyncSandbox]:
+        """Sandboxes on the node, optionally those carrying every label given (they share
+        one HTTP session; close any of them when done)."""
+        t = AsyncTransport(socket)
+        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
+        try:
+            data = await t.json("GET", path_for("sandboxes", query=q))
+        except BaseException:
+            await t.close()
+            raise
+        return [cls(s, t) for s in data["sandboxes"]]
 
     async def kill(self) -> None:
         """Destroy the sandbox (idempotent)."""

@@ -684,8 +684,10 @@ class SandboxManager:
         self.reclaimer.woke(sandbox_id)
         rec.touch()
         parent = os.path.dirname(os.path.normpath(path))
-        if parents and parent != "/":
-            await self.make_dir(sandbox_id, parent, uid=uid, gid=gid)
+        backend = self.backend_of(sandbox_id)
+        if parents and parent != "/" and isinstance(backend, FileOps):
+            # (a backend without directory operations writes where the parent exists)
+            await backend.make_dir(sandbox_id, parent, uid=uid, gid=gid)
         return await self.backend_of(sandbox_id).put_file(sandbox_id, path, data, mode=mode,
                                                           uid=uid, gid=gid)
 

@@ -1,4 +1,4 @@
-"""``edged rollout`` against the real package index (``network``): projects whose tests
+"""``edged suite`` against the real package index (``network``): projects whose tests
 could not run before, and the reasons given when a project cannot run.
 
 Regressions: ``--project packaging==24.1`` and ``--project attrs==24.2.0`` ended 0/2 green
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from edged import rollout
+from edged import suite as rollout
 from edged.projects import errors
 from edged.projects.sdist import fetch_sdist
 
@@ -31,7 +31,7 @@ def test_version_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixtu
     code = rollout.main(["--project", "packaging==99.0", "--store", str(tmp_path / "store")])
     err = capsys.readouterr().err
     assert code == 2
-    assert ("edged rollout: packaging==99.0: tests cannot run (no_release): downloading the "
+    assert ("edged suite: packaging==99.0: tests cannot run (no_release): downloading the "
             "sdist of packaging==99.0: the package index has no such release of packaging "
             "(versions there: ") in err
     assert re.search(r"versions there: [^)]* and \d+ older\)", err), err  # the newest 8
