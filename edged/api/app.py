@@ -199,8 +199,7 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
     spec = mgr.exec_spec(sid, req)
     enc = OutputEncoder(req.encoding)
     stdin = req.stdin
-    if stdin is True:
-        raise BadRequest("stdin: interactive stdin needs the WebSocket endpoint (exec/ws)")
+    # stdin true: kept open, fed by POST .../execs/{exec_id}/stdin (or use exec/ws)
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     resp.enable_chunked_encoding()
     ended: dict[str, Any] | None = None
@@ -216,6 +215,8 @@ async def exec_ndjson(request: web.Request) -> web.StreamResponse:
 
     try:
         async with mgr.exec(sid, spec) as handle:
+            if spec.pty and req.rows is not None and req.cols is not None:
+                await handle.resize(req.rows, req.cols)
             feeder = None
             if isinstance(stdin, str) and stdin:
                 async def feed() -> None:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from edged.api import requests
 from edged.api.common import (
+    FILE_CHUNK,
     ClientGone,
     Handler,
     OutputEncoder,
@@ -222,7 +223,44 @@ async def fs_rename(request: web.Request) -> web.Response:
     return web.json_response(asdict(await mgr.stat_path(sid, dst)))
 
 
+def _exec_id(request: web.Request) -> int:
+    v = request.match_info["exec_id"]
+    if not v.isdigit() or len(v) > 18:
+        raise BadRequest("exec_id: must be an integer")
+    return int(v)
+
+
+async def exec_stdin(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/execs/{exec_id}/stdin?eof=0|1 (raw body) → bytes written.
+    For an exec started with ``"stdin": true`` on the NDJSON endpoint; ``eof=1`` closes
+    its stdin after the body."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    handle = mgr.exec_handle(sid, _exec_id(request))
+    eof = request.query.get("eof", "0")
+    if eof not in ("0", "1"):
+        raise BadRequest("eof: must be 0 or 1")
+    n = 0
+    async for chunk in request.content.iter_chunked(FILE_CHUNK):
+        await handle.write_stdin(chunk)
+        n += len(chunk)
+    if eof == "1":
+        await handle.close_stdin()
+    return web.json_response({"bytes": n, "eof": eof == "1"})
+
+
+async def exec_resize(request: web.Request) -> web.Response:
+    """POST /v1/sandboxes/{id}/execs/{exec_id}/resize {rows, cols} → the size set."""
+    mgr, sid = manager_of(request), sandbox_id_of(request)
+    b = _fields(await json_body(request), {"rows", "cols"})
+    rows = requests.integer(b.get("rows"), "rows", minimum=1, maximum=65535)
+    cols = requests.integer(b.get("cols"), "cols", minimum=1, maximum=65535)
+    await mgr.exec_handle(sid, _exec_id(request)).resize(rows, cols)
+    return web.json_response({"rows": rows, "cols": cols})
+
+
 ROUTES: list[tuple[str, str, Handler]] = [
+    ("POST", "/v1/sandboxes/{id}/execs/{exec_id}/stdin", exec_stdin),
+    ("POST", "/v1/sandboxes/{id}/execs/{exec_id}/resize", exec_resize),
     ("GET", "/v1/sandboxes/{id}/fs/list", fs_list),
     ("GET", "/v1/sandboxes/{id}/fs/stat", fs_stat),
     ("POST", "/v1/sandboxes/{id}/fs/mkdir", fs_mkdir),

@@ -11,13 +11,14 @@ imports neither the daemon's internals nor layerfs, so a trainer imports it chea
 """
 
 from edged.client._common import ExecResult
-from edged.client.async_sandbox import AsyncSandbox
+from edged.client.async_sandbox import AsyncSandbox, AsyncSession
 from edged.client.errors import (
     ERRORS_BY_CODE,
     BackendError,
     BadProfileError,
     BadRequestError,
     CapacityExhaustedError,
+    CommandExitError,
     ConflictError,
     DaemonUnavailableError,
     InternalError,
@@ -29,15 +30,19 @@ from edged.client.errors import (
     PidsExhaustedError,
     SandboxError,
 )
+from edged.client.process import ProcessHandle
 from edged.client.sandbox import Sandbox
+from edged.client.session import Session
 
 __all__ = [
     "ERRORS_BY_CODE",
     "AsyncSandbox",
+    "AsyncSession",
     "BackendError",
     "BadProfileError",
     "BadRequestError",
     "CapacityExhaustedError",
+    "CommandExitError",
     "ConflictError",
     "DaemonUnavailableError",
     "ExecResult",
@@ -48,6 +53,8 @@ __all__ = [
     "NotFoundError",
     "PayloadTooLargeError",
     "PidsExhaustedError",
+    "ProcessHandle",
     "Sandbox",
     "SandboxError",
+    "Session",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import codecs
 import json
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -31,9 +33,12 @@ def encode_json(payload: Any) -> bytes:
 class ExecResult:
     """The outcome of one command.
 
-    ``exit_code``: the exit status (None unless ``reason == "exited"``). ``reason``:
-    ``exited | signalled | timeout | oom | output_limit | killed``. ``stdout``/``stderr``:
-    decoded text, partial output kept on timeout or limit. ``duration``: seconds.
+    ``exit_code``: the exit status (None unless ``reason == "exited"``; ``returncode`` is
+    the same). ``reason``: ``exited | signalled | timeout | oom | output_limit | killed``
+    (a session run: ``session_ended`` too). ``stdout``/``stderr``: text (UTF-8, invalid
+    bytes replaced); ``stdout_bytes``/``stderr_bytes``: the bytes as written; ``output``:
+    ``(stream, text)`` chunks in the order they came (``combined``: their text joined).
+    Partial output is kept on timeout or limit. ``duration``: seconds.
     """
 
     exit_code: int | None
@@ -45,34 +50,76 @@ class ExecResult:
     exec_id: int | None = None
     peak_memory_bytes: int | None = None
     raw_end: dict[str, Any] = field(default_factory=dict, repr=False)
+    stdout_bytes: bytes = field(default=b"", repr=False)
+    stderr_bytes: bytes = field(default=b"", repr=False)
+    output: list[tuple[str, str]] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
         """True if the command exited with status 0."""
         return self.reason == "exited" and self.exit_code == 0
 
+    @property
+    def returncode(self) -> int | None:
+        """``exit_code`` under subprocess's and Modal's name."""
+        return self.exit_code
+
+    @property
+    def combined(self) -> str:
+        """stdout and stderr interleaved as they came."""
+        return "".join(t for _, t in self.output)
+
+    def check(self) -> ExecResult:
+        """Raise :class:`~edged.client.errors.CommandExitError` unless the command exited
+        with status 0; returns itself otherwise."""
+        if not self.ok:
+            from edged.client.errors import CommandExitError
+
+            raise CommandExitError(self)
+        return self
+
 
 class ExecCollector:
-    """Folds exec events into an :class:`ExecResult`, calling the output callbacks."""
+    """Folds exec events into an :class:`ExecResult`, calling the output callbacks with
+    text as it comes. Output events may be text or base64 (``"encoding": "base64"``, what
+    the SDK asks for: bytes arrive as written)."""
 
-    def __init__(self, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None):
-        self.out: list[str] = []
-        self.err: list[str] = []
+    def __init__(self, on_stdout: OutputCallback | None, on_stderr: OutputCallback | None,
+                 b64: bool = True):
+        self.raw: dict[str, list[bytes]] = {"stdout": [], "stderr": []}
+        self.output: list[tuple[str, str]] = []
         self.cbs = {"stdout": on_stdout, "stderr": on_stderr}
+        self.dec = {s: codecs.getincrementaldecoder("utf-8")("replace")
+                    for s in ("stdout", "stderr")}
+        self.b64 = b64
         self.exec_id: int | None = None
         self.end: dict[str, Any] | None = None
 
-    def feed(self, ev: dict[str, Any]) -> None:
+    def feed(self, ev: dict[str, Any]) -> tuple[str, bytes] | None:
+        """Take one event; returns ``(stream, bytes)`` for an output event."""
         if "start" in ev:
             self.exec_id = ev["start"].get("exec_id")
-        for name, buf in (("stdout", self.out), ("stderr", self.err)):
+        got = None
+        for name in ("stdout", "stderr"):
             if name in ev:
-                buf.append(ev[name])
-                cb = self.cbs[name]
-                if cb is not None:
-                    cb(ev[name])
+                data = base64.b64decode(ev[name]) if self.b64 else str(ev[name]).encode()
+                got = (name, data)
+                self._text(name, data, final=False)
         if "end" in ev:
             self.end = ev["end"]
+            for name in ("stdout", "stderr"):
+                self._text(name, b"", final=True)
+        return got
+
+    def _text(self, name: str, data: bytes, final: bool) -> None:
+        if data:
+            self.raw[name].append(data)
+        text = self.dec[name].decode(data, final)
+        if text:
+            self.output.append((name, text))
+            cb = self.cbs[name]
+            if cb is not None:
+                cb(text)
 
     def result(self) -> ExecResult:
         from edged.client.errors import SandboxError
@@ -80,28 +127,40 @@ class ExecCollector:
         if self.end is None:
             raise SandboxError("exec stream ended without an end event (daemon went away?)")
         e = self.end
+        out, err = b"".join(self.raw["stdout"]), b"".join(self.raw["stderr"])
         return ExecResult(
             exit_code=e.get("exit_code"),
-            stdout="".join(self.out),
-            stderr="".join(self.err),
+            stdout="".join(t for s, t in self.output if s == "stdout"),
+            stderr="".join(t for s, t in self.output if s == "stderr"),
             reason=e["reason"],
             duration=float(e.get("duration_s", 0.0)),
             signal=e.get("signal"),
             exec_id=self.exec_id,
             peak_memory_bytes=e.get("peak_memory_bytes"),
             raw_end=e,
+            stdout_bytes=out,
+            stderr_bytes=err,
+            output=self.output,
         )
 
 
 def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[str, str] | None,
-              cwd: str | None, stdin: str | None, output_limit: int | None,
+              cwd: str | None, stdin: str | bool | None, output_limit: int | None,
               user: int | None = None, trusted: bool = False,
-              kill_leftovers: bool = False) -> dict[str, Any]:
+              kill_leftovers: bool = False, pty: bool = False,
+              size: tuple[int, int] | None = None) -> dict[str, Any]:
     """The ``POST .../exec`` body. A string runs through ``/bin/sh -c``; a list is argv.
+    ``stdin``: text fed then closed, or True (kept open for a process handle).
     ``trusted``: a grader exec (system paths as the layers have them, refused if the
     workload changed a protected path); ``kill_leftovers``: kill every workload process of
-    the sandbox first."""
+    the sandbox first. ``pty``: on a pseudo-terminal of ``size`` (rows, cols). Output
+    comes base64-encoded (bytes as written)."""
     body: dict[str, Any] = {"cmd": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+    body["encoding"] = "base64"
+    if pty:
+        body["pty"] = True
+        if size is not None:
+            body["rows"], body["cols"] = size
     if timeout is not None:
         body["timeout_s"] = timeout
     if env:

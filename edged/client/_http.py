@@ -6,13 +6,20 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import quote, urlencode
 
 from edged.client._common import encode_json
-from edged.client.errors import DaemonUnavailableError, SandboxError, from_body
+from edged.client.errors import (
+    CapacityExhaustedError,
+    DaemonUnavailableError,
+    SandboxError,
+    from_body,
+)
 
 DEFAULT_SOCKET = "/run/edged/edged.sock"
 
@@ -48,13 +55,27 @@ def path_for(*parts: str, query: dict[str, Any] | list[tuple[str, str]] | None =
 
 class Transport:
     """Requests to one daemon socket. ``timeout``: seconds per socket operation (None: wait
-    forever, used by exec streams whose command decides its own time)."""
+    forever, used by exec streams whose command decides its own time). A request refused
+    with 503 (the node is full: ``capacity_exhausted``) is retried up to ``retries`` times,
+    after the ``Retry-After`` it names or else ``backoff_s`` doubling each time (with
+    jitter), each wait at most ``max_wait_s``; a request whose body is a stream is not."""
 
-    def __init__(self, socket_path: str | None = None, timeout: float | None = 60.0) -> None:
+    def __init__(self, socket_path: str | None = None, timeout: float | None = 60.0, *,
+                 retries: int = 3, backoff_s: float = 0.5, max_wait_s: float = 30.0) -> None:
         self.socket_path = socket_path or default_socket()
         self.timeout = timeout
+        self.retries = max(0, retries)
+        self.backoff_s = backoff_s
+        self.max_wait_s = max_wait_s
 
-    def open(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
+    def retry_wait(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        if retry_after is not None and retry_after >= 0:
+            return float(min(retry_after, self.max_wait_s))
+        return float(min(self.backoff_s * 2.0 ** attempt * (0.5 + random.random()),
+                         self.max_wait_s))
+
+    def _open_once(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
              headers: dict[str, str] | None = None,
              timeout: float | None = -1.0) -> tuple[_UnixConnection, http.client.HTTPResponse]:
         """Send a request and return the connection and response (caller closes both).
@@ -83,6 +104,22 @@ class Transport:
             raise from_body(resp.status, parsed, resp.getheader("Retry-After"))
         return conn, resp
 
+    def open(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
+             headers: dict[str, str] | None = None,
+             timeout: float | None = -1.0) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+        """Send a request (retried on 503, see the class) and return the connection and
+        response (caller closes both). Raises the :mod:`edged.client.errors` exception of
+        an error response."""
+        attempt = 0
+        while True:
+            try:
+                return self._open_once(method, path, body, headers, timeout)
+            except CapacityExhaustedError as e:
+                if attempt >= self.retries or not (body is None or isinstance(body, bytes)):
+                    raise
+                time.sleep(self.retry_wait(attempt, e.retry_after))
+                attempt += 1
+
     def json(self, method: str, path: str, payload: Any = None) -> Any:
         """A JSON request/response round trip."""
         body = None if payload is None else encode_json(payload)
@@ -93,10 +130,15 @@ class Transport:
         finally:
             conn.close()
 
-    def ndjson(self, method: str, path: str, payload: Any) -> Iterator[dict[str, Any]]:
-        """Stream the objects of an NDJSON response."""
+    def ndjson(self, method: str, path: str, payload: Any,
+               on_open: Callable[[_UnixConnection], object] | None = None
+               ) -> Iterator[dict[str, Any]]:
+        """Stream the objects of an NDJSON response (``on_open`` gets the connection once
+        the response has begun: closing it ends the stream)."""
         conn, resp = self.open(method, path, encode_json(payload),
                                {"Content-Type": "application/json"}, timeout=None)
+        if on_open is not None:
+            on_open(conn)
         try:
             for line in resp:
                 if line.strip():

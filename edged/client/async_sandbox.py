@@ -244,9 +244,11 @@ class AsyncSandbox:
                    stdin: str | None = None, output_limit: int | None = None,
                    user: int | None = None, on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None, trusted: bool = False,
-                   kill_leftovers: bool = False) -> ExecResult:
-        """See :meth:`edged.client.Sandbox.exec`."""
-        body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
+                   kill_leftovers: bool = False, envs: Mapping[str, str] | None = None,
+                   check: bool = False) -> ExecResult:
+        """See :meth:`edged.client.Sandbox.exec` (no ``background`` here: run it as a task)."""
+        merged = {**(env or {}), **(envs or {})} if env or envs else None
+        body = exec_body(cmd, timeout=timeout, env=merged, cwd=cwd, stdin=stdin,
                          output_limit=output_limit, user=user, trusted=trusted,
                          kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
@@ -256,7 +258,8 @@ class AsyncSandbox:
             async for line in resp.content:
                 if line.strip():
                     col.feed(json.loads(line))
-        return col.result()
+        r = col.result()
+        return r.check() if check else r
 
     async def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> list[int]:
         """Signal one exec or all running execs."""

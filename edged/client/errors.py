@@ -7,6 +7,8 @@ subclass also inherits the matching builtin (``except KeyError`` catches
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SandboxError(Exception):
     """Any error reported by edged or met while talking to it."""
@@ -102,6 +104,24 @@ class InternalError(SandboxError):
     """``internal`` (500): an unexpected error in the daemon (logged there)."""
 
     code = "internal"
+
+
+class CommandExitError(SandboxError, RuntimeError):
+    """A command that did not exit with status 0 where the caller asked it to
+    (``ExecResult.check()``, ``sbx.commands.run``, as E2B's ``CommandExitException``).
+    ``result``: its :class:`~edged.client.ExecResult`; ``exit_code``, ``stdout``,
+    ``stderr`` from it."""
+
+    code = "command_exit"
+
+    def __init__(self, result: Any) -> None:
+        how = (f"exit status {result.exit_code}" if result.reason == "exited"
+               else result.reason)
+        super().__init__(f"command failed ({how}): {result.stderr.strip()[-300:]}")
+        self.result = result
+        self.exit_code = result.exit_code
+        self.stdout = result.stdout
+        self.stderr = result.stderr
 
 
 class DaemonUnavailableError(SandboxError, ConnectionError):

@@ -6,25 +6,27 @@ import builtins
 import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, Literal, overload
 
 from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
 from edged.client._http import Transport, path_for
-from edged.client.errors import NotFoundError
+from edged.client.errors import BadRequestError, NotFoundError
+from edged.client.process import ProcessHandle
 from edged.client.session import Session, session_body
 
 FILE_CHUNK = 256 << 10
 
 
 class Commands:
-    """``sbx.commands.run(...)``: the same as :meth:`Sandbox.exec`."""
+    """``sbx.commands.run(...)``: :meth:`Sandbox.exec` as E2B has it: a non-zero exit
+    raises :class:`~edged.client.CommandExitError` (``check=False`` returns it)."""
 
     def __init__(self, sbx: Sandbox) -> None:
         self._sbx = sbx
 
-    def run(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
-        """See :meth:`Sandbox.exec`."""
-        return self._sbx.exec(cmd, **kw)
+    def run(self, cmd: str | Sequence[str], *, check: bool = True, **kw: Any) -> Any:
+        """See :meth:`Sandbox.exec` (``background=True``: a process handle)."""
+        return self._sbx.exec(cmd, check=check and not kw.get("background"), **kw)
 
 
 class Files:
@@ -147,14 +149,23 @@ class Sandbox:
                labels: Mapping[str, str] | None = None, socket: str | None = None,
                task_profile: str | None = None,
                seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
-               qos: str | None = None, auto_pause_after: float | None = None) -> Sandbox:
+               qos: str | None = None, auto_pause_after: float | None = None,
+               template: str | None = None, envs: Mapping[str, str] | None = None,
+               cpu: float | None = None, memory_mib: int | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
         ``default``). ``memory_request_bytes``: what it will use soon (admission sets it
         aside; ``memory_bytes`` is the limit it may burst to). ``qos``: ``"best_effort"``
         (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
-        many seconds (any request resumes it)."""
+        many seconds (any request resumes it). E2B's and Modal's names work too:
+        ``template`` (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib``
+        (``memory_bytes`` in MiB)."""
+        image = image if image is not None else template
+        env = _env(env, envs)
+        cpus = cpus if cpus is not None else cpu
+        if memory_mib is not None and memory_bytes is None:
+            memory_bytes = memory_mib << 20
         t = Transport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
@@ -189,22 +200,61 @@ class Sandbox:
         """Current state (a round trip)."""
         return str(self.refresh()["state"])
 
+    @overload
     def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, cwd: str | None = None,
-             stdin: str | None = None, output_limit: int | None = None,
-             user: int | None = None, on_stdout: OutputCallback | None = None,
-             on_stderr: OutputCallback | None = None, trusted: bool = False,
-             kill_leftovers: bool = False) -> ExecResult:
+             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
+             cwd: str | None = None, stdin: str | None = None,
+             output_limit: int | None = None, user: int | str | None = None,
+             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+             trusted: bool = False, kill_leftovers: bool = False,
+             background: Literal[False] = False, check: bool = False) -> ExecResult: ...
+
+    @overload
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
+             cwd: str | None = None, stdin: str | None = None,
+             output_limit: int | None = None, user: int | str | None = None,
+             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+             trusted: bool = False, kill_leftovers: bool = False,
+             background: Literal[True], check: bool = False) -> ProcessHandle: ...
+
+    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
+             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
+             cwd: str | None = None, stdin: str | None = None,
+             output_limit: int | None = None, user: int | str | None = None,
+             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
+             trusted: bool = False, kill_leftovers: bool = False,
+             background: bool = False, check: bool = False) -> ExecResult | ProcessHandle:
         """Run ``cmd`` (a string via ``/bin/sh -c``, or an argv list) and wait for it.
         ``timeout`` (seconds) kills the whole process tree; the result keeps partial output
-        and says ``reason == "timeout"``. Callbacks get text chunks as they arrive."""
-        body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user, trusted=trusted,
+        and says ``reason == "timeout"``. Callbacks get text chunks as they arrive.
+        ``envs`` is ``env`` under E2B's name; ``user``: a uid, or ``"root"``. ``check``:
+        raise :class:`~edged.client.CommandExitError` unless it exits with 0 (E2B's
+        ``commands.run`` does). ``background``: return a
+        :class:`~edged.client.process.ProcessHandle` at once (stdin kept open:
+        ``write_stdin``, ``close_stdin``; ``wait``, ``signal``, ``kill``)."""
+        body = exec_body(cmd, timeout=timeout, env=_env(env, envs), cwd=cwd,
+                         stdin=True if background and stdin is None else stdin,
+                         output_limit=output_limit, user=_uid(user), trusted=trusted,
                          kill_leftovers=kill_leftovers)
+        if background:
+            return ProcessHandle(self, body, on_stdout=on_stdout, on_stderr=on_stderr)
         col = ExecCollector(on_stdout, on_stderr)
         for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
             col.feed(ev)
-        return col.result()
+        r = col.result()
+        return r.check() if check else r
+
+    def pty(self, cmd: str | Sequence[str] = ("/bin/sh", "-i"), *, rows: int = 24,
+            cols: int = 80, env: Mapping[str, str] | None = None, cwd: str | None = None,
+            user: int | str | None = None, timeout: float | None = None,
+            on_stdout: OutputCallback | None = None) -> ProcessHandle:
+        """Start ``cmd`` on a pseudo-terminal of ``rows`` x ``cols``: a
+        :class:`~edged.client.process.ProcessHandle` whose ``write_stdin`` types, whose
+        output (``stdout``) is the terminal's, and which ``resize``\\s."""
+        body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=True,
+                         output_limit=None, user=_uid(user), pty=True, size=(rows, cols))
+        return ProcessHandle(self, body, on_stdout=on_stdout)
 
     def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> builtins.list[int]:
         """Signal one exec or all running execs; returns the exec ids signalled."""
@@ -285,8 +335,30 @@ class Sandbox:
         with contextlib.suppress(NotFoundError):
             self.info = self._t.json("DELETE", path_for("sandboxes", self.id))
 
+    def terminate(self) -> None:
+        """:meth:`kill` under Modal's name."""
+        self.kill()
+
     def __enter__(self) -> Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
+
+
+def _env(env: Mapping[str, str] | None, envs: Mapping[str, str] | None) -> dict[str, str] | None:
+    """``env`` and E2B's ``envs`` together (both given: one dict of both)."""
+    if env is None and envs is None:
+        return None
+    return {**(env or {}), **(envs or {})}
+
+
+def _uid(user: int | str | None) -> int | None:
+    """A uid, or ``"root"``; other names need the sandbox's passwd: give the number."""
+    if user is None or isinstance(user, int):
+        return user
+    if user == "root":
+        return 0
+    if user.isdigit():
+        return int(user)
+    raise BadRequestError(f"user {user!r}: give a uid (only 'root' is known by name)")

@@ -42,7 +42,7 @@ def session_body(*, id: str | None, shell: str | None, env: Mapping[str, str] | 
 
 def run_body(cmd: str, *, timeout: float | None, output_limit: int | None) -> dict[str, Any]:
     """The ``POST .../sessions/{id}/run`` body."""
-    body: dict[str, Any] = {"cmd": cmd}
+    body: dict[str, Any] = {"cmd": cmd, "encoding": "base64"}
     if timeout is not None:
         body["timeout_s"] = timeout
     if output_limit is not None:

@@ -622,6 +622,14 @@ class SandboxManager:
         rec.touch()
         return {"exec_ids": targets}
 
+    def exec_handle(self, sandbox_id: str, exec_id: int) -> ExecHandle:
+        """The running exec ``exec_id`` of the sandbox (NotFound if none): for its stdin
+        and its pseudo-terminal's size, from requests other than the one streaming it."""
+        handle = self._execs.get(self.get(sandbox_id).id, {}).get(exec_id)
+        if handle is None or handle.ended:
+            raise NotFound(f"sandbox {sandbox_id}: no running exec {exec_id}")
+        return handle
+
     async def kill_processes(self, sandbox_id: str) -> int:
         """SIGKILL every workload process of a running sandbox (the sandbox stays up); for a
         grader that must not race what the agent left running. Returns how many were

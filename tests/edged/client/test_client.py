@@ -13,6 +13,7 @@ from edged.client import (
     AsyncSandbox,
     BadRequestError,
     CapacityExhaustedError,
+    CommandExitError,
     DaemonUnavailableError,
     InvalidStateError,
     NotFoundError,
@@ -30,8 +31,10 @@ def test_sync_sandbox(node) -> None:
         assert (r.exit_code, r.stdout, r.stderr, r.reason, r.ok) == (0, "1\n", "e\n", "exited",
                                                                      True)
         assert "".join(chunks) == "1\n" and r.duration >= 0
-        r = sbx.commands.run(["sh", "-c", "exit 4"])
+        r = sbx.commands.run(["sh", "-c", "exit 4"], check=False)
         assert r.exit_code == 4 and not r.ok
+        with pytest.raises(CommandExitError):  # as E2B's commands.run
+            sbx.commands.run(["sh", "-c", "exit 4"])
         r = sbx.exec("sleep 20", timeout=0.3)
         assert r.reason == "timeout" and r.exit_code is None
         assert sbx.files.write("/d/x.txt", "héllo") == 6
