@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import edged
+from edged.backends import memadvise
 from edged.backends.base import (
     QOS_CLASSES,
     EventSink,
@@ -56,7 +57,6 @@ from edged.backends.container.uidslots import starttime as _starttime
 from edged.cgroups import POOL_PREFIX, SandboxCgroup
 from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
-from edged.node import memadvise
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, landlock
 
