@@ -51,6 +51,8 @@ class Config:
     layers_remote: str = ""
     layers_cache_bytes: int = 0  # size limit of the node's layer cache; 0 = none
     layers_fetch_timeout_s: float = 30.0  # a read of an unreachable chunk fails (EIO) after
+    layers_check_interval_s: float = 1.0  # how often the layer service is checked (and brought
+    # back: restarts back off up to 30 s)
     backend: str = "container"  # the backend of a create that names none
     # Backends to run side by side (comma-separated names; "" = only `backend`); a create
     # picks one with "backend", GET /v1/node lists them.
@@ -127,7 +129,7 @@ class Config:
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
         for name in ("reaper_interval_s", "layers_fetch_timeout_s", "reclaim_interval_s",
-                     "admission_window_s"):
+                     "admission_window_s", "layers_check_interval_s"):
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
@@ -195,6 +197,8 @@ _HELP = {
                      "('' = the local store)",
     "layers_cache_bytes": "size limit of the node's layer cache in bytes (0 = none)",
     "layers_fetch_timeout_s": "seconds before a read of an unreachable chunk fails (EIO)",
+    "layers_check_interval_s": "seconds between checks of the layer service, which is "
+                               "restarted when it does not answer (backing off up to 30 s)",
     "backend": "the backend of a create that names none (container)",
     "backends": "backends run side by side, comma-separated ('' = only --backend)",
     "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",

@@ -33,6 +33,7 @@ from edged.config import Config, mem_total
 from edged.errors import BackendError, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
+from edged.images.service import LayerService
 from edged.logutil import RateLimitFilter
 from edged.metrics import Metrics
 from edged.node.fds import raise_nofile
@@ -214,9 +215,19 @@ class Server:
         self.manager.ledger = ledger
         self.swap = await asyncio.to_thread(self._start_swap, backends)
         self.manager.swap = self.swap
+        service = LayerService(layers, interval_s=cfg.layers_check_interval_s,
+                               metrics=metrics)
+        self.manager.layer_service = service
+        # Layer mounts over a connection that died with every holder (the node's services
+        # killed together): found before sandboxes are adopted, failed once they are
+        lost_at_start = await service.first_check()
         self.recovered = await self.manager.recover()
+        service.on_lost = self.manager.layers_lost
+        if lost_at_start:
+            self.manager.layers_lost(lost_at_start)
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
         self.manager.start_reaper()
+        service.start()
         app = make_app(self.manager)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
                                      shutdown_timeout=cfg.shutdown_timeout_s * 0.5)
@@ -308,6 +319,8 @@ class Server:
                 Path(self.config.socket).unlink()
             self._owns_socket = False
         if self.manager is not None:
+            if self.manager.layer_service is not None:
+                await self.manager.layer_service.stop()
             left = max(0.5, deadline - loop.time())
             await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
             # pools and control connections; kept sandboxes live on

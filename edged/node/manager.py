@@ -34,9 +34,18 @@ from edged.backends.base import (
 )
 from edged.backends.registry import Backends
 from edged.config import Config
-from edged.errors import BackendError, BadRequest, Conflict, EdgedError, InvalidState, NotFound
+from edged.errors import (
+    BackendError,
+    BadRequest,
+    Conflict,
+    EdgedError,
+    InvalidState,
+    LayersUnavailable,
+    NotFound,
+)
 from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry
+from edged.images.service import LayerService
 from edged.metrics import Metrics
 from edged.node.admission import Admission, Capacity, Usage
 from edged.node.fds import FdBudget
@@ -90,6 +99,8 @@ class SandboxManager:
             cpu_pressure_limit=config.cpu_pressure_limit,
             window_s=config.admission_window_s, usage=self._usage,
             reclaimable=self._reclaimable, reclaim_retry_s=config.reclaim_interval_s)
+        #: the layer service's supervision (set by the daemon; None: nothing to supervise)
+        self.layer_service: LayerService | None = None
         #: the daemon's descriptors: a create is refused (503) before EMFILE is possible
         self.fds = FdBudget(retry_after_s=config.retry_after_s)
         self.records_dir = Path(config.state_dir) / "sandboxes"
@@ -297,6 +308,10 @@ class SandboxManager:
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
+        svc = self.layer_service
+        if svc is not None and not svc.available and rec.layers:
+            raise LayersUnavailable("layers unavailable: the node's layer service is down and "
+                                    "being restarted", retry_after=svc.retry_after())
         self.fds.check(self._fds_held(), _fds_per_sandbox(backend))
         self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
@@ -548,6 +563,9 @@ class SandboxManager:
         known = [f"{k} {cause[k]}" for k in ("signal", "exit_status") if k in cause]
         if cause.get("oom_kill"):
             known.append("out of memory")
+        layers = cause.get("layers")
+        if isinstance(layers, list):
+            known.append("layers " + ", ".join(map(str, layers)))
         rec.transition(State.FAILED)
         rec.error = f"{what} ({', '.join(known) or 'status unknown'})"
         log.warning("sandbox %s failed: %s", sandbox_id, rec.error,
@@ -556,6 +574,21 @@ class SandboxManager:
             self.ledger.record(sandbox_id, "sandbox_failed", detail={"cause": dict(cause)})
         self._save_quietly(rec)
         self._update_gauges()
+
+    def layers_lost(self, digests: list[str]) -> None:
+        """The layer service's connection was lost with every holder of it (see
+        :mod:`edged.images.service`): the sandboxes reading the mounts that went with it
+        (``digests``; and every one whose backend reads image files, all served over that
+        connection) can no longer read what the page cache lacks, so they fail, with the
+        cause, rather than compute on; a delete still cleans them."""
+        lost = set(digests)
+        for rec in list(self._sandboxes.values()):
+            form = self.backends.get(rec.backend).layer_form
+            hit = sorted(lost & set(rec.layers)) if form == "tree" else list(rec.layers)
+            if hit:
+                self._sandbox_failed(rec.id, {
+                    "what": "its layers were lost with the layer service's connection (reads "
+                            "of layer data not in memory fail)", "layers": hit})
 
     def _abandoned(self, sandbox_id: str, exec_id: int | None, spec: ExecSpec,
                    how: str) -> None:
@@ -763,6 +796,7 @@ class SandboxManager:
         await self.stop_reaper()
         await self._flush_background()
         if self.config.on_shutdown != "stop":
+            await self.layers.leave()
             return
         # Every record, whatever its state: one being created or deleted is waited for (its
         # lock), then stopped if it still exists; none is left running because a save or
@@ -784,6 +818,8 @@ class SandboxManager:
         await self._flush_background()
         if not self._sandboxes:
             await self.layers.close()
+        else:
+            await self.layers.leave()
 
     def node_info(self) -> dict[str, Any]:
         """``GET /v1/node``: capacity, allocations, states, layer mounts, the backends (the
