@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -111,8 +112,13 @@ class LayerManager:
     def healthy(self) -> bool:
         """Whether the lazy server answers (within 5 s) under a supervisor (one that lost
         its supervisor is healthy only while nothing can replace it: we hold no fd on its
-        connection)."""
-        if not self._probe.alive():
+        connection). Raises OSError when this process cannot tell (out of descriptors or
+        memory: EMFILE, ENFILE, ENOMEM), which says nothing of the server."""
+        try:
+            self._probe.health()
+        except client.LazyServerError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
             return False
         return self._fuse_fd is None or client.supervised(self.client.cache)
 

@@ -57,7 +57,8 @@ class LayerOps:
     the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
     of the layer source's metrics, if it has any. ``fetched() -> {digest:
     LayerCounters}``: what the node has fetched and served so far of each layer it serves
-    lazily. ``healthy() -> bool``: whether the service that serves the image files answers;
+    lazily. ``healthy() -> bool``: whether the service that serves the image files answers
+    (raises OSError when the caller cannot tell, e.g. out of descriptors);
     ``recover() -> list[str] | None``: bring it back if it does not (raises if it cannot),
     returning None, or the digests whose mounts were lost with its connection (see
     :meth:`layerfs.manager.LayerManager.recover`). Both None: a source that cannot fail

@@ -77,10 +77,15 @@ class LayerService:
         if self.metrics is not None:
             self.metrics.layers_available.set(1 if up else 0)
 
-    async def _healthy(self) -> bool:
+    async def _healthy(self) -> bool | None:
+        """Whether the service answers; None when the check could not tell (it raised
+        OSError: this process out of descriptors, say, which a restart would not mend)."""
         assert self.layers.ops.healthy is not None
         try:
             return bool(await asyncio.to_thread(self.layers.ops.healthy))
+        except OSError as e:
+            log.debug("layer service check could not tell: %s", e)
+            return None
         except Exception:
             return False
 
@@ -127,7 +132,10 @@ class LayerService:
         """Check the service; restart it if it does not answer and the backoff allows."""
         if not self.supervised:
             return
-        if await self._healthy():
+        up = await self._healthy()
+        if up is None:
+            return  # as it was
+        if up:
             self.failures = 0
             self._set_available(True)
             return
@@ -149,7 +157,7 @@ class LayerService:
         self._next_try = 0.0
         up = await self._healthy()
         log.info("layer service: restarted", extra={"answers": up})
-        self._set_available(up)
+        self._set_available(up is not False)
 
     async def _run(self) -> None:
         while True:

@@ -281,34 +281,31 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
                              f"{_log_tail(client.cache)}")
 
 
-def _running_supervisor(cache: str) -> int | None:
-    """PID of the live supervisor recorded for ``cache``, if any."""
+def _running(cache: str, name: str) -> int | None:
+    """PID of the live ``name`` (``supervisor`` or ``server``) recorded for ``cache`` in
+    ``NAME.pid``, checked against its command line (never another process that reuses the
+    number), if any."""
     try:
-        with open(os.path.join(cache, "supervisor.pid")) as f:
+        with open(os.path.join(cache, f"{name}.pid")) as f:
             pid = int(f.read())
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except (FileNotFoundError, ValueError, ProcessLookupError):
         return None
-    if b"layerfs.lazy.supervisor" not in argv or os.fsencode(cache) not in argv \
+    if f"layerfs.lazy.{name}".encode() not in argv or os.fsencode(cache) not in argv \
             or _zombie(pid):
         return None
     return pid
 
 
+def _running_supervisor(cache: str) -> int | None:
+    """PID of the live supervisor recorded for ``cache``, if any."""
+    return _running(cache, "supervisor")
+
+
 def _running_server(cache: str) -> int | None:
-    """PID of the live lazy server recorded for ``cache`` (``server.pid``, checked against
-    its command line: never another process that reuses the number), if any."""
-    try:
-        with open(os.path.join(cache, "server.pid")) as f:
-            pid = int(f.read())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except (FileNotFoundError, ValueError, ProcessLookupError):
-        return None
-    if b"layerfs.lazy.server" not in argv or os.fsencode(cache) not in argv or _zombie(pid):
-        return None
-    return pid
+    """PID of the live lazy server recorded for ``cache``, if any."""
+    return _running(cache, "server")
 
 
 def _end_orphan_server(cache: str, wait: float = 10.0) -> bool:

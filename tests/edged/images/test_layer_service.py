@@ -111,6 +111,23 @@ def test_a_lost_connection_remounts_and_tells(tmp_path: Path) -> None:
     assert svc.available and lost == [[digest(1)]] and remounted == [digest(1)]
 
 
+def test_a_check_that_cannot_tell_changes_nothing(tmp_path: Path) -> None:
+    """The daemon out of descriptors cannot reach the server: that is not the server down
+    (it had refused creates and restarted a server that was fine)."""
+    import asyncio
+    import errno
+
+    src, lost = _Source(), []
+    svc, _ = _service(tmp_path, src, lost)
+
+    def emfile() -> bool:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    svc.layers.ops.healthy = emfile
+    asyncio.run(svc.check_once())
+    assert svc.available and src.restarts == 0
+
+
 def test_a_service_down_at_start_refuses_creates_until_it_is_back(tmp_path: Path) -> None:
     import asyncio
 
