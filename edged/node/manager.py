@@ -25,6 +25,7 @@ from typing import Any
 
 from edged.backends.base import (
     Backend,
+    CallBackend,
     ExecHandle,
     ExecSpec,
     LayerForm,
@@ -72,6 +73,8 @@ class SandboxManager:
         self.backends = backends
         for b in backends:
             b.on_failure = self._sandbox_failed
+            if isinstance(b, CallBackend):  # its sandboxes are made through this node
+                b.attach(NodeHost(self))
         self.images = images
         self.layers = layers
         self.metrics = metrics or Metrics()
@@ -891,3 +894,50 @@ class _ByRecord:
     async def reclaim(self, sandbox_id: str, nbytes: int | None) -> int:
         b = self._m.backend_of(sandbox_id)
         return await b.reclaim(sandbox_id, nbytes) if b.can_reclaim else 0
+
+
+class NodeHost:
+    """The node as a backend whose sandboxes are another backend's sees it
+    (:class:`~edged.backends.base.SandboxHost`): FnCall's pool sandboxes are container
+    sandboxes made through the manager like any other (admitted, given their layers,
+    recorded, their security events in the ledger), so nothing of the container backend or
+    of the node's bookkeeping is done twice."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self._m = manager
+
+    async def create_sandbox(self, *, backend: str, layers: tuple[str, ...], image: str | None,
+                             resources: Resources, task_profile: str, qos: str,
+                             labels: Mapping[str, str]) -> str:
+        req = CreateRequest(backend=backend, image=image,
+                            layers=None if image is not None else tuple(layers),
+                            resources=dict(resources.__dict__), labels=dict(labels),
+                            task_profile=task_profile, qos=qos, ttl_s=0.0, idle_timeout_s=0.0,
+                            auto_pause_after_s=0.0)
+        return (await self._m.create(req)).id
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        try:
+            await self._m.delete(sandbox_id, cause="recycled")
+        except NotFound:
+            pass
+
+    def sandboxes(self, label: str) -> list[str]:
+        return [r.id for r in self._m.find() if label in r.labels]
+
+    def backend_of(self, sandbox_id: str) -> Backend:
+        return self._m.backend_of(sandbox_id)
+
+    def image_layers(self, ref: str) -> tuple[str, ...]:
+        return tuple(self._m.images.get(ref)["layers"])
+
+    def event_seq(self) -> int:
+        return self._m.ledger.last_seq if self._m.ledger is not None else 0
+
+    def event_kinds(self, sandbox_id: str, since: int) -> list[str]:
+        if self._m.ledger is None:
+            return []
+        try:
+            return [e.kind for e in self._m.ledger.events(sandbox_id, since=since)]
+        except NotFound:
+            return []

@@ -713,6 +713,13 @@ class ContainerBackend:
                 out["upper_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
         return out
 
+    def limit_counters(self, sandbox_id: str) -> dict[str, int]:
+        """The sandbox's limit counters now (``oom_kill``, ``pids_limit``,
+        ``cpu_throttled``; see :meth:`edged.cgroups.SandboxCgroup.limit_counters`): cheap
+        reads of its cgroup files, for a caller that judges one exec by them (FnCall's
+        Memory Limit Exceeded). Raises NotFound."""
+        return self._get(sandbox_id).cg.limit_counters()
+
     async def memory(self, sandbox_id: str) -> MemoryUsage:
         """The sandbox's memory as its memory cgroup counts it (NotFound if unknown)."""
         return await asyncio.to_thread(self._get(sandbox_id).cg.memory_usage)

@@ -55,8 +55,9 @@ stdin's. Answer ``{"id", "exit_code", "signal", "timed_out", "cpu_s", "wall_s",
 "rss_bytes", "stdout": [size, total], "stderr": [size, total], "files": [[relpath, size |
 null]], "leftovers", "ipc", "error"}`` followed by stdout (at most ``output`` bytes),
 stderr, and each fetched file (``null``: absent, not a regular file, or larger than
-``output``... see ``fetch``). The first line the server writes is ``{"ready": true,
-"preload_failed": [...]}``.
+``fetch_limit``); a ``*`` pattern in ``fetch`` stands for the matching names at the top of
+the working directory. The first line the server writes is ``{"ready": true,
+"preload_failed": [...], "present": [...]}`` (which of the ``--probe`` paths exist).
 """
 
 import os
@@ -101,13 +102,15 @@ def why_not_in_sandbox(host_pidns):
 
 
 def _args(argv):
-    out = {"host_pidns": None, "preload": ""}
+    out = {"host_pidns": None, "preload": "", "probe": ""}
     it = iter(argv)
     for a in it:
         if a == "--host-pidns":
             out["host_pidns"] = next(it, None)
         elif a == "--preload":
             out["preload"] = next(it, "")
+        elif a == "--probe":
+            out["probe"] = next(it, "")
     return out
 
 
@@ -149,7 +152,8 @@ def _serve(opts):
         os._exit(0)
     zy.close()
     out = _Out()
-    out.line({"ready": True, "preload_failed": failed, "zygote": pid})
+    present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
+    out.line({"ready": True, "preload_failed": failed, "zygote": pid, "present": present})
     inp = _In(0)
     while True:
         head = inp.line()
@@ -282,7 +286,7 @@ def _call(req, inp, zy):
         rep[name] = [len(data), total]
         blobs.append(data)
     files = []
-    for rel in req.get("fetch", []):
+    for rel in _expand(req.get("fetch", [])):
         path = _safe_rel(rel)
         data = None
         if path is not None:
@@ -298,6 +302,24 @@ def _call(req, inp, zy):
     except OSError as e:
         raise _Fatal("wipe: %s" % e) from e
     return rep, blobs
+
+
+def _expand(fetch):
+    """The paths to read back: each as given, a ``*`` pattern as the names of the working
+    directory's top that match it (sorted)."""
+    import fnmatch
+
+    out = []
+    for rel in fetch:
+        if isinstance(rel, str) and "*" in rel and "/" not in rel:
+            try:
+                names = sorted(os.listdir(WORK))
+            except OSError:
+                names = []
+            out += [n for n in names if fnmatch.fnmatchcase(n, rel)]
+        else:
+            out.append(rel)
+    return out
 
 
 def _write_all(fd, data):
@@ -406,6 +428,18 @@ def _wipe():
 def _zygote(sock):
     import json
 
+    # What a call's child uses, imported once here rather than in every child (an import
+    # of a C extension is a dlopen).
+    import builtins  # noqa: F401
+    import io  # noqa: F401
+    import resource  # noqa: F401
+    import select  # noqa: F401
+    import signal  # noqa: F401
+    import threading  # noqa: F401
+    import time  # noqa: F401
+    import traceback  # noqa: F401
+    import types  # noqa: F401
+
     while True:
         try:
             msg = sock.recv(1 << 16)
@@ -415,7 +449,7 @@ def _zygote(sock):
             return
         try:
             rep = _run_child(json.loads(msg))
-        except Exception as e:  # noqa: BLE001 - answered, never raised into the loop
+        except Exception as e:
             rep = {"error": "%s: %s" % (type(e).__name__, e)}
         sock.send(json.dumps(rep).encode())
 
@@ -494,7 +528,7 @@ def _child(job):
         if job.get("argv"):
             os.execvpe(job["argv"][0], job["argv"], env)
         _run_python(job, env)
-    except BaseException as e:  # noqa: B036 - the child must end here whatever happened
+    except BaseException as e:
         try:
             os.write(2, ("fncall: cannot start the call: %s\n" % e).encode())
         finally:
@@ -519,11 +553,11 @@ def _run_python(job, env):
     path = os.path.join(job["cwd"], job["script"])
     sys.argv = [path, *(job.get("args") or [])]
     sys.path.insert(0, os.path.dirname(path))
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.open(0, "rb", closefd=False),
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False),
                                                  encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.open(1, "wb", closefd=False),
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", closefd=False),
                                                    encoding="utf-8")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.open(2, "wb", closefd=False),
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", closefd=False),
                                                    encoding="utf-8", errors="backslashreplace",
                                                    line_buffering=True)
     main = types.ModuleType("__main__")
@@ -543,7 +577,7 @@ def _run_python(job, env):
         else:
             print(e.code, file=sys.stderr)
             code = 1
-    except BaseException as e:  # noqa: B036 - as the interpreter: print it, status 1
+    except BaseException as e:
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next  # our own frames are not the call's
