@@ -337,7 +337,7 @@ class CallLimits:
     wall seconds before its main process is killed; ``memory_bytes``: what the run may use
     (None: the pool sandbox's limit); ``output_bytes``: per stream (stdout, stderr), beyond
     it the stream is cut and the verdict is Output Limit Exceeded; ``file_bytes``: the
-    largest file it may write (RLIMIT_FSIZE)."""
+    largest file it may write (RLIMIT_FSIZE; at most half the pool sandbox's disk)."""
 
     cpu_s: float = 10.0
     wall_s: float = 20.0

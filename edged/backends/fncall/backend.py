@@ -223,7 +223,10 @@ class FnCallBackend:
                     "argv": list(argv) if argv is not None else None, "script": script,
                     "args": list(args), "env": env, "uid": CALL_UID, "gid": CALL_GID,
                     "wall_s": limits.wall_s, "cpu_s": limits.cpu_s,
-                    "fsize": max(limits.output_bytes + 1, limits.file_bytes),
+                    # a file may not take more than half the sandbox's disk: the rest is
+                    # for its outputs and error messages
+                    "fsize": min(max(limits.output_bytes + 1, limits.file_bytes),
+                                 self.resources.disk_bytes // 2),
                     "as_bytes": limits.memory_bytes, "output": limits.output_bytes,
                     "fetch": list(fetch), "fetch_limit": limits.file_bytes}
             blobs = [f.data for f in files] + ([] if stdin is None else [stdin])
