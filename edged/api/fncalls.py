@@ -339,7 +339,8 @@ async def _fusion_errors(request: web.Request, handler: Any) -> web.StreamRespon
         return web.json_response({"detail": "missing or wrong API key"}, status=401,
                                  headers={"WWW-Authenticate": "Bearer"})
     try:
-        return await handler(request)
+        resp: web.StreamResponse = await handler(request)
+        return resp
     except web.HTTPException:
         raise
     except BadRequest as e:
@@ -366,7 +367,8 @@ async def _languages(request: web.Request) -> web.Response:
     return web.json_response(call_backend(request.app[CALLS]).languages())
 
 
-def fusion_app(backends: Any, keys: ApiKeys, read_body: Any, max_body: int) -> web.Application:
+def fusion_app(backends: Any, keys: ApiKeys, read_body: Any,
+               max_body: int) -> web.Application:
     """The SandboxFusion listener's application: ``POST /run_code`` (and ``GET
     /v1/fncalls/languages``), every request checked against ``keys`` (see
     :func:`fusion_key`); ``read_body(request)`` reads a JSON body (the API's, with its
@@ -380,5 +382,5 @@ def fusion_app(backends: Any, keys: ApiKeys, read_body: Any, max_body: int) -> w
     return app
 
 
-__all__ = ["call_backend", "fusion_app", "fusion_key", "parse_call", "parse_run_code", "response_json",
-           "run_code_json"]
+__all__ = ["call_backend", "fusion_app", "fusion_key", "parse_call", "parse_run_code",
+           "response_json", "run_code_json"]

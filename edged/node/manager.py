@@ -917,10 +917,8 @@ class NodeHost:
         return (await self._m.create(req)).id
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
-        try:
+        with contextlib.suppress(NotFound):
             await self._m.delete(sandbox_id, cause="recycled")
-        except NotFound:
-            pass
 
     def sandboxes(self, label: str) -> list[str]:
         return [r.id for r in self._m.find() if label in r.labels]

@@ -60,8 +60,14 @@ the working directory. The first line the server writes is ``{"ready": true,
 "preload_failed": [...], "present": [...]}`` (which of the ``--probe`` paths exist).
 """
 
+from __future__ import annotations
+
 import os
 import sys
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import socket
 
 #: exit status of a server that refused to run (not inside a sandbox)
 REFUSED = 3
@@ -76,33 +82,33 @@ SCRATCH = ("/tmp", "/dev/shm")
 _guarded = False
 
 
-def why_not_in_sandbox(host_pidns):
+def why_not_in_sandbox(host_pidns: str | None) -> str | None:
     """None when this process runs in a sandbox's own pid namespace, else why not (a
     sentence). ``host_pidns``: the daemon's ``/proc/self/ns/pid`` link text, or None."""
     try:
         with open("/proc/1/comm") as f:
             comm = f.read().strip()
     except OSError as e:
-        return "cannot read /proc/1/comm: %s" % e
+        return f"cannot read /proc/1/comm: {e}"
     if comm != "sbx-init":
-        return "PID 1 is %r, not sbx-init" % comm
+        return f"PID 1 is {comm!r}, not sbx-init"
     if os.getpid() == 1:
         return "this process is PID 1"
     try:
         ns = os.readlink("/proc/self/ns/pid")
     except OSError as e:
-        return "cannot read /proc/self/ns/pid: %s" % e
-    if ns == "pid:[%d]" % PROC_PID_INIT_INO:
-        return "it runs in the initial pid namespace (%s)" % ns
+        return f"cannot read /proc/self/ns/pid: {e}"
+    if ns == f"pid:[{PROC_PID_INIT_INO}]":
+        return f"it runs in the initial pid namespace ({ns})"
     if not host_pidns:
         return "the daemon's pid namespace was not given (--host-pidns)"
     if ns == host_pidns:
-        return "it runs in the daemon's pid namespace (%s)" % ns
+        return f"it runs in the daemon's pid namespace ({ns})"
     return None
 
 
-def _args(argv):
-    out = {"host_pidns": None, "preload": "", "probe": ""}
+def _args(argv: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"host_pidns": None, "preload": "", "probe": ""}
     it = iter(argv)
     for a in it:
         if a == "--host-pidns":
@@ -114,12 +120,13 @@ def _args(argv):
     return out
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> None:
+    """The guard (see the module), then serve until stdin ends."""
     argv = sys.argv[1:] if argv is None else argv
     opts = _args(argv)
     why = why_not_in_sandbox(opts["host_pidns"])
     if why is not None:
-        os.write(2, ("fncall server: refusing to run: %s\n" % why).encode())
+        os.write(2, (f"fncall server: refusing to run: {why}\n").encode())
         os._exit(REFUSED)
     global _guarded
     _guarded = True
@@ -128,7 +135,7 @@ def main(argv=None):
 
 # -- from here on, only ever reached inside a sandbox ------------------------------------------
 
-def _serve(opts):
+def _serve(opts: dict[str, Any]) -> None:
     import importlib
     import json
     import socket
@@ -138,7 +145,7 @@ def _serve(opts):
         try:
             importlib.import_module(name)
         except Exception as e:
-            failed.append("%s: %s" % (name, e))
+            failed.append(f"{name}: {e}")
     _wipe()
     zy, io = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
@@ -162,7 +169,7 @@ def _serve(opts):
         try:
             req = json.loads(head)
         except ValueError as e:
-            out.line({"id": None, "error": "bad request: %s" % e})
+            out.line({"id": None, "error": f"bad request: {e}"})
             return
         try:
             rep, blobs = _call(req, inp, io)
@@ -180,11 +187,11 @@ class _Fatal(Exception):
 
 
 class _In:
-    def __init__(self, fd):
+    def __init__(self, fd: int) -> None:
         self.fd = fd
         self.buf = b""
 
-    def line(self):
+    def line(self) -> bytes | None:
         while b"\n" not in self.buf:
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
@@ -193,7 +200,7 @@ class _In:
         line, _, self.buf = self.buf.partition(b"\n")
         return line
 
-    def exactly(self, n):
+    def exactly(self, n: int) -> bytes:
         while len(self.buf) < n:
             chunk = os.read(self.fd, max(1 << 16, n - len(self.buf)))
             if not chunk:
@@ -204,19 +211,19 @@ class _In:
 
 
 class _Out:
-    def line(self, obj):
+    def line(self, obj: object) -> None:
         import json
 
         self.write((json.dumps(obj) + "\n").encode())
 
     @staticmethod
-    def write(data):
+    def write(data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(1, view):]
 
 
-def _safe_rel(rel):
+def _safe_rel(rel: object) -> str | None:
     """``rel`` as a path under the working directory, or None if it would leave it."""
     if not isinstance(rel, str) or not rel or "\0" in rel:
         return None
@@ -226,7 +233,8 @@ def _safe_rel(rel):
     return None
 
 
-def _call(req, inp, zy):
+def _call(req: dict[str, Any], inp: _In, zy: socket.socket
+          ) -> tuple[dict[str, Any], list[bytes]]:
     import json
 
     uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
@@ -238,7 +246,7 @@ def _call(req, inp, zy):
         data = inp.exactly(int(size))
         path = _safe_rel(rel)
         if path is None:
-            err = err or "file %r: not a path inside the working directory" % (rel,)
+            err = err or f"file {rel!r}: not a path inside the working directory"
             continue
         parent = os.path.dirname(path)
         if not os.path.isdir(parent):
@@ -275,7 +283,7 @@ def _call(req, inp, zy):
             zy.send(json.dumps(job).encode())
             answer = zy.recv(1 << 16)
         except OSError as e:
-            raise _Fatal("zygote: %s" % e) from e
+            raise _Fatal(f"zygote: {e}") from e
         if not answer:
             raise _Fatal("zygote: gone")
         rep.update(json.loads(answer))
@@ -288,23 +296,21 @@ def _call(req, inp, zy):
     files = []
     for rel in _expand(req.get("fetch", [])):
         path = _safe_rel(rel)
-        data = None
-        if path is not None:
-            data = _read_file(path, int(req.get("fetch_limit") or limit))
-        files.append([rel, None if data is None else len(data)])
-        if data is not None:
-            blobs.append(data)
+        got = None if path is None else _read_file(path, int(req.get("fetch_limit") or limit))
+        files.append([rel, None if got is None else len(got)])
+        if got is not None:
+            blobs.append(got)
     rep["files"] = files
     rep["leftovers"] = _leftovers(uid)
     rep["ipc"] = _ipc_left()
     try:
         _wipe()
     except OSError as e:
-        raise _Fatal("wipe: %s" % e) from e
+        raise _Fatal(f"wipe: {e}") from e
     return rep, blobs
 
 
-def _expand(fetch):
+def _expand(fetch: list[Any]) -> list[Any]:
     """The paths to read back: each as given, a ``*`` pattern as the names of the working
     directory's top that match it (sorted)."""
     import fnmatch
@@ -322,13 +328,13 @@ def _expand(fetch):
     return out
 
 
-def _write_all(fd, data):
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
 
 
-def _read_capped(path, limit):
+def _read_capped(path: str, limit: int) -> tuple[bytes, int]:
     """(the first ``limit`` bytes of the file, its size); (b"", 0) if absent."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -348,7 +354,7 @@ def _read_capped(path, limit):
         os.close(fd)
 
 
-def _read_file(path, limit):
+def _read_file(path: str, limit: int) -> bytes | None:
     """A fetched file's bytes, or None (absent, not a regular file, larger than ``limit``).
     Never follows a symlink the call planted as the last component."""
     import stat
@@ -367,7 +373,7 @@ def _read_file(path, limit):
         os.close(fd)
 
 
-def _leftovers(uid):
+def _leftovers(uid: int) -> bool:
     """Whether any live process of the call's ``uid`` is left (zombies excepted): a call
     that daemonised or fork-bombed. Read from /proc/<pid>/status (the real uid; a process
     that made itself non-dumpable still shows its uid there)."""
@@ -375,7 +381,7 @@ def _leftovers(uid):
         if not name.isdigit():
             continue
         try:
-            with open("/proc/%s/status" % name) as f:
+            with open(f"/proc/{name}/status") as f:
                 status = f.read()
         except OSError:
             continue  # gone meanwhile
@@ -391,7 +397,7 @@ def _leftovers(uid):
     return False
 
 
-def _ipc_left():
+def _ipc_left() -> bool:
     """Whether System V IPC objects exist in this IPC namespace (a call made them; they
     would outlive it, and only their owner may remove them)."""
     for kind in ("shm", "sem", "msg"):
@@ -404,7 +410,7 @@ def _ipc_left():
     return False
 
 
-def _wipe():
+def _wipe() -> None:
     """Remove everything beneath the scratch paths (/tmp, /dev/shm): what a call left.
     Symlinks are removed, never followed (fd-based rmtree)."""
     import shutil
@@ -425,13 +431,13 @@ def _wipe():
 
 # -- the zygote -----------------------------------------------------------------------------
 
-def _zygote(sock):
-    import json
-
+def _zygote(sock: socket.socket) -> None:
     # What a call's child uses, imported once here rather than in every child (an import
     # of a C extension is a dlopen).
     import builtins  # noqa: F401
+    import contextlib  # noqa: F401
     import io  # noqa: F401
+    import json
     import resource  # noqa: F401
     import select  # noqa: F401
     import signal  # noqa: F401
@@ -450,11 +456,11 @@ def _zygote(sock):
         try:
             rep = _run_child(json.loads(msg))
         except Exception as e:
-            rep = {"error": "%s: %s" % (type(e).__name__, e)}
+            rep = {"error": f"{type(e).__name__}: {e}"}
         sock.send(json.dumps(rep).encode())
 
 
-def _run_child(job):
+def _run_child(job: dict[str, Any]) -> dict[str, Any]:
     import select
     import signal
     import time
@@ -487,19 +493,18 @@ def _run_child(job):
             "wall_s": time.monotonic() - t0, "rss_bytes": ru.ru_maxrss * 1024}
 
 
-def _child(job):
+def _child(job: dict[str, Any]) -> NoReturn:
     """In the forked child: become the call, then exec its program or run its Python
     script. Never returns: exit status 127 (the reason on stderr) if the set-up fails."""
+    import contextlib
     import resource
     import signal
 
     try:
         for s in range(1, signal.NSIG):
             if s not in (signal.SIGKILL, signal.SIGSTOP):
-                try:
+                with contextlib.suppress(OSError, ValueError):  # 32, 33: glibc's own
                     signal.signal(s, signal.SIG_DFL)
-                except (OSError, ValueError):
-                    pass
         os.setsid()
         fin = os.open(job["stdin"], os.O_RDONLY)
         fout = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -530,12 +535,12 @@ def _child(job):
         _run_python(job, env)
     except BaseException as e:
         try:
-            os.write(2, ("fncall: cannot start the call: %s\n" % e).encode())
+            os.write(2, (f"fncall: cannot start the call: {e}\n").encode())
         finally:
             os._exit(127)
 
 
-def _run_python(job, env):
+def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
     """Run the script as ``python3 SCRIPT ARGS`` would: ``__main__``, sys.argv, sys.path[0]
     the script's directory, fresh stdio on fds 0-2, the signals an interpreter start sets,
     exit status 1 with the traceback for an uncaught exception, SystemExit's code."""
@@ -553,16 +558,18 @@ def _run_python(job, env):
     path = os.path.join(job["cwd"], job["script"])
     sys.argv = [path, *(job.get("args") or [])]
     sys.path.insert(0, os.path.dirname(path))
-    sys.stdin = sys.__stdin__ = io.TextIOWrapper(open(0, "rb", closefd=False),
-                                                 encoding="utf-8")
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(open(1, "wb", closefd=False),
-                                                   encoding="utf-8")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(open(2, "wb", closefd=False),
-                                                   encoding="utf-8", errors="backslashreplace",
-                                                   line_buffering=True)
+    streams = {
+        "stdin": io.TextIOWrapper(open(0, "rb", closefd=False), encoding="utf-8"),  # noqa: SIM115
+        "stdout": io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8"),  # noqa: SIM115
+        "stderr": io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8",  # noqa: SIM115
+                                   errors="backslashreplace", line_buffering=True),
+    }
+    for name, stream in streams.items():  # they live as long as the call
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
     main = types.ModuleType("__main__")
     main.__file__ = path
-    main.__builtins__ = builtins
+    setattr(main, "__builtins__", builtins)  # noqa: B010 - an attribute mypy does not know
     sys.modules["__main__"] = main
     code = 0
     try:
@@ -586,7 +593,7 @@ def _run_python(job, env):
     try:
         import threading
 
-        threading._shutdown()  # non-daemon threads end first, as at interpreter exit
+        getattr(threading, "_shutdown")()  # noqa: B009 - non-daemon threads end first
     except Exception:
         pass
     for stream in (sys.stdout, sys.stderr):
