@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 TAR = Path(os.environ.get("EDGED_TEST_CACHE", "/var/cache/edged-test")) / "fncall-rootfs.tar"
-ADD = "#include <cstdio>\nint main(){long a,b;if(scanf(\"%ld %ld\",&a,&b)==2)printf(\"%ld\\n\",a+b);}\n"
+ADD = ("#include <cstdio>\n"
+       "int main(){long a,b;if(scanf(\"%ld %ld\",&a,&b)==2)printf(\"%ld\\n\",a+b);}\n")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -158,7 +159,7 @@ def cold(digest: str) -> Callable[[Conn, int], float | None]:
     """A fresh container per call: create, exec ``python3 -c``, delete."""
     def one(c: Conn, i: int) -> float | None:
         t = time.perf_counter()
-        status, rec = c.call("POST", "/v1/sandboxes", {"layers": [digest], "id": f"cold-{i}",
+        status, _ = c.call("POST", "/v1/sandboxes", {"layers": [digest], "id": f"cold-{i}",
                                                        "resources": {"memory_bytes": 256 << 20}})
         if status != 201:
             return None
@@ -221,7 +222,8 @@ def main() -> int:
         good = status == 200 and [r["stdout"] for r in many["results"]] == [
             f"{i + 2}\n" for i in range(100)]
         rows["cpp_cases"] = {"per_s": 100 / dt if good else 0.0, "p50_ms": dt * 1e3,
-                             "p99_ms": dt * 1e3, "n": 100 if good else 0, "failed": 0 if good else 1}
+                             "p99_ms": dt * 1e3, "n": 100 if good else 0,
+                             "failed": 0 if good else 1}
         rows["true"] = load(sock, k, 2 * args.n, fncall(
             lambda i: {"argv": ["/bin/true"]}, lambda r, i: r["results"][0]["status"] ==
             "Accepted"))
