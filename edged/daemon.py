@@ -345,14 +345,14 @@ class Server:
                 Path(self.config.socket).unlink()
             self._owns_socket = False
         if self.manager is not None:
-            if self.manager.layer_service is not None:
-                await self.manager.layer_service.stop()
             for b in self.manager.backends:
                 if isinstance(b, CallBackend):  # its pools first: no refill while stopping
                     try:
                         await b.close()
                     except EdgedError as e:
                         log.warning("%s: %s", b.name, e)
+            if self.manager.layer_service is not None:
+                await self.manager.layer_service.stop()
             left = max(0.5, deadline - loop.time())
             await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
             # pools and control connections; kept sandboxes live on
