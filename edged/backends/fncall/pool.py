@@ -312,8 +312,12 @@ class Pool:
         within ACQUIRE_TIMEOUT_S), BackendError (no member can be made)."""
         if self._closed:
             raise BackendError(f"fncall pool {self.spec.name}: closed")
-        if self._idle:
+        while self._idle:
             m = self._idle.popleft()
+            if m.chan.end is not None:  # its server ended while idle (sandbox deleted...)
+                self._spawn(self._remove(m, "died"))
+                self.fill()
+                continue
             self._busy.add(m)
             return m
         self.fill()

@@ -178,3 +178,18 @@ def test_backpressure_is_a_503_with_retry_after(fn_node_factory) -> None:
     refused = next(g for g in got if g[0] == 503)
     assert refused[1]["error"]["code"] == "capacity_exhausted"
     assert int(refused[2]["Retry-After"]) >= 1
+
+
+def test_a_pool_sandbox_deleted_under_it_is_replaced(fn_node) -> None:
+    """Someone deletes the pool's sandboxes through the sandbox API: the next calls are
+    served by new ones, never answered with the dead ones' Internal Error."""
+    pool = fn_node.backend().pools["default"]
+    fn_node.run({"argv": ["/bin/true"]})
+    status, listing, _ = fn_node.request("GET", "/v1/sandboxes?label=edged.fncall.pool=default")
+    assert status == 200 and listing["sandboxes"]
+    for rec in listing["sandboxes"]:
+        assert fn_node.request("DELETE", f"/v1/sandboxes/{rec['id']}")[0] == 200
+    time.sleep(0.5)  # the servers' ends reach the pool
+    for _ in range(4):
+        assert fn_node.run({"argv": ["/bin/true"]})["status"] == "Accepted"
+    assert pool.stats.get("replaced_died", 0) >= 1
