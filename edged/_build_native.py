@@ -8,20 +8,17 @@ edged/_build_native.py``) to build in place for development.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+import runpy
 
-_CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
-_spec = importlib.util.spec_from_file_location("cffi_build", _CSRC / "cffi_build.py")
-assert _spec and _spec.loader
-cffi_build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cffi_build)
+# csrc/ is no package: its helper is loaded by path (cffi_modules runs this file the same way)
+_build = runpy.run_path(str(pathlib.Path(__file__).resolve().parent.parent / "csrc/cffi_build.py"))
 
 #: The core's modules in edged._native.
 MODULES = ("error", "confine", "seccomp", "memory")
 
 # libseccomp compiles seccomp profiles to BPF (csrc/lib/seccomp.c).
-ffibuilder = cffi_build.ffibuilder("edged._native", MODULES, libraries=["seccomp"])
+ffibuilder = _build["ffibuilder"]("edged._native", MODULES, libraries=["seccomp"])
 
 if __name__ == "__main__":
-    cffi_build.build_in_place(ffibuilder, "edged")
+    _build["build_in_place"](ffibuilder, "edged")

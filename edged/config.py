@@ -51,6 +51,8 @@ class Config:
     layers_remote: str = ""
     layers_cache_bytes: int = 0  # size limit of the node's layer cache; 0 = none
     layers_fetch_timeout_s: float = 30.0  # a read of an unreachable chunk fails (EIO) after
+    layers_check_interval_s: float = 1.0  # how often the layer service is checked (and brought
+    # back: restarts back off up to 30 s)
     backend: str = "container"  # the backend of a create that names none
     # Backends to run side by side (comma-separated names; "" = only `backend`); a create
     # picks one with "backend", GET /v1/node lists them.
@@ -107,9 +109,27 @@ class Config:
     # The E2B-compatible listener (edged.compat.e2b): HOST:PORT on TCP, "" = off. It needs
     # api_keys_file (no key, no listener).
     e2b_listen: str = ""
-    # API keys of the TCP listeners (edged.security.apikeys): KEY or NAME KEY per line,
-    # not readable by others.
+    # Keys of the TCP listeners (edged.security.apikeys: "KEY" or "NAME KEY" lines, mode
+    # o-r); a TCP listener does not start without one.
     api_keys_file: str = ""
+    # FnCall (edged.backends.fncall): stateless calls served from a pool of warm container
+    # sandboxes of one image; on when the image or its layers are given.
+    fncall_image: str = ""  # a registered name:tag
+    fncall_layers: str = ""  # or its layers: comma-separated digests, bottom first
+    fncall_listen: str = ""  # HOST:PORT of the SandboxFusion /run_code listener; "" = off
+    fncall_pool: int = 4  # warm sandboxes, each serving one call at a time
+    fncall_recycle_after: int = 1000  # calls before a pool sandbox is replaced by a fresh one
+    fncall_queue: int = 256  # calls waiting for a pool sandbox; beyond that 503 Retry-After
+    fncall_cpus: float = 1.0  # limits of each pool sandbox (and so of each call)
+    fncall_memory_bytes: int = 512 << 20
+    # The writable layer is a tmpfs charged to the sandbox's memory: keep it well below the
+    # memory limit, or a call that fills the disk leaves the call server no memory.
+    fncall_disk_bytes: int = 128 << 20
+    fncall_pids: int = 128
+    # Python modules the warm interpreter of each pool sandbox imports before its first call
+    fncall_preload: str = "sys,os,math,re,json,collections,itertools,functools,heapq,bisect"
+    fncall_keep_s: float = 300.0  # how long a kept compile result lives at most
+    fncall_keep_bytes: int = 256 << 20  # all kept compile results together, at most
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -135,7 +155,7 @@ class Config:
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
         for name in ("reaper_interval_s", "layers_fetch_timeout_s", "reclaim_interval_s",
-                     "admission_window_s"):
+                     "admission_window_s", "layers_check_interval_s"):
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
@@ -144,9 +164,24 @@ class Config:
                      "memory_reserve_bytes", "memory_pressure_limit", "cpu_pressure_limit",
                      "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
-                     "swap_file_bytes", "sandbox_swap_share"):
+                     "swap_file_bytes", "sandbox_swap_share", "fncall_recycle_after",
+                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
+        for name in ("fncall_pool", "fncall_cpus", "fncall_memory_bytes", "fncall_disk_bytes",
+                     "fncall_pids"):
+            if getattr(self, name) <= 0:
+                raise BadRequest(f"config {name}: must be > 0")
+        if self.fncall_disk_bytes > self.fncall_memory_bytes // 2:
+            raise BadRequest("config fncall_disk_bytes: at most half of fncall_memory_bytes "
+                             "(a pool sandbox's writable layer is in its memory)")
+        if self.fncall_image and self.fncall_layers:
+            raise BadRequest("config fncall_image, fncall_layers: give one, not both")
+        if self.fncall_listen and not (self.fncall_image or self.fncall_layers):
+            raise BadRequest("config fncall_listen: needs fncall_image or fncall_layers")
+        if self.fncall_listen and not self.api_keys_file:
+            raise BadRequest("config fncall_listen: a TCP listener needs api_keys_file (no "
+                             "key, no listener)")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config) }
@@ -203,6 +238,8 @@ _HELP = {
                      "('' = the local store)",
     "layers_cache_bytes": "size limit of the node's layer cache in bytes (0 = none)",
     "layers_fetch_timeout_s": "seconds before a read of an unreachable chunk fails (EIO)",
+    "layers_check_interval_s": "seconds between checks of the layer service, which is "
+                               "restarted when it does not answer (backing off up to 30 s)",
     "backend": "the backend of a create that names none (container)",
     "backends": "backends run side by side, comma-separated ('' = only --backend)",
     "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",
@@ -240,7 +277,20 @@ _HELP = {
     "layer_linger_s": "seconds a layer stays mounted after its last sandbox (0 = unmount)",
     "events_retention_s": "seconds a sandbox's security events are kept after it is gone",
     "e2b_listen": "HOST:PORT of the E2B-compatible listener ('' = off; needs api_keys_file)",
-    "api_keys_file": "keys of the TCP listeners: KEY or NAME KEY per line, mode o-r",
+    "api_keys_file": "keys of the TCP listeners ('KEY' or 'NAME KEY' lines, mode o-r)",
+    "fncall_image": "FnCall: the image (name:tag) of the pool sandboxes; turns FnCall on",
+    "fncall_layers": "FnCall: or its layers, comma-separated digests, bottom first",
+    "fncall_listen": "FnCall: HOST:PORT of the SandboxFusion /run_code listener ('' = off)",
+    "fncall_pool": "FnCall: warm sandboxes in the pool",
+    "fncall_recycle_after": "FnCall: calls before a pool sandbox is replaced (0 = never)",
+    "fncall_queue": "FnCall: calls that may wait for a pool sandbox (beyond: 503)",
+    "fncall_cpus": "FnCall: CPU quota of each pool sandbox, cores",
+    "fncall_memory_bytes": "FnCall: memory limit of each pool sandbox (a call's at most)",
+    "fncall_disk_bytes": "FnCall: size of each pool sandbox's writable layer",
+    "fncall_pids": "FnCall: tasks limit of each pool sandbox",
+    "fncall_preload": "FnCall: Python modules the warm interpreter imports, comma-separated",
+    "fncall_keep_s": "FnCall: seconds a kept compile result lives at most",
+    "fncall_keep_bytes": "FnCall: bytes of all kept compile results together, at most",
 }
 
 

@@ -27,18 +27,22 @@ from typing import Any
 from aiohttp import web
 
 from edged.api.app import make_app
-from edged.backends.base import Backend
+from edged.api.common import MAX_JSON_BODY, json_body
+from edged.api.fncalls import fusion_app
+from edged.backends.base import Backend, CallBackend
 from edged.backends.registry import Backends
 from edged.compat.e2b.listener import Listener
 from edged.config import Config, mem_total
-from edged.errors import BackendError, Conflict, EdgedError
+from edged.errors import BackendError, BadRequest, Conflict, EdgedError
 from edged.images.mounts import LayerMounts
 from edged.images.registry import ImageRegistry
+from edged.images.service import LayerService
 from edged.logutil import RateLimitFilter
 from edged.metrics import Metrics
 from edged.node.fds import raise_nofile
 from edged.node.manager import SandboxManager
 from edged.node.swap import SwapManager
+from edged.security.apikeys import ApiKeys
 from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged")
@@ -99,6 +103,7 @@ class Server:
         self.manager: SandboxManager | None = None
         self.recovered: dict[str, list[str]] = {}
         self._runner: web.AppRunner | None = None
+        self._fusion: web.AppRunner | None = None  # the SandboxFusion listener
         self._prev_handlers: dict[int, Any] = {}
         self._wake: asyncio.Event | None = None
         self._forced = asyncio.Event()
@@ -217,9 +222,19 @@ class Server:
         self.manager.ledger = ledger
         self.swap = await asyncio.to_thread(self._start_swap, backends)
         self.manager.swap = self.swap
+        service = LayerService(layers, interval_s=cfg.layers_check_interval_s,
+                               metrics=metrics)
+        self.manager.layer_service = service
+        # Layer mounts over a connection that died with every holder (the node's services
+        # killed together): found before sandboxes are adopted, failed once they are
+        lost_at_start = await service.first_check()
         self.recovered = await self.manager.recover()
+        service.on_lost = self.manager.layers_lost
+        if lost_at_start:
+            self.manager.layers_lost(lost_at_start)
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
         self.manager.start_reaper()
+        service.start()
         app = make_app(self.manager)
         self._runner = web.AppRunner(app, handle_signals=False, access_log=None,
                                      shutdown_timeout=cfg.shutdown_timeout_s * 0.5)
@@ -233,12 +248,32 @@ class Server:
         await site.start()
         self._owns_socket = True
         self._secure_socket(sock)
+        if cfg.fncall_listen:
+            await self._start_fusion(cfg)
         if cfg.e2b_listen:
             self.e2b = Listener(self.manager, cfg.e2b_listen, cfg.api_keys_file, cfg.state_dir)
             await self.e2b.start()
         log.info("serving", extra={"socket": str(sock), "pid": os.getpid(),
                                    "startup_s": round(time.monotonic() - t0, 3)})
         self.started.set()
+
+    async def _start_fusion(self, cfg: Config) -> None:
+        """SandboxFusion's ``/run_code`` on TCP ``fncall_listen`` (HOST:PORT), keys from
+        ``api_keys_file`` (no key, no listener: ApiKeyError). Raises BadRequest for a bad
+        address, OSError when it cannot bind."""
+        assert self.manager is not None
+        host, sep, port = cfg.fncall_listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            raise BadRequest(f"config fncall_listen {cfg.fncall_listen!r}: not HOST:PORT")
+        keys = ApiKeys(cfg.api_keys_file)
+        app = fusion_app(self.manager.backends, keys, json_body, MAX_JSON_BODY)
+        self._fusion = web.AppRunner(app, handle_signals=False, access_log=None,
+                                     shutdown_timeout=cfg.shutdown_timeout_s * 0.5)
+        await self._fusion.setup()
+        site = web.TCPSite(self._fusion, host.strip("[]") or "127.0.0.1", int(port))
+        await site.start()
+        log.info("SandboxFusion listener", extra={"listen": cfg.fncall_listen,
+                                                   "keys": len(keys.ids)})
 
     def _lock(self, path: Path, *, write_pid: bool) -> None:
         """Hold an exclusive flock on ``path`` for the daemon's life (released by the kernel
@@ -297,6 +332,9 @@ class Server:
         if self.manager is not None and self.manager.ledger is not None:
             # ends the event streams, which would otherwise hold the runner's cleanup
             self.manager.ledger.close()
+        if self._fusion is not None:
+            await self._fusion.cleanup()
+            self._fusion = None
         if self._runner is not None:
             # In-flight requests (exec streams) may take up to shutdown_timeout_s; a second
             # signal cuts the wait short.
@@ -317,6 +355,14 @@ class Server:
                 Path(self.config.socket).unlink()
             self._owns_socket = False
         if self.manager is not None:
+            for b in self.manager.backends:
+                if isinstance(b, CallBackend):  # its pools first: no refill while stopping
+                    try:
+                        await b.close()
+                    except EdgedError as e:
+                        log.warning("%s: %s", b.name, e)
+            if self.manager.layer_service is not None:
+                await self.manager.layer_service.stop()
             left = max(0.5, deadline - loop.time())
             await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
             # pools and control connections; kept sandboxes live on

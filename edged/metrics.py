@@ -47,6 +47,13 @@ class Metrics:
             "edged_allocated_memory_bytes", "Memory promised", registry=r
         )
         self.layer_mounts = Gauge("edged_layer_mounts", "Layers mounted on the node", registry=r)
+        self.layers_available = Gauge(
+            "edged_layers_available", "1 while the layer service serves layers (else creates "
+            "are refused with layers_unavailable)", registry=r)
+        self.layers_available.set(1)
+        self.layer_service_restarts = Counter(
+            "edged_layer_service_restarts", "Restarts of the layer service, by result",
+            ["result"], registry=r)
         # A start: from create to the end of the sandbox's first exec. What the node fetched
         # of the sandbox's layers meanwhile, whoever read it (starts that overlap on shared
         # layers each count the other's fetches; the first start of an image pays for all).

@@ -8,16 +8,13 @@ layerfs/_build_native.py``) to build in place for development.
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
+import runpy
 import shlex
 import subprocess
 
-_CSRC = pathlib.Path(__file__).resolve().parent.parent / "csrc"
-_spec = importlib.util.spec_from_file_location("cffi_build", _CSRC / "cffi_build.py")
-assert _spec and _spec.loader
-cffi_build = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cffi_build)
+# csrc/ is no package: its helper is loaded by path (cffi_modules runs this file the same way)
+_build = runpy.run_path(str(pathlib.Path(__file__).resolve().parent.parent / "csrc/cffi_build.py"))
 
 #: The core's modules in layerfs._native.
 MODULES = ("error", "crc32c", "writer", "scan", "lazy")
@@ -32,9 +29,9 @@ def _pkg_config(*args: str) -> list[str]:
 _FUSE_CFLAGS = _pkg_config("--cflags", "fuse3")
 _FUSE_LIBS = [f[2:] for f in _pkg_config("--libs", "fuse3") if f.startswith("-l")]
 
-ffibuilder = cffi_build.ffibuilder(
+ffibuilder = _build["ffibuilder"](
     "layerfs._native", MODULES, libraries=_FUSE_LIBS,
     include_dirs=[f[2:] for f in _FUSE_CFLAGS if f.startswith("-I")])
 
 if __name__ == "__main__":
-    cffi_build.build_in_place(ffibuilder, "layerfs")
+    _build["build_in_place"](ffibuilder, "layerfs")

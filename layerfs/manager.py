@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -86,9 +87,17 @@ class LayerManager:
         self._fetch_timeout, self._cache_limit = fetch_timeout, cache_limit
         self._proc = client.start(cache, fetch_timeout=fetch_timeout, cache_limit=cache_limit)
         self.client = client.LazyClient(cache)
+        self._probe = client.LazyClient(cache, timeout=5.0)  # health: a wedged one is down
         self._lock = threading.Lock()
         self._layers: dict[str, _Mounted] = {}
         self._roots: dict[str, Rootfs] = {}
+        # A copy of the fd on the server's FUSE connection: while we hold it, the
+        # connection survives the supervisor and the server both (reads wait for the next
+        # server instead of failing for good), see layerfs.lazy.supervisor.
+        self._fuse_fd = client.take_fd(cache)
+        # Layer mounts over a connection that has died since (found at start): their
+        # digests, told by the next recover().
+        self._lost: list[str] | None = self._check_connection()
         # Layers the lazy server has and nothing mounts (that this manager knows of),
         # oldest first: those it unmounted, and at start those an earlier manager left.
         self._unmounted: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -97,6 +106,116 @@ class LayerManager:
             for d in sorted(self.client.stats()["layers"]):
                 if d[7:] + ".erofs" not in mounted:
                     self._unmounted[d] = None
+
+    # -- the lazy server ----------------------------------------------------------------
+
+    def healthy(self) -> bool:
+        """Whether the lazy server answers (within 5 s) under a supervisor (one that lost
+        its supervisor is healthy only while nothing can replace it: we hold no fd on its
+        connection). Raises OSError when this process cannot tell (out of descriptors or
+        memory: EMFILE, ENFILE, ENOMEM), which says nothing of the server."""
+        try:
+            self._probe.health()
+        except client.LazyServerError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                raise
+            return False
+        return self._fuse_fd is None or client.supervised(self.client.cache)
+
+    def recover(self) -> list[str] | None:
+        """Bring the lazy server back if it is not :meth:`healthy` (blocking, up to ~10 s;
+        a server left without supervisor is replaced): a new
+        supervisor on the same FUSE connection when this manager still holds it (the
+        layer mounts and every reader of them carry on), else a new connection, with the
+        layer mounts made over the dead one detached (the sandboxes using them keep
+        reading what the page cache has; the rest fails with EIO: nothing brings an
+        aborted FUSE connection back). Returns None when no connection was lost, else the
+        digests whose mounts were detached (acquire mounts them again, over the new
+        connection); also reports, once, mounts found dead when this manager started.
+        Raises :class:`~layerfs.lazy.client.LazyServerError` if the server does not come
+        back."""
+        with self._lock:
+            if not self.healthy():
+                self._restart(wait=10.0)
+            lost, self._lost = self._lost, None
+            return lost
+
+    def leave(self) -> None:
+        """Let go of the FUSE connection (this process is ending; its layer mounts stay for
+        whoever uses them): from now on the supervisor alone holds it."""
+        with self._lock:
+            if self._fuse_fd is not None:
+                os.close(self._fuse_fd)
+                self._fuse_fd = None
+
+    def _restart(self, wait: float = 20.0) -> None:
+        """Start the lazy server again (on our connection if we hold it); then, if the
+        connection changed, the layer mounts over the old one are lost (self._lost)."""
+        if self._proc is not None:
+            self._proc.poll()  # reap ours if it has ended (client.start waits for it
+            # if it is still stopping or restarting its server)
+        proc = client.start(self.client.cache, fetch_timeout=self._fetch_timeout,
+                            cache_limit=self._cache_limit, fuse_fd=self._fuse_fd, wait=wait)
+        if proc is not None:  # ours now (whoever started the one that stopped)
+            self._proc = proc
+        lost = self._check_connection()
+        if lost is not None:
+            self._lost = sorted(set(self._lost or ()) | set(lost))
+
+    def _connection(self) -> int | None:
+        """The device of the lazy server's FUSE mount (one per connection), or None."""
+        try:
+            return os.stat(os.path.join(self.client.cache, "fuse")).st_dev
+        except OSError:
+            return None
+
+    def _check_connection(self) -> list[str] | None:
+        """Compare the FUSE connection now with the one our layer mounts were made over
+        (``mount_root/.connection``, so that it holds across restarts of the daemon): if it
+        changed, detach every layer mount under ``mount_root`` (dead: their reads fail for
+        good) and return their digests; None if it did not change."""
+        cur = self._connection()
+        marker = os.path.join(self.mount_root, ".connection")
+        try:
+            with open(marker) as f:
+                was: int | None = int(f.read())
+        except (OSError, ValueError):
+            was = None
+        lost: list[str] | None = None
+        if was is not None and cur != was:
+            lost = []
+            for mp in self._erofs_mounts():
+                with contextlib.suppress(OSError):
+                    umount(mp, lazy=True)
+                lost.append("sha256:" + os.path.basename(mp))
+            for d in lost:
+                self._layers.pop(d, None)
+            for d in list(self._layers):  # mounted by us, not found there: dead too
+                lost.append(d)
+                del self._layers[d]
+            if self._fuse_fd is not None:  # on the dead connection
+                os.close(self._fuse_fd)
+            self._fuse_fd = client.take_fd(self.client.cache)
+        if cur is not None and cur != was:
+            tmp = marker + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{cur}\n")
+            os.replace(tmp, marker)
+        return lost
+
+    def _erofs_mounts(self) -> list[str]:
+        """EROFS mountpoints directly under ``mount_root`` (ours, or an earlier manager's)."""
+        out = []
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                pre, _, post = line.partition(" - ")
+                fields = pre.split()
+                if len(fields) < 5 or not post.startswith("erofs "):
+                    continue
+                mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                if os.path.dirname(mp) == self.mount_root:
+                    out.append(mp)
+        return out
 
     # -- layers -------------------------------------------------------------------------
 
@@ -126,14 +245,8 @@ class LayerManager:
             if self.client.alive():
                 raise
             # Stopped under us (an operator's `layerfs umount` of the last mount of a
-            # shared cache): start it again; it restores every registration.
-            if self._proc is not None:
-                self._proc.poll()  # reap ours if it has ended (client.start waits for it
-                # if it is still stopping or restarting its server)
-            proc = client.start(self.client.cache, fetch_timeout=self._fetch_timeout,
-                                cache_limit=self._cache_limit)
-            if proc is not None:  # ours now (whoever started the one that stopped)
-                self._proc = proc
+            # shared cache, a crash): start it again; it restores every registration.
+            self._restart()
             info = self.client.register(digest, remote)
         self._unmounted.pop(digest, None)
         mp = os.path.join(self.mount_root, digest[7:])
@@ -312,3 +425,6 @@ class LayerManager:
         if self._proc is not None:
             client.stop(self.client.cache, proc=self._proc)
             self._proc = None
+        if self._fuse_fd is not None:  # the last holder, once the supervisor is gone
+            os.close(self._fuse_fd)
+            self._fuse_fd = None

@@ -5,15 +5,18 @@
 # private name, then renames).
 #
 #   bash scripts/rootfs.sh [PATH]     # default $EDGED_TEST_CACHE/debian-rootfs.tar
+# ROOTFS_INCLUDE: the packages beyond minbase (default python3; scripts/fncall-rootfs.sh adds
+# the compilers).
 set -euo pipefail
+include=${ROOTFS_INCLUDE:-python3}
 cache=${EDGED_TEST_CACHE:-/var/cache/edged-test}
 dest=${1:-$cache/debian-rootfs.tar}
 [ -s "$dest" ] && exit 0
 mkdir -p "$(dirname "$dest")"
 # mmdebstrap picks the output format from the file name: the temporary name must end in .tar.
-part="$(dirname "$dest")/.rootfs.$$.tar"
+part="$(dirname "$dest")/.$(basename "$dest" .tar).$$.tar"
 trap 'rm -f "$part"' EXIT
-echo "rootfs.sh: making $dest with mmdebstrap (minbase + python3, bookworm)" >&2
-mmdebstrap --quiet --variant=minbase --include=python3 bookworm "$part"
+echo "rootfs.sh: making $dest with mmdebstrap (minbase + $include, bookworm)" >&2
+mmdebstrap --quiet --variant=minbase --include="$include" bookworm "$part"
 mv -f "$part" "$dest"
 trap - EXIT

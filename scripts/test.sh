@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/rootfs.sh   # the real Debian rootfs several tests build layers from
+bash scripts/fncall-rootfs.sh   # the FnCall image (python3, gcc, g++) its tests build a layer from
 .venv/bin/ruff check .
 .venv/bin/mypy edged layerfs
 if [ "$#" -eq 0 ]; then

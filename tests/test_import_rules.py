@@ -5,7 +5,8 @@
 - ``layerfs`` imports nothing of ``edged`` (it is usable on its own, e.g. on an image-build
   host);
 - nothing under ``edged/node/`` or ``edged/api/`` imports a particular backend (only the
-  contract, ``edged.backends.base``, and the registry, ``edged.backends.registry``);
+  contract, ``edged.backends.base``, and the registry, ``edged.backends.registry``), and no
+  backend imports the node (it is below it);
 - ``edged/security/`` does not import ``layerfs`` (confinement has its own native module);
 - ``edged/client/`` (the SDK) imports nothing of the daemon, nor ``layerfs``.
 """
@@ -129,6 +130,8 @@ def _under(prefix: str) -> list[str]:
     ("edged.api", lambda t: t.startswith("edged.backends.")
      and t not in ("edged.backends.base", "edged.backends.registry"),
      "the API knows backends by the contract and the registry"),
+    ("edged.backends", lambda t: t.startswith(("edged.node", "edged.api")),
+     "a backend is below the node and the API"),
     ("edged.security", lambda t: t.startswith("layerfs"),
      "confinement has its own native module (edged._native)"),
     ("edged.client", lambda t: not t.startswith("edged.client"),

@@ -89,6 +89,27 @@ static void exec_free(struct sbx *s, struct exec *e)
 	exec_reset(e);
 }
 
+/* The fields of /proc/<pid>/stat after the command name (proc_pid_stat(5): the name may
+ * hold any byte but the last ")"), read into buf; NULL if the process is gone. */
+static const char *proc_stat(long pid, char *buf, size_t size)
+{
+	char path[64], *rp;
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return NULL;
+	n = read(fd, buf, size - 1);
+	close(fd);
+	if (n <= 0)
+		return NULL;
+	buf[n] = 0;
+	rp = strrchr(buf, ')');
+	return rp && rp[1] ? rp + 2 : NULL;
+}
+
 /* Without cgroups: kill every process whose session is the exec's (setsid in
  * the child makes the main pid the session id; a daemon that called setsid
  * again escapes this, which is why cgroups are preferred). */
@@ -100,24 +121,12 @@ static void sweep_session(pid_t sid)
 	if (!dir)
 		return;
 	while ((d = readdir(dir))) {
-		char path[64], stat[512], *rp;
+		char stat[512];
 		long pid = strtol(d->d_name, NULL, 10);
-		int fd, pgrp, session;
-		ssize_t n;
+		const char *f = pid > 1 ? proc_stat(pid, stat, sizeof(stat)) : NULL;
+		int pgrp, session;
 
-		if (pid <= 1)
-			continue;
-		snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
-		fd = open(path, O_RDONLY | O_CLOEXEC);
-		if (fd < 0)
-			continue;
-		n = read(fd, stat, sizeof(stat) - 1);
-		close(fd);
-		if (n <= 0)
-			continue;
-		stat[n] = 0;
-		rp = strrchr(stat, ')');
-		if (rp && sscanf(rp + 2, "%*c %*d %d %d", &pgrp, &session) == 2 && session == sid)
+		if (f && sscanf(f, "%*c %*d %d %d", &pgrp, &session) == 2 && session == sid)
 			kill((pid_t)pid, SIGKILL);
 	}
 	closedir(dir);
@@ -777,26 +786,14 @@ static uint64_t count_alive(void)
 	if (!dir)
 		return 0;
 	while ((d = readdir(dir))) {
-		char path[64], stat[512], *rp, state;
+		char stat[512], state;
 		long pid = strtol(d->d_name, NULL, 10);
+		const char *f = pid > 0 && pid != getpid() ? proc_stat(pid, stat, sizeof(stat))
+							    : NULL;
 		unsigned flags;
-		int fd;
-		ssize_t len;
 
-		if (pid <= 0 || pid == getpid())
-			continue;
-		snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
-		fd = open(path, O_RDONLY | O_CLOEXEC);
-		if (fd < 0)
-			continue;
-		len = read(fd, stat, sizeof(stat) - 1);
-		close(fd);
-		if (len <= 0)
-			continue;
-		stat[len] = 0;
-		rp = strrchr(stat, ')');
-		/* state, ppid, pgrp, session, tty_nr, tpgid, flags (proc_pid_stat(5)) */
-		if (!rp || sscanf(rp + 2, "%c %*d %*d %*d %*d %*d %u", &state, &flags) != 2)
+		/* state, ppid, pgrp, session, tty_nr, tpgid, flags */
+		if (!f || sscanf(f, "%c %*d %*d %*d %*d %*d %u", &state, &flags) != 2)
 			continue;
 		if (state != 'Z' && state != 'X' && !(flags & 0x00200000u /* PF_KTHREAD */))
 			n++;

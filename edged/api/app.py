@@ -27,7 +27,7 @@ from typing import Any
 
 from aiohttp import WSMsgType, web
 
-from edged.api import harness, requests
+from edged.api import fncalls, harness, requests
 from edged.api.common import (
     FILE_CHUNK,
     MANAGER,
@@ -420,6 +420,19 @@ async def delete_image(request: web.Request) -> web.Response:
     return web.json_response(img)
 
 
+async def run_fncall(request: web.Request) -> web.Response:
+    """POST /v1/fncalls → the call's compile result, one result per case, its kept
+    artifact (see :mod:`edged.api.fncalls`)."""
+    req, encoding = fncalls.parse_call(await json_body(request))
+    resp = await fncalls.call_backend(manager_of(request).backends).call(req)
+    return web.json_response(fncalls.response_json(resp, encoding))
+
+
+async def fncall_languages(request: web.Request) -> web.Response:
+    """GET /v1/fncalls/languages → {name: {compiled, source, available}}."""
+    return web.json_response(fncalls.call_backend(manager_of(request).backends).languages())
+
+
 async def node_info(request: web.Request) -> web.Response:
     """GET /v1/node → capacity, allocations, layer mounts, probed features."""
     return web.json_response(manager_of(request).node_info())
@@ -450,6 +463,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("GET", "/v1/images/{ref}", get_image),
     ("DELETE", "/v1/images/{ref}", delete_image),
     ("GET", "/v1/node", node_info),
+    ("POST", "/v1/fncalls", run_fncall),
+    ("GET", "/v1/fncalls/languages", fncall_languages),
     ("GET", "/v1/sandboxes/{id}/events", security_http.sandbox_events),
     ("GET", "/v1/events", security_http.node_events),
     ("GET", "/metrics", metrics),

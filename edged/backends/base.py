@@ -11,7 +11,7 @@ Units: CPU in cores, memory and disk in bytes, times in seconds (float).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
@@ -380,4 +380,162 @@ class FileOps(Protocol):
 
     async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
         """Move ``src`` to ``dst``. NotFound, BadRequest."""
+# -- stateless calls (the FnCall backend) -------------------------------------------------------
+
+#: Verdicts of a call, as go-judge names them (``Status`` of its API): the first that applies,
+#: in this order. ``Internal Error``: the node failed, not the program.
+VERDICTS = ("Accepted", "Memory Limit Exceeded", "Time Limit Exceeded",
+            "Output Limit Exceeded", "File Error", "Nonzero Exit Status", "Signalled",
+            "Dangerous Syscall", "Internal Error")
+
+
+@dataclass(frozen=True)
+class CallFile:
+    """A file a call gets in its working directory: ``path`` relative to it (no ``..``
+    out), its bytes, its mode."""
+
+    path: str
+    data: bytes
+    mode: int = 0o644
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Limits of one run (a compile step is a run too). ``cpu_s``: CPU seconds (user +
+    system; RLIMIT_CPU is whole seconds, the verdict compares the exact figure); ``wall_s``:
+    wall seconds before its main process is killed; ``memory_bytes``: what the run may use
+    (None: the pool sandbox's limit); ``output_bytes``: per stream (stdout, stderr), beyond
+    it the stream is cut and the verdict is Output Limit Exceeded; ``file_bytes``: the
+    largest file it may write (RLIMIT_FSIZE; at most half the pool sandbox's disk)."""
+
+    cpu_s: float = 10.0
+    wall_s: float = 20.0
+    memory_bytes: int | None = None
+    output_bytes: int = 1 << 20
+    file_bytes: int = 64 << 20
+
+
+@dataclass(frozen=True)
+class CallCase:
+    """One test case of a run: its stdin, extra arguments, extra files."""
+
+    stdin: bytes | None = None
+    args: tuple[str, ...] = ()
+    files: tuple[CallFile, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """One stateless call: ``language`` + ``source`` (compiled first where the language has
+    a compile step), or ``argv`` (a program of the image, e.g. ``("/bin/true",)``), or
+    ``artifact`` (the id of a kept compile result). Run once per case of ``cases`` (one
+    empty case when none is given), each with its own verdict. ``files``: given to the
+    compile and to every run; ``fetch``: paths read back after each run (``files`` of its
+    result). ``keep``: keep the compile result (its id in the response) for
+    ``keep_s`` seconds. ``pool``: the image (``name:tag``) whose pool runs it (None: the
+    default pool)."""
+
+    language: str | None = None
+    source: bytes | None = None
+    argv: tuple[str, ...] | None = None
+    artifact: str | None = None
+    cases: tuple[CallCase, ...] = (CallCase(),)
+    files: tuple[CallFile, ...] = ()
+    fetch: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    limits: CallLimits = CallLimits()
+    compile_limits: CallLimits = CallLimits(cpu_s=30.0, wall_s=60.0, memory_bytes=None,
+                                            output_bytes=1 << 20, file_bytes=256 << 20)
+    keep: bool = False
+    keep_s: float | None = None
+    pool: str | None = None
+
+
+@dataclass(frozen=True)
+class CallResult:
+    """How one run ended. ``status``: one of :data:`VERDICTS`; ``exit_code`` when it
+    exited, ``signal`` when a signal ended it; ``cpu_s`` (user + system), ``wall_s``,
+    ``memory_bytes`` (peak resident set of its largest process, ``wait4``'s ru_maxrss);
+    ``stdout``/``stderr`` cut at the output limit (``*_truncated``); ``files``: the fetched
+    files that exist, by the path asked for; ``error``: why, for Internal Error."""
+
+    status: str
+    exit_code: int | None = None
+    signal: int | None = None
+    cpu_s: float = 0.0
+    wall_s: float = 0.0
+    memory_bytes: int = 0
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    files: Mapping[str, bytes] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CallResponse:
+    """A call's outcome: its compile step's result (None: no compile step), the kept
+    compile result's id and seconds to live (None: not kept), one result per case (none
+    when the compile failed)."""
+
+    compile: CallResult | None
+    results: tuple[CallResult, ...]
+    artifact: str | None = None
+    artifact_ttl_s: float | None = None
+
+
+class SandboxHost(Protocol):
+    """What the node gives a backend whose sandboxes are another backend's (FnCall's pool
+    of container sandboxes): sandboxes made and removed through the node (admission,
+    layers, records, events), and the backend each runs on."""
+
+    async def create_sandbox(self, *, backend: str, layers: tuple[str, ...], image: str | None,
+                             resources: Resources, task_profile: str, qos: str,
+                             labels: Mapping[str, str]) -> str:
+        """Create a sandbox (TTL and idle timeout none); returns its id once it runs."""
+        ...
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        """Remove a sandbox (NotFound-tolerant)."""
+        ...
+
+    def sandboxes(self, label: str) -> list[str]:
+        """Ids of the sandboxes carrying the label ``label`` (whatever its value)."""
+        ...
+
+    def backend_of(self, sandbox_id: str) -> Backend:
+        """The backend a sandbox runs on."""
+        ...
+
+    def image_layers(self, ref: str) -> tuple[str, ...]:
+        """The layers of a registered image (NotFound)."""
+        ...
+
+    def event_seq(self) -> int:
+        """The newest security event's number (0: none, or no ledger)."""
+        ...
+
+    def event_kinds(self, sandbox_id: str, since: int) -> list[str]:
+        """Kinds of the sandbox's security events newer than ``since``."""
+        ...
+
+
+@runtime_checkable
+class CallBackend(Protocol):
+    """A backend that runs stateless calls (FnCall): given the node at start-up
+    (:meth:`attach`), it answers :meth:`call` from sandboxes it makes through it."""
+
+    def attach(self, host: SandboxHost) -> None:
+        """Where its sandboxes come from (before :meth:`Backend.warm`)."""
+        ...
+
+    async def call(self, req: CallRequest) -> CallResponse:
+        """Run ``req``. Raises BadRequest (unknown language, bad input), NotFound (an
+        artifact or image that is not there), CapacityExhausted (its queue is full, with
+        ``retry_after``), BackendError."""
+        ...
+
+    def languages(self) -> dict[str, dict[str, object]]:
+        """The languages it offers: name -> {"compiled": bool, "source": file name}."""
         ...

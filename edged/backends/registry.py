@@ -21,7 +21,8 @@ from edged.errors import BackendError, BadRequest
 Factory = Callable[[Config, EventSink | None], Backend]
 
 #: Backends of this tree: name -> the package whose ``from_config`` builds it.
-BUILTIN: dict[str, str] = {"container": "edged.backends.container"}
+BUILTIN: dict[str, str] = {"container": "edged.backends.container",
+                           "fncall": "edged.backends.fncall"}
 _factories: dict[str, Factory] = {}
 
 
@@ -68,10 +69,16 @@ class Backends:
     @classmethod
     def from_config(cls, config: Config, sink: EventSink | None = None) -> Backends:
         """``config.backends`` (comma-separated names; empty: ``config.backend`` alone), the
-        default ``config.backend`` among them. Raises BackendError (unknown, unavailable)."""
+        default ``config.backend`` among them, and ``fncall`` (with ``container``, whose
+        sandboxes are its pool) when FnCall's image or layers are configured. Raises
+        BackendError (unknown, unavailable)."""
         names = [n.strip() for n in config.backends.split(",") if n.strip()]
         if config.backend not in names:
             names.insert(0, config.backend)
+        if (config.fncall_image or config.fncall_layers) and "fncall" not in names:
+            names.append("fncall")  # its pool is container sandboxes: container runs too
+        if "fncall" in names and "container" not in names:
+            names.append("container")
         return cls({n: build(n, config, sink) for n in dict.fromkeys(names)},
                    config.backend, sink)
 

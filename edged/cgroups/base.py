@@ -230,6 +230,22 @@ class Hierarchy(abc.ABC):
         """Cap the memory of all sandboxes together (our parent memory cgroup): the backstop
         that keeps the host's share free whatever the sandboxes do, reclaim (to swap) and
         then OOM kills staying among them. 0: no cap. Raises BackendError."""
+        limit = self._memory_limit_file()
+        if limit is None:
+            return
+        path, unlimited = limit
+        try:
+            self._ensure_parents()
+            fs.write(path, str(nbytes) if nbytes else unlimited)
+        except OSError as exc:
+            raise BackendError(f"cgroup memory limit of all sandboxes: {exc}") from exc
+
+    def _memory_limit_file(self) -> tuple[Path, str] | None:
+        """Our parent's memory limit file and the value that means no limit."""
+        return None
+
+    def _ensure_parents(self) -> None:
+        """Make our parent directories (and what they need) if they are missing."""
         return None
 
     def totals(self) -> MemoryUsage:

@@ -167,13 +167,8 @@ class V1Hierarchy(Hierarchy):
     def _cpu_parent(self) -> Path | None:
         return self.parents["cpu"]
 
-    def set_memory_limit(self, nbytes: int) -> None:
-        try:
-            self._ensure_parents()
-            fs.write(self.parents["memory"] / "memory.limit_in_bytes",
-                     str(nbytes) if nbytes else "-1")
-        except OSError as exc:
-            raise BackendError(f"cgroup memory limit of all sandboxes: {exc}") from exc
+    def _memory_limit_file(self) -> tuple[Path, str] | None:
+        return self.parents["memory"] / "memory.limit_in_bytes", "-1"
 
     def totals(self) -> MemoryUsage:
         return V1Cgroup({"memory": self.parents["memory"],

@@ -179,12 +179,8 @@ class V2Hierarchy(Hierarchy):
     def _cpu_parent(self) -> Path | None:
         return self.parents["v2"]
 
-    def set_memory_limit(self, nbytes: int) -> None:
-        try:
-            self._ensure_parents()
-            fs.write(self.parents["v2"] / "memory.max", str(nbytes) if nbytes else "max")
-        except OSError as exc:
-            raise BackendError(f"cgroup memory limit of all sandboxes: {exc}") from exc
+    def _memory_limit_file(self) -> tuple[Path, str] | None:
+        return self.parents["v2"] / "memory.max", "max"
 
     def totals(self) -> MemoryUsage:
         return V2Cgroup({"v2": self.parents["v2"]}).memory_usage()

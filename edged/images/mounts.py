@@ -58,7 +58,14 @@ class LayerOps:
     the node shuts down with no sandbox left). ``collector``: a prometheus-client collector
     of the layer source's metrics, if it has any. ``fetched() -> {digest:
     LayerCounters}``: what the node has fetched and served so far of each layer it serves
-    lazily. ``add_upper(upper, kind, exclude) -> dict``: make a sandbox's upper directory
+    lazily. ``healthy() -> bool``: whether the service that serves the image files answers
+    (raises OSError when the caller cannot tell, e.g. out of descriptors);
+    ``recover() -> list[str] | None``: bring it back if it does not (raises if it cannot),
+    returning None, or the digests whose mounts were lost with its connection (see
+    :meth:`layerfs.manager.LayerManager.recover`). Both None: a source that cannot fail
+    (the local tests' doubles). ``leave()``: the daemon goes away and leaves its layers
+    mounted for the sandboxes it keeps: drop what this process holds of the source.
+    ``add_upper(upper, kind, exclude) -> dict``: make a sandbox's upper directory
     (:class:`~edged.backends.base.UpperDir`) a layer in the store the node loads layers
     from (a snapshot; None where the node cannot add layers, e.g. a chunk server remote):
     its digest, size and what was left out (:class:`layerfs.sources.upper.UpperReport`).
@@ -72,6 +79,9 @@ class LayerOps:
     close: Callable[[], object] | None = None
     collector: Any = None
     fetched: Callable[[], dict[str, LayerCounters]] | None = None
+    healthy: Callable[[], bool] | None = None
+    recover: Callable[[], list[str] | None] | None = None
+    leave: Callable[[], object] | None = None
     add_upper: Callable[[UpperDir, str, list[str]], dict[str, Any]] | None = None
 
 
@@ -159,7 +169,8 @@ class LayerMounts:
 
         ops = LayerOps(image=image, mount=mount, umount=umount, is_mounted=os.path.ismount,
                        has=has, close=close, collector=LazyCollector(mgr.client),
-                       fetched=fetched, add_upper=add_upper if writable else None)
+                       fetched=fetched, healthy=mgr.healthy, recover=mgr.recover,
+                       leave=mgr.leave, add_upper=add_upper if writable else None)
         return cls(ops, mount_dir)
 
     def mountpoint(self, digest: str) -> Path:
@@ -232,6 +243,26 @@ class LayerMounts:
             with contextlib.suppress(OSError):
                 mp.rmdir()
             raise BackendError(f"layer {digest}: cannot mount at {mp}: {e}") from e
+
+    async def remount(self, digests: list[str]) -> list[str]:
+        """Mount again, at the same mountpoint, each of ``digests`` that holders count but
+        whose mount was lost (detached with a dead connection of the layer source), so
+        that the next sandbox gets a live one; returns those remounted. Failures are
+        logged: the next acquire tries again."""
+        done = []
+        for d in digests:
+            lock = self._locks.setdefault(d, asyncio.Lock())
+            async with lock:
+                if not self._refs.get(d):
+                    continue
+                try:
+                    await asyncio.to_thread(self._mount, d, self.mountpoint(d))
+                except EdgedError as e:
+                    log.warning("layer %s: cannot mount it again: %s", d, e)
+                    self._refs.pop(d, None)  # the next acquire mounts it
+                    continue
+                done.append(d)
+        return done
 
     async def fetched(self, digests: list[str]) -> dict[str, LayerCounters] | None:
         """``{digest: LayerCounters}`` (what the node has fetched and served so far) for those of
@@ -320,7 +351,7 @@ class LayerMounts:
         held = {str(self.mountpoint(d)) for d in self._refs}
         gone = []
         for p in sorted(self.mount_dir.iterdir()):
-            if str(p) in held:
+            if str(p) in held or p.name.startswith("."):  # the source's own files
                 continue
             try:
                 await asyncio.to_thread(self._umount, p)
@@ -328,6 +359,11 @@ class LayerMounts:
             except BackendError:
                 continue
         return gone
+
+    async def leave(self) -> None:
+        """The daemon goes away, its sandboxes and their layer mounts kept (``ops.leave``)."""
+        if self.ops.leave is not None:
+            await asyncio.to_thread(self.ops.leave)
 
     async def close(self) -> None:
         """Unmount every layer still mounted and stop the layer source (daemon shutdown

@@ -25,6 +25,7 @@ from typing import Any
 
 from edged.backends.base import (
     Backend,
+    CallBackend,
     ExecHandle,
     ExecSpec,
     FileInfo,
@@ -37,9 +38,18 @@ from edged.backends.base import (
 )
 from edged.backends.registry import Backends
 from edged.config import Config
-from edged.errors import BackendError, BadRequest, Conflict, EdgedError, InvalidState, NotFound
+from edged.errors import (
+    BackendError,
+    BadRequest,
+    Conflict,
+    EdgedError,
+    InvalidState,
+    LayersUnavailable,
+    NotFound,
+)
 from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry, check_ref
+from edged.images.service import LayerService
 from edged.metrics import Metrics
 from edged.node.admission import Admission, Capacity, Usage
 from edged.node.fds import FdBudget
@@ -67,6 +77,8 @@ class SandboxManager:
         self.backends = backends
         for b in backends:
             b.on_failure = self._sandbox_failed
+            if isinstance(b, CallBackend):  # its sandboxes are made through this node
+                b.attach(NodeHost(self))
         self.images = images
         self.layers = layers
         self.metrics = metrics or Metrics()
@@ -94,6 +106,8 @@ class SandboxManager:
             cpu_pressure_limit=config.cpu_pressure_limit,
             window_s=config.admission_window_s, usage=self._usage,
             reclaimable=self._reclaimable, reclaim_retry_s=config.reclaim_interval_s)
+        #: the layer service's supervision (set by the daemon; None: nothing to supervise)
+        self.layer_service: LayerService | None = None
         #: the daemon's descriptors: a create is refused (503) before EMFILE is possible
         self.fds = FdBudget(retry_after_s=config.retry_after_s)
         self.records_dir = Path(config.state_dir) / "sandboxes"
@@ -304,6 +318,10 @@ class SandboxManager:
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
+        svc = self.layer_service
+        if svc is not None and not svc.available and rec.layers:
+            raise LayersUnavailable("layers unavailable: the node's layer service is down and "
+                                    "being restarted", retry_after=svc.retry_after())
         self.fds.check(self._fds_held(), _fds_per_sandbox(backend))
         self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
@@ -558,6 +576,9 @@ class SandboxManager:
         known = [f"{k} {cause[k]}" for k in ("signal", "exit_status") if k in cause]
         if cause.get("oom_kill"):
             known.append("out of memory")
+        layers = cause.get("layers")
+        if isinstance(layers, list):
+            known.append("layers " + ", ".join(map(str, layers)))
         rec.transition(State.FAILED)
         rec.error = f"{what} ({', '.join(known) or 'status unknown'})"
         log.warning("sandbox %s failed: %s", sandbox_id, rec.error,
@@ -566,6 +587,21 @@ class SandboxManager:
             self.ledger.record(sandbox_id, "sandbox_failed", detail={"cause": dict(cause)})
         self._save_quietly(rec)
         self._update_gauges()
+
+    def layers_lost(self, digests: list[str]) -> None:
+        """The layer service's connection was lost with every holder of it (see
+        :mod:`edged.images.service`): the sandboxes reading the mounts that went with it
+        (``digests``; and every one whose backend reads image files, all served over that
+        connection) can no longer read what the page cache lacks, so they fail, with the
+        cause, rather than compute on; a delete still cleans them."""
+        lost = set(digests)
+        for rec in list(self._sandboxes.values()):
+            form = self.backends.get(rec.backend).layer_form
+            hit = sorted(lost & set(rec.layers)) if form == "tree" else list(rec.layers)
+            if hit:
+                self._sandbox_failed(rec.id, {
+                    "what": "its layers were lost with the layer service's connection (reads "
+                            "of layer data not in memory fail)", "layers": hit})
 
     def _abandoned(self, sandbox_id: str, exec_id: int | None, spec: ExecSpec,
                    how: str) -> None:
@@ -877,6 +913,7 @@ class SandboxManager:
         await self.stop_reaper()
         await self._flush_background()
         if self.config.on_shutdown != "stop":
+            await self.layers.leave()
             return
         # Every record, whatever its state: one being created or deleted is waited for (its
         # lock), then stopped if it still exists; none is left running because a save or
@@ -898,6 +935,8 @@ class SandboxManager:
         await self._flush_background()
         if not self._sandboxes:
             await self.layers.close()
+        else:
+            await self.layers.leave()
 
     def node_info(self) -> dict[str, Any]:
         """``GET /v1/node``: capacity, allocations, states, layer mounts, the backends (the
@@ -969,3 +1008,48 @@ class _ByRecord:
     async def reclaim(self, sandbox_id: str, nbytes: int | None) -> int:
         b = self._m.backend_of(sandbox_id)
         return await b.reclaim(sandbox_id, nbytes) if b.can_reclaim else 0
+
+
+class NodeHost:
+    """The node as a backend whose sandboxes are another backend's sees it
+    (:class:`~edged.backends.base.SandboxHost`): FnCall's pool sandboxes are container
+    sandboxes made through the manager like any other (admitted, given their layers,
+    recorded, their security events in the ledger), so nothing of the container backend or
+    of the node's bookkeeping is done twice."""
+
+    def __init__(self, manager: SandboxManager) -> None:
+        self._m = manager
+
+    async def create_sandbox(self, *, backend: str, layers: tuple[str, ...], image: str | None,
+                             resources: Resources, task_profile: str, qos: str,
+                             labels: Mapping[str, str]) -> str:
+        req = CreateRequest(backend=backend, image=image,
+                            layers=None if image is not None else tuple(layers),
+                            resources=dict(resources.__dict__), labels=dict(labels),
+                            task_profile=task_profile, qos=qos, ttl_s=0.0, idle_timeout_s=0.0,
+                            auto_pause_after_s=0.0)
+        return (await self._m.create(req)).id
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            await self._m.delete(sandbox_id, cause="recycled")
+
+    def sandboxes(self, label: str) -> list[str]:
+        return [r.id for r in self._m.find() if label in r.labels]
+
+    def backend_of(self, sandbox_id: str) -> Backend:
+        return self._m.backend_of(sandbox_id)
+
+    def image_layers(self, ref: str) -> tuple[str, ...]:
+        return tuple(self._m.images.get(ref)["layers"])
+
+    def event_seq(self) -> int:
+        return self._m.ledger.last_seq if self._m.ledger is not None else 0
+
+    def event_kinds(self, sandbox_id: str, since: int) -> list[str]:
+        if self._m.ledger is None:
+            return []
+        try:
+            return [e.kind for e in self._m.ledger.events(sandbox_id, since=since)]
+        except NotFound:
+            return []

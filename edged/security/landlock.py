@@ -178,3 +178,25 @@ def protected_ruleset(
         ports += [(p, NET_BIND_TCP) for p in (tcp_bind or ())]
         ports += [(p, NET_CONNECT_TCP) for p in (tcp_connect or ())]
     return LandlockRuleset(handled_net=handled_net, paths=tuple(rules), ports=tuple(ports))
+
+
+#: What a device node keeps under :func:`writable_ruleset`: read, write, truncate and ioctl
+#: an existing node (``/dev/null``, a pty), never make, remove or rename one.
+FS_DEVICE = FS_READ_FILE | FS_WRITE_FILE | FS_READ_DIR | FS_TRUNCATE | FS_IOCTL_DEV
+
+
+def writable_ruleset(writable: Iterable[str], *, devices: str = "/dev") -> LandlockRuleset:
+    """The ruleset that leaves only ``writable`` (absolute paths that exist when the sandbox
+    starts, e.g. ``/tmp`` and ``/dev/shm``) changeable: read and execute everywhere, every
+    right beneath each writable path, and the existing nodes beneath ``devices`` opened for
+    writing (:data:`FS_DEVICE`: ``> /dev/null`` works; nothing new can be made there). What
+    a workload may leave behind is then only what lies under ``writable``: the FnCall
+    backend wipes those between calls (:mod:`edged.backends.fncall`)."""
+    rules = [PathRule("/", FS_READ_EXEC, optional=False),
+             PathRule(devices, FS_READ_EXEC | FS_DEVICE)]
+    for p in sorted({os.path.normpath("/" + w.strip("/")) for w in writable}):
+        if p == "/":
+            raise BadRequest("landlock: '/' cannot be the writable scratch")
+        rules.append(PathRule(p, FS_ALL))
+    return LandlockRuleset(paths=tuple(rules))
+

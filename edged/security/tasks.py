@@ -7,7 +7,10 @@ them, whatever the workload wrote there, which it may: default :data:`DEFAULT_GR
 ``tcp_bind`` / ``tcp_connect`` (port lists; absent means TCP not restricted by Landlock),
 ``sysfs`` (true: a sysfs of the sandbox's network namespace on /sys; default false, /sys
 empty: each sysfs is a superblock, and every superblock on the host grows the kernel's tables
-of every memory cgroup, so it costs the node in proportion to its sandboxes).
+of every memory cgroup, so it costs the node in proportion to its sandboxes), ``writable``
+(absolute paths that exist when the sandbox starts: when given, the workload may change
+nothing else, see :func:`edged.security.landlock.writable_ruleset`; absent, everything but
+the protected paths is writable).
 Unknown keys are an error, so a typo cannot silently weaken a policy.
 """
 
@@ -41,6 +44,7 @@ class TaskProfile:
     tcp_connect: tuple[int, ...] | None
     grader_view: tuple[str, ...] = DEFAULT_GRADER_VIEW
     sysfs: bool = False
+    writable: tuple[str, ...] | None = None
 
     def all_protected(self) -> tuple[str, ...]:
         """``protected`` plus the grader's programs, sorted, without duplicates."""
@@ -48,7 +52,10 @@ class TaskProfile:
 
     def landlock_ruleset(self, lowers: Iterable[str]) -> landlock.LandlockRuleset:
         """The Landlock ruleset for a sandbox built from ``lowers`` (host paths, bottom
-        first); see :func:`edged.security.landlock.protected_ruleset`."""
+        first); see :func:`edged.security.landlock.protected_ruleset`, or with ``writable``
+        :func:`edged.security.landlock.writable_ruleset`."""
+        if self.writable is not None:
+            return landlock.writable_ruleset(self.writable)
         return landlock.protected_ruleset(list(lowers), self.all_protected(),
                                           tcp_bind=self.tcp_bind, tcp_connect=self.tcp_connect)
 
@@ -83,7 +90,7 @@ def load(name: str = "default") -> TaskProfile:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ProfileError(f"task profile {name!r}: {profile_problem(e)}") from e
     unknown = set(doc) - {"seccomp", "protected", "grader", "grader_view", "tcp_bind",
-                          "tcp_connect", "sysfs"}
+                          "tcp_connect", "sysfs", "writable"}
     if unknown:
         raise ProfileError(f"task profile {name}: unknown keys {sorted(unknown)}")
     sc = doc.get("seccomp", "default")
@@ -103,6 +110,8 @@ def load(name: str = "default") -> TaskProfile:
                                             f"task profile {name}: grader_view"))
                                  - {"/"})),
         sysfs=sysfs,
+        writable=(None if "writable" not in doc else
+                  _paths(doc["writable"], f"task profile {name}: writable")),
     )
 
 

@@ -16,6 +16,7 @@ Errors come back as ``{"error": {"code", "message"}}`` and raise :class:`LazySer
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import json
 import os
@@ -135,9 +136,61 @@ class LazyClient:
             return None
 
 
+def fuse_state(cache: str | None = None) -> str:
+    """The FUSE mount of ``cache``'s lazy server: ``"absent"`` (none), ``"live"`` (its
+    connection is up: something holds an fd on it) or ``"dead"`` (aborted: every holder
+    of its fd died; every read through it, and through the EROFS mounts of its files,
+    fails with ENOTCONN or EIO for good)."""
+    fuse = os.path.join(os.path.abspath(cache or default_cache()), "fuse")
+    try:
+        os.stat(fuse)
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            return "dead"
+        return "absent"
+    return "live" if os.path.ismount(fuse) else "absent"
+
+
+def detach(cache: str | None = None) -> int:
+    """Detach (lazily unmount) every dead FUSE mount stacked on ``cache``'s ``fuse/`` (the
+    EROFS mounts of their files keep them until they go); returns how many. A new server
+    must never be mounted over a dead one: its files would stay unreachable under it."""
+    fuse = os.path.join(os.path.abspath(cache or default_cache()), "fuse")
+    from layerfs.mount import umount
+
+    n = 0
+    while fuse_state(cache) == "dead" and n < 64:
+        try:
+            umount(fuse, lazy=True)
+        except OSError:
+            break
+        n += 1
+    return n
+
+
+def take_fd(cache: str | None = None, *, timeout: float = 5.0) -> int | None:
+    """A copy of the fd on ``cache``'s FUSE connection, from its supervisor (see
+    :mod:`layerfs.lazy.supervisor`), or None if no supervisor lends one. While the caller
+    holds it the connection outlives the supervisor and the server (close it when done)."""
+    path = os.path.join(os.path.abspath(cache or default_cache()), "fuse.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        # close-on-exec from the start: a sandbox spawned meanwhile must not inherit it
+        _msg, fds, _flags, _addr = socket.recv_fds(s, 16, 1, socket.MSG_CMSG_CLOEXEC)
+    except OSError:
+        return None
+    finally:
+        s.close()
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0] if fds else None
+
+
 def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
           attempt_timeout: float = 10.0, cache_limit: int | None = None,
-          speculate: int | None = None,
+          speculate: int | None = None, fuse_fd: int | None = None,
           wait: float = 20.0) -> subprocess.Popen[bytes] | None:
     """Start the supervisor and lazy server for ``cache`` unless one answers already, and
     wait until it answers. Returns the supervisor's Popen (None if it was running); it
@@ -145,11 +198,23 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     ahead of a sequential miss (None: the server's default,
     :data:`layerfs.lazy.server.DEFAULT_SPECULATE`).
 
+    ``fuse_fd``: an fd the caller holds on the connection of the mount already on
+    ``fuse/`` (:func:`take_fd`): the new supervisor takes that connection over (reads that
+    waited for a server are answered). Without one, a live mount nobody serves is
+    detached, and a dead one always is (:func:`detach`), before a new one is made.
+
+    A server that answers with no supervisor left (it was killed) is replaced when the
+    caller holds ``fuse_fd``: ended (SIGTERM) and started again under a new supervisor on
+    that connection, since nothing would restart it if it died too. Without ``fuse_fd``
+    it is left serving (ending it would abort the connection).
+
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
     within ``wait`` seconds."""
     client = LazyClient(cache)
     if client.alive():
-        return None
+        if fuse_fd is None or _running_supervisor(client.cache) is not None:
+            return None
+        _end_orphan_server(client.cache)
     running = _running_supervisor(client.cache)
     if running is not None:
         # Its server is restarting (or still starting): a second supervisor would stack
@@ -172,9 +237,24 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
         cmd += ["--cache-limit", str(cache_limit)]
     if speculate is not None:
         cmd += ["--speculate", str(speculate)]
+    state = fuse_state(client.cache)
+    adopt = fuse_fd is not None and state == "live"
+    if adopt:
+        cmd += ["--fuse-fd", str(fuse_fd), "--resumed"]
+    elif state != "absent":
+        # dead, or live with nobody to serve it and no fd to take it over: a new mount
+        # stacked on it would leave it there for good, after every stop too
+        from layerfs.mount import umount
+
+        if state == "dead":
+            detach(client.cache)
+        else:
+            with contextlib.suppress(OSError):
+                umount(os.path.join(client.cache, "fuse"), lazy=True)
     with open(os.path.join(client.cache, "server.log"), "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                start_new_session=True, close_fds=True)
+                                start_new_session=True, close_fds=True,
+                                pass_fds=(fuse_fd,) if adopt and fuse_fd is not None else ())
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         if client.alive():
@@ -192,7 +272,7 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
         proc.kill()
         proc.wait()
     fuse = os.path.join(client.cache, "fuse")
-    if os.path.ismount(fuse):
+    if os.path.ismount(fuse) and not adopt:  # an adopted one may still be served later
         from layerfs.mount import umount
 
         with contextlib.suppress(OSError):
@@ -201,19 +281,55 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
                              f"{_log_tail(client.cache)}")
 
 
-def _running_supervisor(cache: str) -> int | None:
-    """PID of the live supervisor recorded for ``cache``, if any."""
+def _running(cache: str, name: str) -> int | None:
+    """PID of the live ``name`` (``supervisor`` or ``server``) recorded for ``cache`` in
+    ``NAME.pid``, checked against its command line (never another process that reuses the
+    number), if any."""
     try:
-        with open(os.path.join(cache, "supervisor.pid")) as f:
+        with open(os.path.join(cache, f"{name}.pid")) as f:
             pid = int(f.read())
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
     except (FileNotFoundError, ValueError, ProcessLookupError):
         return None
-    if b"layerfs.lazy.supervisor" not in argv or os.fsencode(cache) not in argv \
+    if f"layerfs.lazy.{name}".encode() not in argv or os.fsencode(cache) not in argv \
             or _zombie(pid):
         return None
     return pid
+
+
+def _running_supervisor(cache: str) -> int | None:
+    """PID of the live supervisor recorded for ``cache``, if any."""
+    return _running(cache, "supervisor")
+
+
+def _running_server(cache: str) -> int | None:
+    """PID of the live lazy server recorded for ``cache``, if any."""
+    return _running(cache, "server")
+
+
+def _end_orphan_server(cache: str, wait: float = 10.0) -> bool:
+    """End (SIGTERM; SIGKILL after ``wait`` seconds) the server of ``cache`` whose
+    supervisor is gone; False if none runs. Whoever else holds an fd on its connection keeps
+    the connection (and the reads waiting on it) alive."""
+    pid = _running_server(cache)
+    if pid is None:
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait
+    while _running_server(cache) == pid:
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.02)
+    return True
+
+
+def supervised(cache: str | None = None) -> bool:
+    """Whether a supervisor runs for ``cache`` (it restarts a server that dies)."""
+    return _running_supervisor(os.path.abspath(cache or default_cache())) is not None
 
 
 def _log_tail(cache: str) -> str:
@@ -231,13 +347,20 @@ def stop(cache: str | None = None, *, proc: subprocess.Popen[bytes] | None = Non
     """Stop the supervisor of ``cache`` (SIGTERM; SIGKILL after ``wait`` seconds), which
     stops the server and unmounts the FUSE mount. Returns False if none was running."""
     cache = os.path.abspath(cache or default_cache())
-    pid: int | None = proc.pid if proc is not None else None
+    pid: int | None = None
+    if proc is not None and proc.poll() is None:
+        pid = proc.pid
+    else:
+        proc, pid = None, _running_supervisor(cache)
     if pid is None:
-        try:
-            with open(os.path.join(cache, "supervisor.pid")) as f:
-                pid = int(f.read())
-        except (FileNotFoundError, ValueError):
+        # No supervisor (killed): a server it left is ended and its mount detached here
+        if not _end_orphan_server(cache, wait):
             return False
+        from layerfs.mount import umount
+
+        with contextlib.suppress(OSError):
+            umount(os.path.join(cache, "fuse"), lazy=True)
+        return True
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import edged
+from edged.backends import memadvise
 from edged.backends.base import (
     QOS_CLASSES,
     EventSink,
@@ -58,7 +59,6 @@ from edged.backends.container.uidslots import starttime as _starttime
 from edged.cgroups import POOL_PREFIX, SandboxCgroup
 from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
-from edged.node import memadvise
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, landlock
 
@@ -715,6 +715,13 @@ class ContainerBackend:
                 st = os.statvfs(f"/proc/{sbx.pid}/root")
                 out["upper_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
         return out
+
+    def limit_counters(self, sandbox_id: str) -> dict[str, int]:
+        """The sandbox's limit counters now (``oom_kill``, ``pids_limit``,
+        ``cpu_throttled``; see :meth:`edged.cgroups.SandboxCgroup.limit_counters`): cheap
+        reads of its cgroup files, for a caller that judges one exec by them (FnCall's
+        Memory Limit Exceeded). Raises NotFound."""
+        return self._get(sandbox_id).cg.limit_counters()
 
     async def memory(self, sandbox_id: str) -> MemoryUsage:
         """The sandbox's memory as its memory cgroup counts it (NotFound if unknown)."""

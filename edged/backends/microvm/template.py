@@ -21,7 +21,8 @@ into a memfd (holes and zero pages left out) sealed against writes, growing and 
 (``F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL``), which each clone inherits
 and maps privately through ``/proc/self/fd/N``: writes through the fd are refused (EPERM),
 private copy-on-write mappings are not. The cost: the template's pages are shmem (swap,
-not eviction, takes them from memory), once per node.
+not eviction, takes them from memory), once per node. The seal also stops QEMU 7.2's free
+page reporting from punching holes in the template (see :class:`~.vmm.Machine`).
 
 **The sandbox's disks** (the question this module answers): a clone needs the template's
 device set (migration restores device state onto the destination's devices, matched by

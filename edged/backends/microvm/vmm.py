@@ -26,7 +26,13 @@ from typing import Protocol
 class Machine:
     """A guest machine. ``memory_mib``: guest RAM; ``vcpus``; ``accel``: ``"tcg"`` or
     ``"kvm"``; ``ndisks``: virtio-blk devices (lowers + 1 upper); ``free_page_reporting``:
-    virtio-balloon that hands pages the guest frees back to the host; ``tb_size_mib``: TCG's
+    virtio-balloon that hands pages the guest frees back to the host. Off by default: QEMU
+    7.2 discards a reported range of file-backed RAM by punching a hole in the *file*, also
+    for a private mapping (its own warning: "possibly dangerous ... will affect other users
+    of the file"), so a template clone would have zeroed the template under every other
+    clone; the sealed memfd refuses it (nothing is returned, an error is logged per report).
+    It works for anonymous RAM (cold boots, resumed snapshots) and wants a QEMU that
+    discards private file mappings with ``MADV_DONTNEED`` alone for clones; ``tb_size_mib``: TCG's
     translation cache (None: QEMU's default, 1 GiB, filled on use, so a busy guest's VMM
     could grow by up to that). Measured here (2026-12-01, load ~7): an idle clone fills
     ~24 MiB of it; 8 MiB cuts that to ~7 MiB but the guest then retranslates all the time
@@ -41,7 +47,7 @@ class Machine:
     vcpus: int = 1
     accel: str = "tcg"
     ndisks: int = 4
-    free_page_reporting: bool = True
+    free_page_reporting: bool = False
     tb_size_mib: int | None = 32
 
     def key(self) -> str:

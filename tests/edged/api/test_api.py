@@ -368,6 +368,10 @@ def test_client_disconnect_kills_silent_exec(api: Api, node) -> None:
     while node.server.manager.get("dc").active_execs and time.monotonic() < deadline:
         time.sleep(0.05)
     assert node.server.manager.get("dc").active_execs == 0
+    # killed at once; its exit is collected by asyncio's child watcher thread a moment later
+    while (not all(h.proc.returncode is not None for h in node.backend.procs["dc"])
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     assert all(h.proc.returncode is not None for h in node.backend.procs["dc"])
 
 

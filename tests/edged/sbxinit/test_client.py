@@ -10,18 +10,17 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 import edged
-from edged.backends.base import ExecEnd
 from edged.errors import BadRequest, NotFound
-from edged.sbxinit import SbxClient, SbxExec, open_fds
+from edged.sbxinit import SbxClient, open_fds
 from edged.sbxinit import protocol as P
 from edged.security.ledger import Ledger
+from tests.edged.execs import collect, gone
 
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
 ENV = {"PATH": "/usr/bin:/bin"}
@@ -65,28 +64,6 @@ def run(fds: tuple[int, int], body: Callable[[SbxClient], Awaitable[None]],
             await client.close()
 
     asyncio.run(asyncio.wait_for(main(), 60))
-
-
-async def collect(h: SbxExec) -> tuple[bytes, bytes, ExecEnd]:
-    out, err = bytearray(), bytearray()
-    async for ev in h.events():
-        if isinstance(ev, ExecEnd):
-            return bytes(out), bytes(err), ev
-        (out if ev[0] == "stdout" else err).extend(ev[1])
-    raise AssertionError("no ExecEnd")
-
-
-def _gone(pid: int, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
-        if stat[stat.rindex(")") + 2] in "ZX":
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_hello_exec_stdin_and_exit_code(init: tuple[int, int]) -> None:
@@ -135,7 +112,7 @@ def test_signal_kill_and_closing_the_client_ends_execs(init: tuple[int, int]) ->
         pids.append(h.pid)
 
     run(init, body)  # closes the client with the last sleep running
-    assert _gone(pids[0]), "sbx-init kept an exec of a client that went away"
+    assert gone(pids[0]), "sbx-init kept an exec of a client that went away"
 
 
 @pytest.mark.parametrize("garbage", [

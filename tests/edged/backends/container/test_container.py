@@ -17,9 +17,9 @@ import pytest
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.errors import BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
-from edged.sbxinit import SbxExec
 from edged.sbxinit import protocol as P
 from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
+from tests.edged.execs import collect, gone
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -35,15 +35,6 @@ def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), 120))  # type: ignore[arg-type]
 
 
-async def collect(h: SbxExec) -> tuple[bytes, bytes, ExecEnd]:
-    out, err = bytearray(), bytearray()
-    async for ev in h.events():
-        if isinstance(ev, ExecEnd):
-            return bytes(out), bytes(err), ev
-        (out if ev[0] == "stdout" else err).extend(ev[1])
-    raise AssertionError("no ExecEnd")
-
-
 async def sh(b: ContainerBackend, sid: str, script: str, **kw: Any) -> tuple[bytes, bytes, ExecEnd]:
     h = await b.exec(sid, ExecSpec(argv=("sh", "-c", script), env=ENV, **kw))
     return await collect(h)
@@ -57,20 +48,6 @@ async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
 async def read_file(b: ContainerBackend, sid: str, path: str) -> bytes:
     it = await b.get_file(sid, path)
     return b"".join([c async for c in it])
-
-
-def _gone(pid: int, timeout_s: float = 5.0) -> bool:
-    """True once ``pid`` has exited (the host's init reaps it, asynchronously)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
-        if stat[stat.rindex(")") + 2] in "ZX":
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_lifecycle_and_exit_code(backend: ContainerBackend, busybox_tree: Path) -> None:
@@ -107,7 +84,7 @@ def test_lifecycle_and_exit_code(backend: ContainerBackend, busybox_tree: Path) 
             await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
         assert not (backend.sandboxes_dir / "sb1").exists()
         assert not cgroup_dirs(backend)
-        assert _gone(pid)
+        assert gone(pid)
 
     run(body)
 
@@ -477,7 +454,7 @@ def test_cleanup_leftovers(backend: ContainerBackend, busybox_tree: Path) -> Non
             await backend.create(spec((str(busybox_tree),), sid=sid))
         dead_pid = backend._sandboxes["dead"].pid
         os.kill(dead_pid, signal.SIGKILL)  # a crashed sandbox
-        assert _gone(dead_pid)
+        assert gone(dead_pid)
         await backend.close()
         # a half-made one: state dir and cgroup, no process
         half = backend.sandboxes_dir / "half"
@@ -666,7 +643,7 @@ def test_spawner_pool(state_dir: Path, busybox_tree: Path) -> None:
         assert len(kids) == 2  # each pooled spawner's half-made child
         await b.close()
         assert not b._pool and not b._reaping
-        assert all(_gone(p) for p in spawners + kids)
+        assert all(gone(p) for p in spawners + kids)
         assert not sandbox_processes(b)
         assert not cgroup_dirs(b)  # the pool's cgroups too
 
@@ -697,7 +674,7 @@ def test_pool_spawner_protocol(tmp_path: Path, backend: ContainerBackend) -> Non
     assert os.read(r_st, 100) == b""
     os.close(r_st)
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-    assert _gone(kids[0])
+    assert gone(kids[0])
 
     pid, w_in, r_st = start()
     kids = _child_pids(pid)
@@ -711,7 +688,7 @@ def test_pool_spawner_protocol(tmp_path: Path, backend: ContainerBackend) -> Non
     os.close(r_st)
     assert status.startswith("error 22 ") and "uid base" in status, status
     assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 1
-    assert _gone(kids[0])
+    assert gone(kids[0])
 
 
 def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None:
@@ -750,9 +727,9 @@ def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None
             out, _, end = await sh(backend, "sb1", "cat /proc/self/cgroup | grep freezer")
             assert end.exit_code == 0 and out.decode().strip().endswith(":/e1")  # the spare's
             nxt = spare_of(init, not_pid=spare)
-            assert nxt != spare and _gone(spare)
+            assert nxt != spare and gone(spare)
             os.kill(nxt, signal.SIGKILL)
-            assert _gone(nxt)
+            assert gone(nxt)
             out, _, end = await sh(backend, "sb1", "echo ok")
             assert (out, end.exit_code) == (b"ok\n", 0)
             assert spare_of(init, not_pid=nxt) != nxt

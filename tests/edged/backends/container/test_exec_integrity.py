@@ -27,7 +27,7 @@ import pytest
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.errors import BackendError
-from edged.sbxinit import SbxExec
+from tests.edged.execs import collect
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -36,15 +36,6 @@ ENV = {"PATH": "/bin"}
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 300) -> None:
     asyncio.run(asyncio.wait_for(coro_fn(), timeout))  # type: ignore[arg-type]
-
-
-async def collect(h: SbxExec) -> tuple[bytes, bytes, ExecEnd]:
-    out, err = bytearray(), bytearray()
-    async for ev in h.events():
-        if isinstance(ev, ExecEnd):
-            return bytes(out), bytes(err), ev
-        (out if ev[0] == "stdout" else err).extend(ev[1])
-    raise AssertionError("no ExecEnd")
 
 
 @dataclass(repr=False)

@@ -49,8 +49,11 @@ def test_an_upload_is_charged_to_the_sandbox(backend: ContainerBackend,
             own = _own_shmem()
             assert await backend.put_file("sb1", "/tmp/up", _mib(96)) == 96 * MiB
             after = await backend.memory("sb1")
-            assert after.resident_bytes - before >= 96 * MiB
+            # the upload is the sandbox's (shmem); what else it held may have been
+            # reclaimed meanwhile on a busy host (the sandbox's page cache: ~1 MiB)
             assert after.shmem_bytes >= 96 * MiB
+            assert after.resident_bytes >= after.shmem_bytes
+            assert after.resident_bytes - before >= 96 * MiB - 4 * MiB
             assert _own_shmem() - own < 8 * MiB, "the daemon's cgroup holds the upload"
             st = await backend.stats("sb1")
             assert st["memory_bytes"] >= 96 * MiB and 96 * MiB <= st["upper_bytes"] < 128 * MiB

@@ -4,6 +4,8 @@ answering over virtio-serial, and what a guest may and may not do (marked ``vm``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import os
 import time
 from pathlib import Path
@@ -299,5 +301,44 @@ def test_accelerator_probe_boots_within_its_bound(machine: Machine, run_dir: Pat
         elif os.path.exists("/dev/kvm"):
             assert "no guest within 5 s" in verdict.reason or "refused" in verdict.reason
         assert not list((run_dir / "probe").iterdir())
+
+    run(go())
+
+
+def test_free_page_reporting_cannot_punch_the_template(
+        templates: Templates, machine: Machine, layer: Path, run_dir: Path) -> None:
+    """QEMU 7.2 discards reported pages of file-backed RAM with a hole punched in the file,
+    private mapping or not: a clone's guest freeing memory would have zeroed those pages of
+    the template under every other clone. The clones' RAM is a sealed memfd: the template
+    stays as it was, and another clone still runs."""
+    fpr = dataclasses.replace(machine, free_page_reporting=True)
+
+    async def go() -> None:
+        t = await templates.get(fpr)
+        a = await GuestVm.clone(templates, t, [str(layer)], run_dir / "a", spec("a"),
+                                disk_bytes=64 << 20)
+        try:
+            def digests() -> tuple[str, ...]:
+                # the template's file, and what clones map (a sealed copy of it)
+                memfd = templates._ram_fds.get(t.dir.name)
+                return tuple(hashlib.sha256(data).hexdigest() for data in (
+                    t.mem.read_bytes(),
+                    *([os.pread(memfd, 256 << 20, 0)] if memfd is not None else [])))
+
+            before = digests()
+            end, _, err = await a.run(["sh", "-c", "dd if=/dev/zero of=/dev/shm/x bs=1M "
+                                       "count=60 2>/dev/null; rm /dev/shm/x"])
+            assert end.exit_code == 0, err
+            await asyncio.sleep(6)  # the guest reports freed pages after ~2 s
+            assert digests() == before
+            b = await GuestVm.clone(templates, t, [str(layer)], run_dir / "b", spec("b"),
+                                    disk_bytes=64 << 20)
+            try:
+                _, out, _ = await b.run(["echo", "ok"])
+                assert out == b"ok\n"
+            finally:
+                await b.destroy()
+        finally:
+            await a.destroy()
 
     run(go())

@@ -1,0 +1,257 @@
+"""FnCall throughput and latency through the daemon (``POST /v1/fncalls`` on its Unix
+socket), 16 calls in flight, against a cold ``python3 -c`` in a fresh container (create,
+exec, delete: what a call costs without a warm pool) in the same run.
+
+    .venv/bin/python bench/bench_fncall.py [--inflight 16] [--pool 8] [--n 400] [--json]
+
+Needs root and the FnCall image's rootfs (``scripts/fncall-rootfs.sh``: Debian minbase with
+python3, gcc, g++), built into a layer once (cached in ``--store``). The daemon runs as a
+process of its own (``edged serve --fncall-layers ...``, pool of ``--pool`` sandboxes), the
+clients are ``--inflight`` threads here, each with its own keep-alive connection. Rows:
+
+- ``python``: ``print(i)`` in Python (the pool's warm interpreter forks a child per call);
+  goal >= 200 calls/s, p50 <= 20 ms;
+- ``cpp``: a tiny C++ program (a + b) compiled once (kept), then run once per call naming
+  the kept result, one case each; goal >= 500 runs/s; ``cpp_cases``: the same, 100 cases in
+  one request;
+- ``true``: ``/bin/true`` (``argv``); goal >= 800 calls/s (go-judge's single-thread figure);
+- ``cold``: ``python3 -c 'print(1)'`` in a fresh container per call, same image, same
+  concurrency (the baseline; each ratio is a row's rate over this one's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TAR = Path(os.environ.get("EDGED_TEST_CACHE", "/var/cache/edged-test")) / "fncall-rootfs.tar"
+ADD = ("#include <cstdio>\n"
+       "int main(){long a,b;if(scanf(\"%ld %ld\",&a,&b)==2)printf(\"%ld\\n\",a+b);}\n")
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+class Conn(http.client.HTTPConnection):
+    """A keep-alive HTTP connection to the daemon's Unix socket."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("edged", timeout=300)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self._path)
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        self.request(method, path, None if body is None else json.dumps(body),
+                     {"Content-Type": "application/json"})
+        r = self.getresponse()
+        data = r.read()
+        return r.status, json.loads(data) if data else None
+
+
+def layer(store: Path) -> str:
+    """The FnCall image's layer digest (built into ``store`` once)."""
+    from layerfs.build import build_layer
+    from layerfs.store import Store
+
+    marker = store / "fncall-layer"
+    if marker.exists():
+        return marker.read_text().strip()
+    if not TAR.exists():
+        raise SystemExit(f"bench_fncall: {TAR} missing: run scripts/fncall-rootfs.sh")
+    digest = build_layer(str(TAR), kind="base", store=Store(str(store))).digest
+    marker.write_text(digest)
+    return digest
+
+
+def start_daemon(argv: list[str], sock: str) -> Callable[[], None]:
+    proc = subprocess.Popen([sys.executable, "-c",
+                             "import sys; from edged.cli import main; sys.exit(main())",
+                             "serve", *argv], cwd=str(ROOT))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            c = Conn(sock)
+            if c.call("GET", "/v1/node")[0] == 200:
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit("bench_fncall: the daemon did not start")
+        time.sleep(0.1)
+
+    def stop() -> None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    return stop
+
+
+def load(sock: str, inflight: int, n: int, one: Callable[[Conn, int], float | None]
+         ) -> dict[str, float]:
+    """``n`` operations over ``inflight`` threads; each returns its latency (None:
+    failed). Rate, p50, p99."""
+    lat: list[float] = []
+    failed = [0]
+    lock = threading.Lock()
+    counter = iter(range(n))
+
+    def worker() -> None:
+        c = Conn(sock)
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            t = one(c, i)
+            with lock:
+                if t is None:
+                    failed[0] += 1
+                else:
+                    lat.append(t)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(inflight) as ex:
+        for f in [ex.submit(worker) for _ in range(inflight)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    return {"per_s": len(lat) / wall, "p50_ms": pct(lat, 50) * 1e3 if lat else 0.0,
+            "p99_ms": pct(lat, 99) * 1e3 if lat else 0.0, "n": len(lat), "failed": failed[0]}
+
+
+def fncall(body: Callable[[int], dict[str, Any]], check: Callable[[dict[str, Any], int], bool]
+           ) -> Callable[[Conn, int], float | None]:
+    def one(c: Conn, i: int) -> float | None:
+        t = time.perf_counter()
+        status, rep = c.call("POST", "/v1/fncalls", body(i))
+        dt = time.perf_counter() - t
+        return dt if status == 200 and check(rep, i) else None
+    return one
+
+
+def cold(digest: str) -> Callable[[Conn, int], float | None]:
+    """A fresh container per call: create, exec ``python3 -c``, delete."""
+    def one(c: Conn, i: int) -> float | None:
+        t = time.perf_counter()
+        status, _ = c.call("POST", "/v1/sandboxes", {"layers": [digest], "id": f"cold-{i}",
+                                                       "resources": {"memory_bytes": 256 << 20}})
+        if status != 201:
+            return None
+        try:
+            c.request("POST", f"/v1/sandboxes/cold-{i}/exec",
+                      json.dumps({"argv": ["python3", "-c", f"print({i})"]}),
+                      {"Content-Type": "application/json"})
+            r = c.getresponse()
+            out = r.read().decode()
+            ok = r.status == 200 and f'"stdout": "{i}\\n"' in out
+        finally:
+            c.call("DELETE", f"/v1/sandboxes/cold-{i}")
+        return time.perf_counter() - t if ok else None
+    return one
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--pool", type=int, default=8)
+    ap.add_argument("--n", type=int, default=400, help="calls per row (cold: n/8)")
+    ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("bench_fncall: needs root")
+    store = Path(args.store)
+    store.mkdir(parents=True, exist_ok=True)
+    digest = layer(store)
+    run = Path(tempfile.mkdtemp(prefix="edged-bench-fncall-", dir="/run"))
+    sock = str(run / "s.sock")
+    load0 = os.getloadavg()[0]
+    stop = start_daemon(["--socket", sock, "--state-dir", str(run / "state"), "--runtime-dir",
+                         str(run), "--store-dir", str(store), "--log-level", "warning",
+                         "--fncall-layers", digest, "--fncall-pool", str(args.pool),
+                         "--layer-linger-s", "60"], sock)
+    rows: dict[str, dict[str, float]] = {}
+    try:
+        c = Conn(sock)
+        status, warm = c.call("POST", "/v1/fncalls", {"argv": ["/bin/true"]})
+        assert status == 200, warm
+        status, comp = c.call("POST", "/v1/fncalls", {"language": "cpp", "source": ADD,
+                                                      "keep": True, "stdin": "1 2"})
+        assert status == 200 and comp["results"][0]["stdout"] == "3\n", comp
+        art = comp["artifact"]["id"]
+        k = args.inflight
+        # a warm-up round, so every pool sandbox is up
+        load(sock, k, 2 * args.pool, fncall(lambda i: {"argv": ["/bin/true"]},
+                                            lambda r, i: True))
+        rows["python"] = load(sock, k, args.n, fncall(
+            lambda i: {"language": "python", "source": f"print({i})"},
+            lambda r, i: r["results"][0]["stdout"] == f"{i}\n"))
+        rows["cpp"] = load(sock, k, args.n, fncall(
+            lambda i: {"artifact": art, "stdin": f"{i} 1"},
+            lambda r, i: r["results"][0]["stdout"] == f"{i + 1}\n"))
+        t = time.perf_counter()
+        status, many = c.call("POST", "/v1/fncalls", {"artifact": art, "cases": [
+            {"stdin": f"{i} 2"} for i in range(100)]})
+        dt = time.perf_counter() - t
+        good = status == 200 and [r["stdout"] for r in many["results"]] == [
+            f"{i + 2}\n" for i in range(100)]
+        rows["cpp_cases"] = {"per_s": 100 / dt if good else 0.0, "p50_ms": dt * 1e3,
+                             "p99_ms": dt * 1e3, "n": 100 if good else 0,
+                             "failed": 0 if good else 1}
+        rows["true"] = load(sock, k, 2 * args.n, fncall(
+            lambda i: {"argv": ["/bin/true"]}, lambda r, i: r["results"][0]["status"] ==
+            "Accepted"))
+        rows["cold"] = load(sock, k, max(16, args.n // 8), cold(digest))
+    finally:
+        stop()
+        shutil.rmtree(run, ignore_errors=True)
+    base = rows["cold"]["per_s"] or float("nan")
+    goals = {"python": (200, 20), "cpp": (500, None), "true": (800, None)}
+    out = {"rows": rows, "ratio_over_cold": {k: v["per_s"] / base for k, v in rows.items()},
+           "goals": {k: {"per_s": g[0], "p50_ms": g[1]} for k, g in goals.items()},
+           "inflight": args.inflight, "pool": args.pool,
+           "loadavg_1min": [load0, os.getloadavg()[0]],
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{'row':10} {'per s':>9} {'p50 ms':>8} {'p99 ms':>8} {'n':>5} {'failed':>6}"
+          f" {'x cold':>7}  goal")
+    for name, r in rows.items():
+        g = goals.get(name)
+        goal = "" if g is None else f">= {g[0]}/s" + (f", p50 <= {g[1]} ms" if g[1] else "")
+        print(f"{name:10} {r['per_s']:9.1f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['n']:5.0f}"
+              f" {r['failed']:6.0f} {out['ratio_over_cold'][name]:7.1f}  {goal}")
+    print(f"load average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f}; "
+          f"{args.inflight} in flight, pool {args.pool}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

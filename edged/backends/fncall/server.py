@@ -1,0 +1,608 @@
+"""The call server: the long-lived processes of one FnCall pool sandbox. Runs INSIDE a
+sandbox only, and refuses to run anywhere else (see :func:`why_not_in_sandbox`).
+
+Started by the daemon as one exec of sbx-init in a pool sandbox (``python3 -I -S -B -c
+<this file's source> --host-pidns pid:[N] --preload a,b``, as the sandbox's root, confined
+like every exec: task profile ``fncall``, which lets it change only /tmp and /dev/shm). It
+imports nothing of edged: the sandbox's own Python runs it.
+
+**The guard, before anything else.** The first thing :func:`main` does, before it imports,
+reads or changes anything, is to check that it runs in a sandbox's own pid namespace: PID 1
+must be ``sbx-init`` (``/proc/1/comm``), it must not be PID 1 itself, and its pid namespace
+(``/proc/self/ns/pid``) must be neither the kernel's initial one (inode ``0xEFFFFFFC``,
+``PROC_PID_INIT_INO`` in include/linux/proc_ns.h) nor the one the daemon runs in (given as
+``--host-pidns``). Anywhere else it exits with status :data:`REFUSED` having done nothing:
+run by hand on a host, as root, its wipe of /tmp would remove the host's files. The wipe
+also checks the guard passed.
+
+**It kills nothing but its own child.** A call's main process is killed (wall time) through
+the pidfd of the fork that made it; nothing else is ever signalled from here: no
+``kill(-1)``, no process group, no pid read from /proc. What a call leaves running (a
+daemon, a fork bomb) is found (a process of the call's uid, not a zombie) and reported as
+``leftovers``; the daemon then removes the whole sandbox through its cgroups (bounded by
+construction: cgroups the daemon made) and starts another.
+
+Two processes, split before any call's data is seen:
+
+- the **io process** (the exec's main process): reads requests from stdin, writes the
+  call's files into /tmp, hands the zygote a request that holds only paths and limits,
+  reads the outputs back, wipes /tmp and /dev/shm, answers on stdout;
+- the **zygote**, forked from it once the preload modules are imported: forks one child
+  per call and waits for it. It never reads a call's code, input or output, so no call's
+  data is in its memory for the next call's child to find there.
+
+A call's child (forked from the zygote; what it inherits and what it must not, held by
+``tests/edged/backends/fncall/test_forkserver.py``):
+
+- inherits: the modules imported by the zygote, as they were after import (the zygote runs
+  no call's code); ``str`` hash randomisation (one seed per pool sandbox); nothing else of
+  the environment than what the request names;
+- does not inherit: any file descriptor of the zygote or the io process (it gets 0, 1, 2:
+  its stdin file and its stdout and stderr files; every other descriptor is closed); a
+  previous call's data (see above; /tmp and /dev/shm are wiped between calls); ``random``'s
+  state (CPython reseeds it in a forked child); the privileges (it drops to the request's
+  uid and gid, no supplementary groups, no capabilities: it cannot signal, trace or read
+  the server, which runs as the sandbox's root); signal dispositions (defaults, then a
+  Python call gets what an interpreter start sets: SIGPIPE and SIGXFSZ ignored, SIGINT
+  raising KeyboardInterrupt); the server's resource limits (RLIMIT_CPU, RLIMIT_FSIZE,
+  RLIMIT_AS from the request; RLIMIT_CORE 0).
+
+Wire format (both ways): one JSON line, then the payload bytes its sizes announce.
+Request ``{"id", "files": [[relpath, size, mode]], "stdin": size | null, "argv": [...] |
+null (Python: run "script"), "script", "args", "env", "uid", "gid", "wall_s", "cpu_s",
+"fsize", "as_bytes", "output", "fetch": [relpath]}`` followed by the files' bytes, then
+stdin's. Answer ``{"id", "exit_code", "signal", "timed_out", "cpu_s", "wall_s",
+"rss_bytes", "stdout": [size, total], "stderr": [size, total], "files": [[relpath, size |
+null]], "leftovers", "ipc", "error"}`` followed by stdout (at most ``output`` bytes),
+stderr, and each fetched file (``null``: absent, not a regular file, or larger than
+``fetch_limit``); a ``*`` pattern in ``fetch`` stands for the matching names at the top of
+the working directory. The first line the server writes is ``{"ready": true,
+"preload_failed": [...], "present": [...]}`` (which of the ``--probe`` paths exist).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    import socket
+
+#: exit status of a server that refused to run (not inside a sandbox)
+REFUSED = 3
+#: the kernel's initial pid namespace (PROC_PID_INIT_INO, include/linux/proc_ns.h)
+PROC_PID_INIT_INO = 0xEFFFFFFC
+#: where a call runs (its working directory), and where the server keeps its files
+WORK = "/tmp/work"
+PRIVATE = "/tmp/.fncall"
+#: what is wiped between calls: everything a call may change (the task profile "fncall")
+SCRATCH = ("/tmp", "/dev/shm")
+
+_guarded = False
+
+
+def why_not_in_sandbox(host_pidns: str | None) -> str | None:
+    """None when this process runs in a sandbox's own pid namespace, else why not (a
+    sentence). ``host_pidns``: the daemon's ``/proc/self/ns/pid`` link text, or None."""
+    try:
+        with open("/proc/1/comm") as f:
+            comm = f.read().strip()
+    except OSError as e:
+        return f"cannot read /proc/1/comm: {e}"
+    if comm != "sbx-init":
+        return f"PID 1 is {comm!r}, not sbx-init"
+    if os.getpid() == 1:
+        return "this process is PID 1"
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError as e:
+        return f"cannot read /proc/self/ns/pid: {e}"
+    if ns == f"pid:[{PROC_PID_INIT_INO}]":
+        return f"it runs in the initial pid namespace ({ns})"
+    if not host_pidns:
+        return "the daemon's pid namespace was not given (--host-pidns)"
+    if ns == host_pidns:
+        return f"it runs in the daemon's pid namespace ({ns})"
+    return None
+
+
+def _args(argv: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"host_pidns": None, "preload": "", "probe": ""}
+    it = iter(argv)
+    for a in it:
+        if a == "--host-pidns":
+            out["host_pidns"] = next(it, None)
+        elif a == "--preload":
+            out["preload"] = next(it, "")
+        elif a == "--probe":
+            out["probe"] = next(it, "")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The guard (see the module), then serve until stdin ends."""
+    argv = sys.argv[1:] if argv is None else argv
+    opts = _args(argv)
+    why = why_not_in_sandbox(opts["host_pidns"])
+    if why is not None:
+        os.write(2, (f"fncall server: refusing to run: {why}\n").encode())
+        os._exit(REFUSED)
+    global _guarded
+    _guarded = True
+    _serve(opts)
+
+
+# -- from here on, only ever reached inside a sandbox ------------------------------------------
+
+def _serve(opts: dict[str, Any]) -> None:
+    import importlib
+    import json
+    import socket
+
+    failed = []
+    for name in [m for m in opts["preload"].split(",") if m]:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            failed.append(f"{name}: {e}")
+    _wipe()
+    zy, io = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        io.close()
+        devnull = os.open("/dev/null", os.O_RDWR)
+        os.dup2(devnull, 0)  # the control pipe is the io process's alone
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        _zygote(zy)
+        os._exit(0)
+    zy.close()
+    out = _Out()
+    present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
+    out.line({"ready": True, "preload_failed": failed, "zygote": pid, "present": present})
+    inp = _In(0)
+    while True:
+        head = inp.line()
+        if head is None:
+            return
+        try:
+            req = json.loads(head)
+        except ValueError as e:
+            out.line({"id": None, "error": f"bad request: {e}"})
+            return
+        try:
+            rep, blobs = _call(req, inp, io)
+        except _Fatal as e:
+            out.line({"id": req.get("id"), "error": str(e), "fatal": True})
+            return
+        out.line(rep)
+        for b in blobs:
+            out.write(b)
+
+
+class _Fatal(Exception):
+    """The server cannot go on (its zygote is gone, a wipe failed): it answers and exits;
+    the daemon recycles the sandbox."""
+
+
+class _In:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = b""
+
+    def line(self) -> bytes | None:
+        while b"\n" not in self.buf:
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line
+
+    def exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = os.read(self.fd, max(1 << 16, n - len(self.buf)))
+            if not chunk:
+                raise _Fatal("stdin ended inside a request")
+            self.buf += chunk
+        data, self.buf = self.buf[:n], self.buf[n:]
+        return data
+
+
+class _Out:
+    def line(self, obj: object) -> None:
+        import json
+
+        self.write((json.dumps(obj) + "\n").encode())
+
+    @staticmethod
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(1, view):]
+
+
+def _safe_rel(rel: object) -> str | None:
+    """``rel`` as a path under the working directory, or None if it would leave it."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        return None
+    norm = os.path.normpath(os.path.join(WORK, rel))
+    if norm != WORK and norm.startswith(WORK + "/"):
+        return norm
+    return None
+
+
+def _call(req: dict[str, Any], inp: _In, zy: socket.socket
+          ) -> tuple[dict[str, Any], list[bytes]]:
+    import json
+
+    uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
+    os.makedirs(PRIVATE, mode=0o700, exist_ok=True)
+    os.mkdir(WORK, 0o755)
+    os.chown(WORK, uid, gid)
+    err = None
+    for rel, size, mode in req.get("files", []):
+        data = inp.exactly(int(size))
+        path = _safe_rel(rel)
+        if path is None:
+            err = err or f"file {rel!r}: not a path inside the working directory"
+            continue
+        parent = os.path.dirname(path)
+        if not os.path.isdir(parent):
+            os.makedirs(parent, 0o755, exist_ok=True)
+            p = parent
+            while p != WORK:
+                os.chown(p, uid, gid)
+                p = os.path.dirname(p)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                     int(mode) & 0o777)
+        try:
+            _write_all(fd, data)
+            os.fchown(fd, uid, gid)
+        finally:
+            os.close(fd)
+    stdin = os.path.join(PRIVATE, "stdin")
+    if req.get("stdin") is not None:
+        fd = os.open(stdin, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _write_all(fd, inp.exactly(int(req["stdin"])))
+        finally:
+            os.close(fd)
+    else:
+        stdin = "/dev/null"
+    rep = {"id": req.get("id"), "error": err}
+    if err is None:
+        job = {k: req.get(k) for k in ("argv", "script", "args", "env", "wall_s", "cpu_s",
+                                      "fsize", "as_bytes")}
+        job.update(uid=uid, gid=gid, cwd=WORK, stdin=stdin,
+                   stdout=os.path.join(PRIVATE, "stdout"),
+                   stderr=os.path.join(PRIVATE, "stderr"))
+        try:
+            zy.settimeout(float(req.get("wall_s") or 3600) + 10.0)
+            zy.send(json.dumps(job).encode())
+            answer = zy.recv(1 << 16)
+        except OSError as e:
+            raise _Fatal(f"zygote: {e}") from e
+        if not answer:
+            raise _Fatal("zygote: gone")
+        rep.update(json.loads(answer))
+    limit = int(req.get("output") or (1 << 20))
+    blobs = []
+    for name in ("stdout", "stderr"):
+        data, total = _read_capped(os.path.join(PRIVATE, name), limit)
+        rep[name] = [len(data), total]
+        blobs.append(data)
+    files = []
+    for rel in _expand(req.get("fetch", [])):
+        path = _safe_rel(rel)
+        got = None if path is None else _read_file(path, int(req.get("fetch_limit") or limit))
+        files.append([rel, None if got is None else len(got)])
+        if got is not None:
+            blobs.append(got)
+    rep["files"] = files
+    rep["leftovers"] = _leftovers(uid)
+    rep["ipc"] = _ipc_left()
+    try:
+        _wipe()
+    except OSError as e:
+        raise _Fatal(f"wipe: {e}") from e
+    return rep, blobs
+
+
+def _expand(fetch: list[Any]) -> list[Any]:
+    """The paths to read back: each as given, a ``*`` pattern as the names of the working
+    directory's top that match it (sorted)."""
+    import fnmatch
+
+    out = []
+    for rel in fetch:
+        if isinstance(rel, str) and "*" in rel and "/" not in rel:
+            try:
+                names = sorted(os.listdir(WORK))
+            except OSError:
+                names = []
+            out += [n for n in names if fnmatch.fnmatchcase(n, rel)]
+        else:
+            out.append(rel)
+    return out
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_capped(path: str, limit: int) -> tuple[bytes, int]:
+    """(the first ``limit`` bytes of the file, its size); (b"", 0) if absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return b"", 0
+    try:
+        total = os.fstat(fd).st_size
+        chunks, n = [], 0
+        while n < limit:
+            c = os.read(fd, min(1 << 20, limit - n))
+            if not c:
+                break
+            chunks.append(c)
+            n += len(c)
+        return b"".join(chunks), total
+    finally:
+        os.close(fd)
+
+
+def _read_file(path: str, limit: int) -> bytes | None:
+    """A fetched file's bytes, or None (absent, not a regular file, larger than ``limit``).
+    Never follows a symlink the call planted as the last component."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            return None
+        data, _ = _read_capped(path, limit)
+        return data
+    finally:
+        os.close(fd)
+
+
+def _leftovers(uid: int) -> bool:
+    """Whether any live process of the call's ``uid`` is left (zombies excepted): a call
+    that daemonised or fork-bombed. Read from /proc/<pid>/status (the real uid; a process
+    that made itself non-dumpable still shows its uid there)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                status = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        state = uids = None
+        for line in status.splitlines():
+            if line.startswith("State:"):
+                state = line.split()[1]
+            elif line.startswith("Uid:"):
+                uids = line.split()[1:]
+                break
+        if uids and state not in ("Z", "X") and str(uid) in uids:
+            return True
+    return False
+
+
+def _ipc_left() -> bool:
+    """Whether System V IPC objects exist in this IPC namespace (a call made them; they
+    would outlive it, and only their owner may remove them)."""
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open("/proc/sysvipc/" + kind) as f:
+                if len(f.readlines()) > 1:
+                    return True
+        except OSError:
+            pass
+    return False
+
+
+def _wipe() -> None:
+    """Remove everything beneath the scratch paths (/tmp, /dev/shm): what a call left.
+    Symlinks are removed, never followed (fd-based rmtree)."""
+    import shutil
+
+    if not _guarded:  # never on a host: see main()
+        raise RuntimeError("fncall server: wipe outside a sandbox")
+    for top in SCRATCH:
+        try:
+            entries = list(os.scandir(top))
+        except FileNotFoundError:
+            continue
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
+
+
+# -- the zygote -----------------------------------------------------------------------------
+
+def _zygote(sock: socket.socket) -> None:
+    # What a call's child uses, imported once here rather than in every child (an import
+    # of a C extension is a dlopen).
+    import builtins  # noqa: F401
+    import contextlib  # noqa: F401
+    import io  # noqa: F401
+    import json
+    import resource  # noqa: F401
+    import select  # noqa: F401
+    import signal  # noqa: F401
+    import threading  # noqa: F401
+    import time  # noqa: F401
+    import traceback  # noqa: F401
+    import types  # noqa: F401
+
+    while True:
+        try:
+            msg = sock.recv(1 << 16)
+        except OSError:
+            return
+        if not msg:
+            return
+        try:
+            rep = _run_child(json.loads(msg))
+        except Exception as e:
+            rep = {"error": f"{type(e).__name__}: {e}"}
+        sock.send(json.dumps(rep).encode())
+
+
+def _run_child(job: dict[str, Any]) -> dict[str, Any]:
+    import select
+    import signal
+    import time
+
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(job)
+    pidfd = os.pidfd_open(pid)
+    timed_out = False
+    try:
+        wall = job.get("wall_s")
+        deadline = t0 + float(wall) if wall else None
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([pidfd], [], [], left)
+            if ready:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out = True
+                # this call's main process, and nothing else: its own pidfd
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                deadline = None
+        _, status, ru = os.wait4(pid, 0)
+    finally:
+        os.close(pidfd)
+    return {"exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+            "timed_out": timed_out, "cpu_s": ru.ru_utime + ru.ru_stime,
+            "wall_s": time.monotonic() - t0, "rss_bytes": ru.ru_maxrss * 1024}
+
+
+def _child(job: dict[str, Any]) -> NoReturn:
+    """In the forked child: become the call, then exec its program or run its Python
+    script. Never returns: exit status 127 (the reason on stderr) if the set-up fails."""
+    import contextlib
+    import resource
+    import signal
+
+    try:
+        for s in range(1, signal.NSIG):
+            if s not in (signal.SIGKILL, signal.SIGSTOP):
+                with contextlib.suppress(OSError, ValueError):  # 32, 33: glibc's own
+                    signal.signal(s, signal.SIG_DFL)
+        os.setsid()
+        fin = os.open(job["stdin"], os.O_RDONLY)
+        fout = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        ferr = os.open(job["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        for i, fd in enumerate((fin, fout, ferr)):
+            os.dup2(fd, i)
+        os.closerange(3, 1 << 20)
+        os.chdir(job["cwd"])
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if job.get("fsize"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (int(job["fsize"]), int(job["fsize"])))
+        if job.get("cpu_s"):
+            soft = max(1, int(float(job["cpu_s"]) + 0.999))
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + 1))
+        if job.get("as_bytes"):
+            resource.setrlimit(resource.RLIMIT_AS, (int(job["as_bytes"]), int(job["as_bytes"])))
+        try:
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")  # the call, never the server, is the one OOM-killed
+        except OSError:
+            pass
+        os.setgroups([])
+        os.setresgid(job["gid"], job["gid"], job["gid"])
+        os.setresuid(job["uid"], job["uid"], job["uid"])
+        env = job.get("env") or {}
+        if job.get("argv"):
+            os.execvpe(job["argv"][0], job["argv"], env)
+        _run_python(job, env)
+    except BaseException as e:
+        try:
+            os.write(2, (f"fncall: cannot start the call: {e}\n").encode())
+        finally:
+            os._exit(127)
+
+
+def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
+    """Run the script as ``python3 SCRIPT ARGS`` would: ``__main__``, sys.argv, sys.path[0]
+    the script's directory, fresh stdio on fds 0-2, the signals an interpreter start sets,
+    exit status 1 with the traceback for an uncaught exception, SystemExit's code."""
+    import builtins
+    import io
+    import signal
+    import traceback
+    import types
+
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    path = os.path.join(job["cwd"], job["script"])
+    sys.argv = [path, *(job.get("args") or [])]
+    sys.path.insert(0, os.path.dirname(path))
+    streams = {
+        "stdin": io.TextIOWrapper(open(0, "rb", closefd=False), encoding="utf-8"),  # noqa: SIM115
+        "stdout": io.TextIOWrapper(open(1, "wb", closefd=False), encoding="utf-8"),  # noqa: SIM115
+        "stderr": io.TextIOWrapper(open(2, "wb", closefd=False), encoding="utf-8",  # noqa: SIM115
+                                   errors="backslashreplace", line_buffering=True),
+    }
+    for name, stream in streams.items():  # they live as long as the call
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    setattr(main, "__builtins__", builtins)  # noqa: B010 - an attribute mypy does not know
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code & 0xFF
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException as e:
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next  # our own frames are not the call's
+        traceback.print_exception(type(e), e, tb, file=sys.stderr)
+        code = 1
+    try:
+        import threading
+
+        getattr(threading, "_shutdown")()  # noqa: B009 - non-daemon threads end first
+    except Exception:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            code = code or 120  # as the interpreter does when flushing stdout fails
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""What a call's child inherits from the warm interpreter (the zygote) and what it must not
+(the list is :mod:`edged.backends.fncall.server`'s docstring): each item held by a call
+that looks for it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+PROBE = r"""
+import json, os, sys, random, signal, resource
+st = open('/proc/self/status').read()
+field = lambda k: [l.split(':', 1)[1].split() for l in st.splitlines() if l.startswith(k + ':')][0]
+fds = sorted(int(n) for n in os.listdir('/proc/self/fd'))
+try:
+    os.kill(os.getppid(), 0)
+    signal_parent = 'allowed'
+except PermissionError:
+    signal_parent = 'denied'
+print(json.dumps({
+    'preloaded': sorted(m for m in ('json', 'collections', 'heapq') if m in sys.modules),
+    'fds': fds, 'uid': os.getuid(), 'gid': os.getgid(), 'groups': os.getgroups(),
+    'cap_eff': field('CapEff')[0], 'cap_prm': field('CapPrm')[0],
+    'env': sorted(os.environ), 'random': random.random(),
+    'sigint': str(signal.getsignal(signal.SIGINT)),
+    'sigpipe': str(signal.getsignal(signal.SIGPIPE)),
+    'sigterm': str(signal.getsignal(signal.SIGTERM)),
+    'core': resource.getrlimit(resource.RLIMIT_CORE), 'argv0': sys.argv[0], 'name': __name__,
+    'path0': sys.path[0], 'cwd': os.getcwd(), 'signal_parent': signal_parent,
+}))
+"""
+
+
+def _probe(fn_node) -> dict:
+    r = fn_node.run({"language": "python", "source": PROBE, "env": {"MINE": "1"}})
+    assert r["status"] == "Accepted", r
+    return json.loads(r["stdout"])
+
+
+def test_inherits_the_preloaded_modules(fn_node) -> None:
+    assert _probe(fn_node)["preloaded"] == ["collections", "heapq", "json"]
+
+
+def test_no_descriptor_but_its_own_stdio(fn_node) -> None:
+    # 0-2 and the descriptor listdir itself holds open
+    assert len(_probe(fn_node)["fds"]) == 4 and _probe(fn_node)["fds"][:3] == [0, 1, 2]
+
+
+def test_no_privilege_and_cannot_signal_the_server(fn_node) -> None:
+    p = _probe(fn_node)
+    assert (p["uid"], p["gid"], p["groups"]) == (65534, 65534, [])
+    assert int(p["cap_eff"], 16) == 0 and int(p["cap_prm"], 16) == 0
+    assert p["signal_parent"] == "denied"
+
+
+def test_environment_is_only_what_the_request_names(fn_node) -> None:
+    assert _probe(fn_node)["env"] == ["HOME", "LANG", "LC_ALL", "MINE", "PATH"]
+
+
+def test_random_state_is_not_shared(fn_node) -> None:
+    assert len({_probe(fn_node)["random"] for _ in range(6)}) == 6
+
+
+def test_signals_and_limits_as_an_interpreter_start_sets_them(fn_node) -> None:
+    p = _probe(fn_node)
+    assert "default_int_handler" in p["sigint"] and p["sigpipe"] in ("1", "Handlers.SIG_IGN")
+    assert p["sigterm"] in ("0", "Handlers.SIG_DFL") and p["core"] == [0, 0]
+    assert (p["name"], p["cwd"], p["path0"]) == ("__main__", "/tmp/work", "/tmp/work")
+    assert p["argv0"] == "/tmp/work/main.py"
+
+
+def test_a_previous_calls_data_is_not_in_the_childs_memory(fn_node) -> None:
+    """The zygote never reads a call's code, input or output: a secret one call was given
+    is nowhere in the next child's memory (all of it is read here, against a control string
+    no call was given: each needle itself is in memory once)."""
+    secret = "s3cr3t-" + "q" * 20
+    fn_node.run({"language": "python", "source": "print(input())", "stdin": secret})
+    scan = ("import ctypes\n"
+            "ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self/mem is ours\n"
+            "maps = open('/proc/self/maps').read().splitlines()\n"
+            "mem = open('/proc/self/mem', 'rb', 0)\n"
+            "hit = {'s3cr3t-': 0, 'c0ntr0l': 0}\n"
+            "for line in maps:\n"
+            "    addr, perms = line.split()[:2]\n"
+            "    if 'r' not in perms or '[vsyscall]' in line: continue\n"
+            "    lo, hi = (int(x, 16) for x in addr.split('-'))\n"
+            "    try:\n"
+            "        mem.seek(lo); data = mem.read(hi - lo)\n"
+            "    except OSError: continue\n"
+            "    for k in hit: hit[k] += data.count(k.encode() + b'q' * 20)\n"
+            "print(hit['s3cr3t-'] - hit['c0ntr0l'])  # each needle is in memory once itself\n")
+    for _ in range(3):  # over the pool's sandboxes
+        r = fn_node.run({"language": "python", "source": scan})
+        assert r["stdout"] == "0\n", r

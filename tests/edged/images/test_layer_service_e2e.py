@@ -1,0 +1,218 @@
+"""The daemon supervises the lazy layer service it starts (issue 9, item 3), the real thing
+as root over a busybox layer with unread data: kill -9 of the supervisor and then of the
+server had left every layer mount at ENOTCONN while the daemon kept creating sandboxes that
+could not read their layers, nothing logged; a daemon restart had stacked a new FUSE mount
+over the dead one."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from edged.client import InvalidStateError, LayersUnavailableError, Sandbox
+from tests.edged.test_e2e_container import BUSYBOX, real_node  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
+
+DATA = ("r1", "r2", "r3")
+_SUMS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def layer_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """Overrides the container e2e fixture: a busybox layer with three files of random
+    bytes (8 MiB each: chunks no read has touched), in a store of its own."""
+    from layerfs.build import build_layer
+    from layerfs.store import Store
+
+    if not os.path.exists(BUSYBOX):
+        pytest.skip("needs busybox-static")
+    root = tmp_path_factory.mktemp("svcroot")
+    for d in ("bin", "etc", "tmp", "data"):
+        (root / d).mkdir()
+    shutil.copy(BUSYBOX, root / "bin" / "busybox")
+    for a in ("sh", "md5sum", "cat"):
+        os.symlink("busybox", root / "bin" / a)
+    for name in DATA:
+        data = os.urandom(8 << 20)
+        (root / "data" / name).write_bytes(data)
+        _SUMS[name] = hashlib.md5(data).hexdigest()
+    store = Store(tmp_path_factory.mktemp("svcstore"))
+    return store.root, build_layer(str(root), kind="base", store=store).digest
+
+
+@pytest.fixture(scope="module")
+def sums(layer_store: tuple[str, str]) -> dict[str, str]:
+    """md5 of each data file of the layer."""
+    return _SUMS
+
+
+def _cache(node) -> Path:
+    return Path(node.server.config.state_dir) / "layer-cache"
+
+
+def _fuse_mounts(cache: Path) -> int:
+    fuse = str(cache / "fuse")
+    return sum(1 for line in Path("/proc/self/mountinfo").read_text().splitlines()
+               if line.split()[4] == fuse)
+
+
+def _pid(cache: Path, name: str) -> int:
+    """The pid of this test daemon's supervisor or server (``name``: supervisor, server),
+    checked to be one of this cache's before anything kills it."""
+    pid = int((cache / f"{name}.pid").read_text())
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert f"layerfs.lazy.{name}".encode() in argv and str(cache).encode() in argv, argv
+    return pid
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return " Z " in Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+
+
+def _kill(*pids: int) -> None:
+    for i, pid in enumerate(pids):
+        if i:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):  # ended by the daemon meanwhile
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        _wait(lambda: _gone(pid), 5)  # noqa: B023 - waited for at once
+
+
+def _kill_service(cache: Path) -> None:
+    """kill -9 the supervisor, then the server (the issue's order)."""
+    _kill(_pid(cache, "supervisor"), _pid(cache, "server"))
+
+
+def _mounts_under(path: Path) -> list[str]:
+    return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if line.split()[4].startswith(str(path))]
+
+
+def _wait(pred, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_service_is_brought_back_and_running_sandboxes_carry_on(
+        real_node, layer_store, sums, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    _, d = layer_store
+    node = real_node(layers_check_interval_s=0.2)
+    cache = _cache(node)
+    svc = getattr(node.server.manager, "layer_service", None)
+    assert svc is not None and svc.supervised, "nothing supervises the layer service"
+    a = Sandbox.create(layers=[d], id="svc-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    # the first two restarts fail: creates must be refused meanwhile
+    real_recover = svc.layers.ops.recover
+    fails = [2]
+
+    def flaky() -> list[str] | None:
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError("injected: the lazy server did not start")
+        assert real_recover is not None
+        return real_recover()
+
+    svc.layers.ops.recover = flaky
+    with caplog.at_level(logging.INFO, logger="edged.images"):
+        _kill_service(cache)
+        _wait(lambda: not svc.available)
+        with pytest.raises(LayersUnavailableError) as ei:
+            Sandbox.create(layers=[d], id="svc-b", env={"PATH": "/bin"}, socket=node.socket)
+        assert ei.value.status == 503 and (ei.value.retry_after or 0) >= 1
+        # a read of data not yet in memory, in the running sandbox: it waits for the
+        # server to come back (the daemon holds the connection), then is answered
+        got: list[str] = []
+        reader = threading.Thread(target=lambda: got.append(
+            a.exec("md5sum /data/r2", timeout=60).stdout))
+        reader.start()
+        _wait(lambda: svc.available)
+        reader.join(60)
+    assert got and got[0].split()[0] == sums["r2"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("restart failed" in m for m in msgs) and any("restarted" in m for m in msgs)
+    b = Sandbox.create(layers=[d], id="svc-b", env={"PATH": "/bin"}, socket=node.socket)
+    assert b.exec("md5sum /data/r3").stdout.split()[0] == sums["r3"]
+    assert a.info["state"] == "running"
+    assert _fuse_mounts(cache) == 1  # the same connection, never a second mount
+    b.kill()
+    a.kill()
+
+
+def test_a_dead_connection_is_detached_at_restart_and_its_sandboxes_fail(
+        real_node, layer_store, sums) -> None:  # noqa: F811
+    """The daemon gone (sandboxes kept), then the supervisor and the server killed: the
+    connection had no holder left and died. The next daemon must not stack a new mount over
+    the dead one, must mount the layers again for new sandboxes, and must fail the adopted
+    sandbox whose layer reads now fail (EIO), with the cause."""
+    _, d = layer_store
+    node = real_node(on_shutdown="keep")
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="dead-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    node.stop()
+    _kill_service(cache)
+    assert _fuse_mounts(cache) == 1
+    # what the sandbox sees now: its page cache, and EIO for the rest
+    meta = Path(node.server.config.runtime_dir) / "sandboxes" / "dead-a" / "meta.json"
+    pid = int(json.loads(meta.read_text())["pid"])
+    r = subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "/bin/busybox", "md5sum",
+                        "/data/r3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "Input/output error" in r.stderr
+    node2 = real_node(on_start="adopt")
+    assert node2.server.recovered["adopted"] == ["dead-a"]
+    assert _fuse_mounts(cache) == 1  # the dead one detached, not stacked under the new one
+    again = Sandbox.connect("dead-a", socket=node2.socket)
+    assert again.info["state"] == "failed" and "layers were lost" in again.info["error"]
+    assert [e["kind"] for e in again.events()] == ["sandbox_failed"]
+    with pytest.raises(InvalidStateError):
+        again.exec("true")
+    c = Sandbox.create(layers=[d], id="dead-c", env={"PATH": "/bin"}, socket=node2.socket)
+    assert c.exec("md5sum /data/r2").stdout.split()[0] == sums["r2"]
+    c.kill()
+    again.kill()
+    node2.stop()  # a clean stop leaves no mount of the cache, the dead one's neither
+    assert _mounts_under(cache) == []
+
+
+def test_a_server_left_without_its_supervisor_is_put_under_a_new_one(
+        real_node, layer_store, sums) -> None:  # noqa: F811
+    """kill -9 of the supervisor alone: its server serves on, but nothing would restart it
+    if it died too, and a daemon's stop (which stops the supervisor) would leave it
+    running. The daemon replaces it under a new supervisor on the same connection."""
+    _, d = layer_store
+    node = real_node(layers_check_interval_s=0.2)
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="orph-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    sup, srv = _pid(cache, "supervisor"), _pid(cache, "server")
+    _kill(sup)
+    _wait(lambda: _gone(srv) and (cache / "supervisor.pid").exists()
+          and int((cache / "supervisor.pid").read_text()) != sup)
+    assert a.exec("md5sum /data/r2", timeout=60).stdout.split()[0] == sums["r2"]
+    # the new supervisor restarts its server, as the first did
+    _kill(_pid(cache, "server"))
+    assert a.exec("md5sum /data/r3", timeout=60).stdout.split()[0] == sums["r3"]
+    assert _fuse_mounts(cache) == 1
+    a.kill()
+    node.stop()
+    assert _mounts_under(cache) == []
+    assert not (cache / "server.pid").exists()
