@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import shlex
 import statistics
 import sys
@@ -53,7 +52,7 @@ from typing import Any
 
 from edged.projects.errors import ProjectError
 from edged.projects.image import DEFAULT_ROOTFS, ProjectImage, build_project_image
-from edged.suite import _logging, _remove_cgroup_subtree, parse_pytest, remove_runtime_dir
+from edged.suite import _logging, parse_pytest, private_daemon
 
 log = logging.getLogger("edged.rollout")
 
@@ -423,20 +422,10 @@ def print_human(rep: dict[str, Any]) -> None:
 
 
 def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from edged.config import Config
-    from edged.daemon import Server, ServerThread
-
     tasks = [TASKS[n] for n in a.tasks]
     images = {t.project: build_project_image(t.project, work=work / t.name, rootfs=a.rootfs,
                                              store_dir=a.store) for t in tasks}
-    runtime_dir = a.runtime_dir or tempfile.mkdtemp(
-        prefix="edged-rollout-", dir="/run" if os.access("/run", os.W_OK) else None)
-    cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
-                 runtime_dir=runtime_dir, store_dir=a.store or "", on_shutdown="stop",
-                 default_ttl_s=0.0)
-    node = ServerThread(Server(cfg), name="edged")
-    try:
-        node.start()
+    with private_daemon(work, a.store, a.runtime_dir) as (_, cfg):
         t0 = time.monotonic()
 
         async def main() -> tuple[list[TaskImage], list[Episode], float]:
@@ -461,13 +450,6 @@ def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
             for e in eps:
                 (a.output_dir / f"{e.id}.json").write_text(json.dumps(asdict(e), indent=1))
         return rep
-    finally:
-        try:
-            node.stop(120)
-        finally:
-            _remove_cgroup_subtree(runtime_dir)
-            if a.runtime_dir is None:
-                remove_runtime_dir(runtime_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,13 +33,17 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from edged.projects.errors import ProjectError
 from edged.projects.image import DEFAULT_ROOTFS, ProjectImage, build_project_image
+
+if TYPE_CHECKING:
+    from edged.config import Config
+    from edged.daemon import ServerThread
 
 DEFAULT_PROJECT = "more-itertools==10.5.0"
 _SUMMARY_RE = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)")
@@ -283,24 +288,39 @@ def _logging() -> None:
         lg.setLevel(logging.INFO)
 
 
-def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+@contextlib.contextmanager
+def private_daemon(work: Path, store: str | None, runtime_dir: str | None,
+                   ) -> Iterator[tuple[ServerThread, Config]]:
+    """A daemon of a job's own (real container backend) on a socket and state dir under
+    ``work`` and a private runtime dir (two jobs at once must not share one: the second
+    daemon's recovery would tear down the first's sandboxes), stopped at the end with all
+    it made: sandboxes, layer mounts, the cgroup subtree the backend keys on the runtime
+    dir, and the runtime dir itself (unless ``runtime_dir`` was given)."""
     from edged.config import Config
     from edged.daemon import Server, ServerThread
 
-    image = build_project_image(a.project, work=work, rootfs=a.rootfs, store_dir=a.store,
-                                extra_test_deps=a.test_dep)
-    # A private runtime dir per run (two rollouts at once must not share one: the second
-    # daemon's recovery would tear down the first's sandboxes); it and the cgroup subtree
-    # the backend keys on it are removed at the end.
-    runtime_dir = a.runtime_dir or tempfile.mkdtemp(
+    rt = runtime_dir or tempfile.mkdtemp(
         prefix="edged-rollout-", dir="/run" if os.access("/run", os.W_OK) else None)
     cfg = Config(socket=str(work / "edged.sock"), state_dir=str(work / "state"),
-                 runtime_dir=runtime_dir, store_dir=a.store or "",
-                 on_shutdown="stop", default_ttl_s=0.0)
+                 runtime_dir=rt, store_dir=store or "", on_shutdown="stop", default_ttl_s=0.0)
     node = ServerThread(Server(cfg), name="edged")
-    server = node.server
     try:
         node.start()
+        yield node, cfg
+    finally:
+        try:
+            node.stop(120)
+        finally:
+            _remove_cgroup_subtree(rt)
+            if runtime_dir is None:
+                remove_runtime_dir(rt)
+
+
+def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    image = build_project_image(a.project, work=work, rootfs=a.rootfs, store_dir=a.store,
+                                extra_test_deps=a.test_dep)
+    with private_daemon(work, a.store, a.runtime_dir) as (node, cfg):
+        server = node.server
         assert server.manager is not None
         ref = f"rollout/{image.name}:latest"
         server.manager.images.put(ref, image.lowers)
@@ -310,13 +330,6 @@ def _run(a: argparse.Namespace, work: Path) -> dict[str, Any]:
                                          image.test_argv, a.n, a.parallel, a.timeout,
                                          a.cpus, a.memory, a.output_dir))
         return report(outcomes, time.monotonic() - t0, image)
-    finally:
-        try:
-            node.stop(120)
-        finally:
-            _remove_cgroup_subtree(runtime_dir)
-            if a.runtime_dir is None:
-                remove_runtime_dir(runtime_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

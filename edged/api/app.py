@@ -40,6 +40,7 @@ from edged.api.common import (
     manager_of,
     sandbox_id_of,
     stream_events,
+    stream_file,
     until_gone,
 )
 from edged.backends.base import ExecEnd, ExecHandle
@@ -371,22 +372,8 @@ async def put_file(request: web.Request) -> web.Response:
 async def get_file(request: web.Request) -> web.StreamResponse:
     """GET /v1/sandboxes/{id}/files?path= → the file, streamed."""
     path = _path_query(request)
-    it = await manager_of(request).get_file(sandbox_id_of(request), path)
-    # Pull the first chunk before answering so "no such file" is a proper 404, not a
-    # truncated 200.
-    try:
-        first: bytes | None = await it.__anext__()
-    except StopAsyncIteration:
-        first = None
-    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-    resp.enable_chunked_encoding()
-    await resp.prepare(request)
-    if first:
-        await resp.write(first)
-        async for chunk in it:
-            await resp.write(chunk)
-    await resp.write_eof()
-    return resp
+    return await stream_file(request, await manager_of(request).get_file(
+        sandbox_id_of(request), path))
 
 
 # -- images, node, metrics ----------------------------------------------------------------

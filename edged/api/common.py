@@ -126,3 +126,22 @@ async def stream_events(events: AsyncIterator[dict[str, Any]],
         return
     watching.result()
     raise ClientGone("the client went away")
+
+
+async def stream_file(request: web.Request, it: AsyncIterator[bytes]) -> web.StreamResponse:
+    """Answer with a file's chunks (``application/octet-stream``, chunked). The first chunk
+    is pulled before the answer starts, so that a file that cannot be read is a proper
+    error status, not a truncated 200."""
+    try:
+        first: bytes | None = await it.__anext__()
+    except StopAsyncIteration:
+        first = None
+    resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    if first:
+        await resp.write(first)
+        async for chunk in it:
+            await resp.write(chunk)
+    await resp.write_eof()
+    return resp

@@ -38,19 +38,10 @@ _SESSION_FIELDS = {"id", "shell", "env", "cwd", "uid", "gid"}
 _RUN_FIELDS = {"cmd", "timeout_s", "output_limit", "encoding"}
 
 
-def _fields(body: object, allowed: set[str]) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("body: must be a JSON object")
-    unknown = set(body) - allowed
-    if unknown:
-        raise BadRequest(f"body: unknown field {sorted(unknown)[0]!r}")
-    return body
-
-
 async def create_session(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/sessions {id?, shell?, env?, cwd?, uid?, gid?} → 201 session."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
-    b = _fields(await json_body(request), _SESSION_FIELDS)
+    b = requests.fields(await json_body(request), _SESSION_FIELDS)
     mgr.get(sid)
     session_id = b.get("id")
     if session_id is not None and not isinstance(session_id, str):
@@ -91,7 +82,7 @@ async def run_in_session(request: web.Request) -> web.StreamResponse:
     encoding?} → NDJSON: start, output chunks, end."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
     session_id = request.match_info["session"]
-    b = _fields(await json_body(request), _RUN_FIELDS)
+    b = requests.fields(await json_body(request), _RUN_FIELDS)
     mgr.sessions.get(sid, session_id)
     cmd = b.get("cmd")
     if not isinstance(cmd, str) or not cmd.strip():
@@ -111,6 +102,7 @@ async def run_in_session(request: web.Request) -> web.StreamResponse:
     number = mgr.sessions.get(sid, session_id).runs
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     resp.enable_chunked_encoding()
+    # (from here on the run is ours to close: `items.aclose()` below, whatever happens)
 
     async def events() -> AsyncIterator[dict[str, Any]]:
         yield {"start": {"session": session_id, "run": number}}
@@ -148,7 +140,7 @@ LAYER_KINDS = ("base", "workspace", "toolkit")
 async def snapshot_sandbox(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/snapshot {kind?, exclude?, image?} → 201 the new layer."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
-    b = _fields(await json_body(request), _SNAPSHOT_FIELDS)
+    b = requests.fields(await json_body(request), _SNAPSHOT_FIELDS)
     mgr.get(sid)
     kind = b.get("kind", "workspace")
     if kind not in LAYER_KINDS:
@@ -197,7 +189,7 @@ async def fs_stat(request: web.Request) -> web.Response:
 async def fs_mkdir(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/fs/mkdir {path, parents?, uid?, gid?} → {created, entry}."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
-    b = _fields(await json_body(request), {"path", "parents", "uid", "gid"})
+    b = requests.fields(await json_body(request), {"path", "parents", "uid", "gid"})
     path = _body_path(b, "path")
     ids = {k: requests.integer(b.get(k, 0), k, minimum=0, maximum=65535) for k in ("uid", "gid")}
     created = await mgr.make_dir(sid, path, parents=requests.flag(b.get("parents", True),
@@ -208,7 +200,7 @@ async def fs_mkdir(request: web.Request) -> web.Response:
 
 async def fs_remove(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/fs/remove {path} → {"removed": path}."""
-    b = _fields(await json_body(request), {"path"})
+    b = requests.fields(await json_body(request), {"path"})
     path = _body_path(b, "path")
     await manager_of(request).remove_path(sandbox_id_of(request), path)
     return web.json_response({"removed": path})
@@ -217,7 +209,7 @@ async def fs_remove(request: web.Request) -> web.Response:
 async def fs_rename(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/fs/rename {src, dst} → the entry at dst."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
-    b = _fields(await json_body(request), {"src", "dst"})
+    b = requests.fields(await json_body(request), {"src", "dst"})
     src, dst = _body_path(b, "src"), _body_path(b, "dst")
     await mgr.rename_path(sid, src, dst)
     return web.json_response(asdict(await mgr.stat_path(sid, dst)))
@@ -251,7 +243,7 @@ async def exec_stdin(request: web.Request) -> web.Response:
 async def exec_resize(request: web.Request) -> web.Response:
     """POST /v1/sandboxes/{id}/execs/{exec_id}/resize {rows, cols} → the size set."""
     mgr, sid = manager_of(request), sandbox_id_of(request)
-    b = _fields(await json_body(request), {"rows", "cols"})
+    b = requests.fields(await json_body(request), {"rows", "cols"})
     rows = requests.integer(b.get("rows"), "rows", minimum=1, maximum=65535)
     cols = requests.integer(b.get("cols"), "cols", minimum=1, maximum=65535)
     await mgr.exec_handle(sid, _exec_id(request)).resize(rows, cols)

@@ -53,6 +53,12 @@ def _object(body: object, fields: set[str]) -> dict[str, Any]:
     return body
 
 
+def fields(body: object, allowed: set[str]) -> dict[str, Any]:
+    """``body`` as a JSON object of ``allowed`` fields only (:class:`BadRequest`
+    otherwise)."""
+    return _object(body, allowed)
+
+
 def _profile_name(v: object, what: str, default: str | None) -> str | None:
     """A profile name from a request: a bare name (never a path, so a client cannot make the
     daemon read a file of its choosing), loaded and validated now so a bad profile is a 400
@@ -308,5 +314,5 @@ def parse_timeout(body: object) -> TimeoutRequest:
                         if "idle_timeout_s" in body else None))
 
 
-__all__ = ["MAX_BYTES", "MAX_SECONDS", "env", "flag", "integer", "labels", "number",
+__all__ = ["MAX_BYTES", "MAX_SECONDS", "env", "fields", "flag", "integer", "labels", "number",
            "parse_create", "parse_exec", "parse_signal", "parse_timeout", "resources"]

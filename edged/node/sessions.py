@@ -46,7 +46,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -232,6 +232,42 @@ class _Manager(Protocol):
     def _background(self, coro: Coroutine[Any, Any, None]) -> None: ...
 
 
+class _RunEvents:
+    """The events of one run (what :meth:`Sessions.run` returns): iterate, then close.
+    Closed early, or never iterated at all, it still hands the session back (see
+    :meth:`Sessions._left`), which a plain async generator that never started would not."""
+
+    def __init__(self, owner: Sessions, s: Session, run: _Run, rec: SandboxRecord,
+                 items: AsyncGenerator[tuple[str, bytes] | RunEnd, None]) -> None:
+        self._owner, self._s, self._run, self._rec, self._items = owner, s, run, rec, items
+        self._done = False
+        self._finished = False
+
+    def __aiter__(self) -> _RunEvents:
+        return self
+
+    async def __anext__(self) -> tuple[str, bytes] | RunEnd:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._items.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, RunEnd):
+            self._finished = True
+        return item
+
+    async def aclose(self) -> None:
+        """Done with the run (idempotent)."""
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(Exception):
+            await self._items.aclose()
+        self._owner._left(self._s, self._run, self._rec, finished=self._finished)
+
+
 class Sessions:
     """Every shell session of a node, by sandbox. One per sandbox manager."""
 
@@ -338,10 +374,11 @@ class Sessions:
 
     async def run(self, sandbox_id: str, session_id: str, cmd: str, *,
                   timeout_s: float | None = None, output_limit: int | None = None
-                  ) -> AsyncGenerator[tuple[str, bytes] | RunEnd, None]:
+                  ) -> _RunEvents:
         """Start ``cmd`` in the session and return its events: ``(stream, bytes)`` chunks,
-        then one :class:`RunEnd`. Raises NotFound, InvalidState (the session ended, the
-        sandbox is not running), Conflict (a run is in progress), BadRequest. Closed before
+        then one :class:`RunEnd` (close them when done: ``aclose``). Raises NotFound,
+        InvalidState (the session ended, the sandbox is not running), Conflict (a run is in
+        progress), BadRequest. Closed before
         its end (the caller went away), the run is interrupted in the background and the
         session stays usable."""
         s = self.get(sandbox_id, session_id)
@@ -365,27 +402,19 @@ class Sessions:
         try:
             await s.handle.write_stdin(line + nonce.encode() + b"\n")
         except BaseException:
-            rec.active_execs -= 1
-            self._m._background(self._abandon(s, run))
+            self._left(s, run, rec, finished=False)
             raise
-        return self._events(s, run, rec, timeout_s, output_limit)
+        return _RunEvents(self, s, run, rec, self._drive(s, run, timeout_s, output_limit))
 
-    async def _events(self, s: Session, run: _Run, rec: SandboxRecord, timeout_s: float | None,
-                      output_limit: int | None
-                      ) -> AsyncGenerator[tuple[str, bytes] | RunEnd, None]:
-        finished = False
-        try:
-            async for item in self._drive(s, run, timeout_s, output_limit):
-                if isinstance(item, RunEnd):
-                    finished = True
-                yield item
-        finally:
-            rec.active_execs -= 1
-            rec.touch()
-            if finished or s.end is not None:
-                self._release(s)
-            else:  # the caller left mid-run: finish it off without them
-                self._m._background(self._abandon(s, run))
+    def _left(self, s: Session, run: _Run, rec: SandboxRecord, *, finished: bool) -> None:
+        """The caller is done with a run: its end came, or it left before (then the run is
+        interrupted in the background and the session freed once it has ended)."""
+        rec.active_execs -= 1
+        rec.touch()
+        if finished or s.end is not None:
+            self._release(s)
+        else:
+            self._m._background(self._abandon(s, run))
 
     def _release(self, s: Session) -> None:
         self._runs.pop((s.sandbox_id, s.id), None)
@@ -402,7 +431,8 @@ class Sessions:
 
     async def _drive(self, s: Session, run: _Run, timeout_s: float | None,
                      output_limit: int | None,
-                     why: str | None = None) -> AsyncIterator[tuple[str, bytes] | RunEnd]:
+                     why: str | None = None
+                     ) -> AsyncGenerator[tuple[str, bytes] | RunEnd, None]:
         """The run's events until both end markers (or the shell's end), interrupting it when
         its time or output is up (or at once with ``why``)."""
         loop = asyncio.get_running_loop()

@@ -33,6 +33,7 @@ from aiohttp import BodyPartReader, web
 from aiohttp.hdrs import CONTENT_DISPOSITION
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from edged.api.common import stream_file
 from edged.backends.base import ExecEnd, FileInfo
 from edged.compat.connect import ConnectError, client_stream, from_edged, server_stream, unary
 from edged.compat.e2b.proto import filesystem_pb2 as fs_pb
@@ -363,20 +364,7 @@ class Envd:
         sid = request[SANDBOX]
         _, _, home = await self.user(request, sid, request.query.get("username") or None)
         path = self.path(request.query.get("path", ""), home)
-        it = await self.m.get_file(sid, path)
-        try:
-            first: bytes | None = await it.__anext__()
-        except StopAsyncIteration:
-            first = None
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.enable_chunked_encoding()
-        await resp.prepare(request)
-        if first:
-            await resp.write(first)
-            async for chunk in it:
-                await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+        return await stream_file(request, await self.m.get_file(sid, path))
 
     async def post_files(self, request: web.Request) -> web.StreamResponse:
         sid = request[SANDBOX]
