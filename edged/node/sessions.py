@@ -28,9 +28,10 @@ typed either way, and other sessions and the daemon are unaffected.
 stdout+stderr passed), ``session_ended`` (the shell itself ended: ``exit``, killed, out of
 memory; ``exit_code``/``signal`` are the shell's). A run that times out, overruns its output
 or loses its client is interrupted: SIGINT to the session's processes (the shell traps it
-and goes on; the command's processes die), then SIGTERM, each with a grace of
-:data:`INTERRUPT_GRACE_S`; a run that survives both (a busy builtin loop, a program that
-ignores them) costs the session, which is killed (``session_ended: true`` in the end).
+while the command runs and goes on; the command's processes die), then SIGTERM
+(:data:`INTERRUPTS`, each :data:`INTERRUPT_GRACE_S` apart); a run that survives them (a
+busy builtin loop, a program that ignores them) costs the session, which is killed
+(``session_ended: true`` in the end). The session's own SIGINT/SIGTERM traps are the loop's.
 
 Runs of one session are serialised (a second concurrent run is a 409 ``conflict``); runs of
 different sessions of a sandbox run concurrently. A session's shell waiting between runs
@@ -52,14 +53,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from edged.backends.base import ExecEnd, ExecHandle, ExecSpec
-from edged.errors import BadRequest, Conflict, InvalidState, NotFound
+from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
 from edged.node.requests import ExecRequest
 from edged.node.sandbox import SandboxRecord
 
 log = logging.getLogger("edged.node")
 
-#: seconds a run gets after each interrupt (SIGINT, then SIGTERM) before the next step
-INTERRUPT_GRACE_S = 1.0
+#: how an interrupted run is stopped: these signals to the session's processes, one every
+#: :data:`INTERRUPT_GRACE_S` until the run ends, then SIGKILL of the session (a signal that
+#: comes before the command starts is ignored by the loop: hence several)
+INTERRUPTS = (2, 2, 2, 2, 15, 15)
+INTERRUPT_GRACE_S = 0.5
 MAX_SESSIONS = 64
 #: bytes of one command (it travels as one line through the shell's ``read``)
 MAX_COMMAND = 1 << 20
@@ -74,16 +78,22 @@ def bootstrap(bash: bool) -> str:
     ``\\n`` (so ``printf %b`` gives it back byte for byte), then one line, the nonce."""
     decode = ('printf -v __edged_c "%b" "$__edged_l"' if bash else
               '__edged_c=$(printf "%b." "$__edged_l"); __edged_c=${__edged_c%.}')
+    # SIGINT and SIGTERM are ignored while the loop reads and reports, trapped (so the
+    # command's processes get them and the shell goes on) while the command runs: an
+    # interrupt that comes before the command has started must not cut a read short (the
+    # channel would lose its place), one that comes while it runs must reach it.
     return "\n".join((
         "exec 3<&0 </dev/null 7>&1 8>&2",
-        "trap : INT TERM",
+        "trap '' INT TERM",
         '__edged_rc() { return "$1"; }',
         "__edged_s=0",
         "while IFS= read -r __edged_l <&3; do",
         f"  {decode}",
+        "  trap : INT TERM",
         '  __edged_rc "$__edged_s"',
         '  eval "$__edged_c" 3<&- 7>&- 8>&-',
         "  __edged_s=$?",
+        "  trap '' INT TERM",
         "  IFS= read -r __edged_n <&3 || break",
         "  printf '\\036%s\\036' \"$__edged_n\" >&7",
         "  printf '\\036%s %s\\036' \"$__edged_n\" \"$__edged_s\" >&8",
@@ -329,6 +339,22 @@ class Sessions:
                 last = e
                 continue
             table[session_id] = s
+            # A first, empty run: the shell has set its traps (a signal before that would
+            # end it) and answers on its channel before the session is handed out.
+            end: RunEnd | None = None
+            events = await self.run(sandbox_id, session_id, ":", timeout_s=30.0)
+            try:
+                async for item in events:
+                    if isinstance(item, RunEnd):
+                        end = item
+            finally:
+                await events.aclose()
+            if end is None or end.reason != "exited":
+                table.pop(session_id, None)
+                await self._kill(s)
+                raise BackendError(f"sandbox {sandbox_id}: the session's shell {s.shell} did "
+                                   f"not answer ({end.reason if end else 'no end'})")
+            s.runs = 0
             rec.touch()
             log.info("session started", extra={"sandbox": sandbox_id, "session": session_id,
                                                "shell": s.shell})
@@ -438,7 +464,7 @@ class Sessions:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         reason = why
-        stage = 0
+        steps = list(INTERRUPTS)
         step_at = t0 if why else (t0 + timeout_s if timeout_s else None)
         sent = 0
         sig: int | None = None
@@ -447,12 +473,11 @@ class Sessions:
             if step_at is not None and now >= step_at:
                 if reason is None:
                     reason = "timeout"
-                stage += 1
-                if stage == 3:  # survived SIGINT and SIGTERM: the session goes
+                if not steps:  # survived SIGINT and SIGTERM: the session goes
                     await self._kill(s)
                     yield RunEnd(reason, None, 9, loop.time() - t0, session_ended=True)
                     return
-                sig = 2 if stage == 1 else 15
+                sig = steps.pop(0)
                 with contextlib.suppress(Exception):
                     await s.handle.signal(sig)
                 step_at = loop.time() + INTERRUPT_GRACE_S

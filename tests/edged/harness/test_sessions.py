@@ -186,3 +186,29 @@ def test_encoding_round_trips_through_printf() -> None:
     assert "printf -v" in bootstrap(True) and "printf -v" not in bootstrap(False)
     with pytest.raises(ValueError, match="NUL"):
         encode_command("a\0b")
+
+
+def test_client_gone_before_the_first_event_frees_the_session(deb_node, debian_layer) -> None:
+    node = deb_node()
+    with _sbx(node, debian_layer[1]) as sbx, sbx.session() as s:
+        for _ in range(5):  # a request whose client is gone before any answer
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(node.socket)
+            body = json.dumps({"cmd": "sleep 30"}).encode()
+            sock.sendall(f"POST /v1/sandboxes/{sbx.id}/sessions/{s.id}/run HTTP/1.1\r\n"
+                         f"Host: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    assert s.run("echo free").stdout == "free\n"
+                    break
+                except ConflictError:
+                    assert time.monotonic() < deadline, "the session stayed busy"
+                    time.sleep(0.1)
+        deadline = time.monotonic() + 10  # (the last run's end reaches us a moment first)
+        while node.server.manager.get(sbx.id).active_execs and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert node.server.manager.get(sbx.id).active_execs == 0
