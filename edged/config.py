@@ -127,6 +127,21 @@ class Config:
     fncall_preload: str = "sys,os,math,re,json,collections,itertools,functools,heapq,bisect"
     fncall_keep_s: float = 300.0  # how long a kept compile result lives at most
     fncall_keep_bytes: int = 256 << 20  # all kept compile results together, at most
+    # Networked sandboxes (edged.net): the IPv4 address pool ("" = no networked sandboxes),
+    # the IPv6 one ("" = IPv4 only), the network profile (services, platform denies,
+    # resolver settings: profiles/network/<name>.toml, or a path), the resolver's port on
+    # the gateway address, its upstream servers ("" = the host's resolv.conf; comma
+    # separated), NAT to the uplink (nftables), namespaces prepared ahead of demand, and the
+    # host interface name prefix ("" = derived from state_dir).
+    network_pool: str = "10.213.0.0/16"
+    network_pool6: str = "fd8e:dbe7:ed9e:1::/64"
+    network_profile: str = "default"
+    network_dns_port: int = 53
+    network_dns_upstreams: str = ""
+    network_nat: bool = True
+    network_uplink: str = ""
+    network_prepare_ahead: int = 1
+    network_prefix: str = ""
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -160,7 +175,8 @@ class Config:
                      "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
                      "swap_file_bytes", "sandbox_swap_share", "fncall_recycle_after",
-                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes"):
+                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
+                     "network_prepare_ahead"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
         for name in ("fncall_pool", "fncall_cpus", "fncall_memory_bytes", "fncall_disk_bytes",

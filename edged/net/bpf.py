@@ -302,7 +302,7 @@ class EgressFilter:
 
     def sandbox_cookies(self) -> list[int]:
         """Netns cookies registered (what a restarted daemon reconciles)."""
-        return [struct.unpack("=Q", k)[0] for k in self.maps["sandboxes"].keys()]
+        return [struct.unpack("=Q", k)[0] for k in self.maps["sandboxes"].keys()]  # noqa: SIM118
 
     def put_rule(self, sid: int, net: Network, port: int, proto: int, *,
                  flags: int = 0) -> bytes:
@@ -331,10 +331,10 @@ class EgressFilter:
         restart, not the hot path)."""
         out = []
         for name in ("cidr4", "cidr6"):
-            out += [(name, k) for k in self.maps[name].keys()
+            out += [(name, k) for k in self.maps[name].keys()  # noqa: SIM118
                     if struct.unpack_from("=I", k, 4)[0] == sid]
         for name in ("learned4", "learned6"):
-            out += [(name, k) for k in self.maps[name].keys()
+            out += [(name, k) for k in self.maps[name].keys()  # noqa: SIM118
                     if struct.unpack_from("=I", k, 0)[0] == sid]
         return out
 

@@ -80,6 +80,10 @@ class BpfError(BackendError):
     """A libbpf call failed; ``errno`` is set (EPERM: no CAP_BPF/CAP_SYS_ADMIN, ENOENT:
     no such key or object, E2BIG: a map is full, ...)."""
 
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.errno = code
+
 
 def lib() -> tuple[Any, Any]:
     """``(ffi, lib)``, opened once. Raises :class:`BpfError` (ENOENT) if libbpf.so.1 or cffi
