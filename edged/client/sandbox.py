@@ -8,7 +8,14 @@ import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
-from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
+from edged.client._common import (
+    ExecCollector,
+    ExecResult,
+    OutputCallback,
+    create_body,
+    exec_body,
+    network_value,
+)
 from edged.client._http import Transport, path_for
 from edged.client.errors import NotFoundError
 
@@ -104,21 +111,24 @@ class Sandbox:
                labels: Mapping[str, str] | None = None, socket: str | None = None,
                task_profile: str | None = None,
                seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
-               qos: str | None = None, auto_pause_after: float | None = None) -> Sandbox:
+               qos: str | None = None, auto_pause_after: float | None = None,
+               network: Any = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
         ``default``). ``memory_request_bytes``: what it will use soon (admission sets it
         aside; ``memory_bytes`` is the limit it may burst to). ``qos``: ``"best_effort"``
         (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
-        many seconds (any request resumes it)."""
+        many seconds (any request resumes it). ``network``: ``"none"`` (default), ``{"allow":
+        ["pypi", "pypi.org:443", "203.0.113.0/24"]}``, a list of rules, or the DSec form
+        ``{"pypi": True, "npm": False}``."""
         t = Transport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after)
+                           auto_pause_after=auto_pause_after, network=network)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod
@@ -177,6 +187,14 @@ class Sandbox:
         body = {"signal": 9, "all": True}
         out = self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
         return int(out["killed"])
+
+    def set_network(self, network: Any) -> dict[str, Any]:
+        """Replace the sandbox's egress policy at once (same forms as ``create``'s
+        ``network``; ``"none"`` allows nothing); connections the new policy forbids are cut.
+        Returns ``{"policy", "generation", "cut"}``."""
+        out = self._t.json("PUT", path_for("sandboxes", self.id, "network"),
+                             network_value(network))
+        return dict(out)
 
     def pause(self) -> None:
         """Freeze the sandbox."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import json
@@ -385,7 +386,8 @@ class NetworkManager:
             return len(sockdiag.cut(lambda s: self._keeps(sb, s)))
 
         try:
-            return await self.plumber.run(self.plumber.in_netns, pid, work, True)
+            return await self.plumber.run(functools.partial(self.plumber.in_netns, pid, work,
+                                                            pid=True))
         except (OSError, BackendError) as exc:
             log.warning("sandbox %s: cutting forbidden connections: %s", sb.sid, exc)
             return 0
