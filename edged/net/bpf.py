@@ -256,14 +256,18 @@ class EgressFilter:
         kernel frees programs and maps: do it only when no networked sandbox is left)."""
         self.stop_events()
         if detach:
-            fd = os.open(self.cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                fd = os.open(self.cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = -1  # removed already: the kernel released its programs with it
             try:
                 for name, kind in PROGRAMS:
-                    if name in self._prog_fds:
+                    if fd >= 0 and name in self._prog_fds:
                         with contextlib.suppress(BpfError):
                             libbpf.detach(self._prog_fds[name], fd, kind)
             finally:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
         for pfd in self._prog_fds.values():
             os.close(pfd)
         self._prog_fds.clear()
