@@ -214,7 +214,7 @@ class NetworkManager:
         feats["enabled"] = True
         feats["sni_check"] = False
         self._gc = asyncio.ensure_future(self._gc_loop())
-        self._refill()
+        await self._fill()  # ready before the first create (and its fds open from the start)
         return feats
 
     async def close(self) -> None:
