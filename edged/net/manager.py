@@ -594,13 +594,14 @@ class NetworkManager:
         own). False when disabled or nft is missing."""
         if not self.s.nat or shutil.which("nft") is None:
             return False
-        rules = [f"table ip {self.nat_table} {{ chain post {{ type nat hook postrouting "
-                 f"priority srcnat; policy accept; ip saddr {self.pool4} ip daddr != "
-                 f"{self.pool4} masquerade; }} }}"]
+        # one rule per line: nft 1.0's one-line form refuses "masquerade; }"
+        rules = [f"table ip {self.nat_table} {{\n chain post {{\n"
+                 f"  type nat hook postrouting priority srcnat; policy accept;\n"
+                 f"  ip saddr {self.pool4} ip daddr != {self.pool4} masquerade\n }}\n}}"]
         if self.pool6 is not None:
-            rules.append(f"table ip6 {self.nat_table} {{ chain post {{ type nat hook "
-                         f"postrouting priority srcnat; policy accept; ip6 saddr {self.pool6} "
-                         f"ip6 daddr != {self.pool6} masquerade; }} }}")
+            rules.append(f"table ip6 {self.nat_table} {{\n chain post {{\n"
+                         f"  type nat hook postrouting priority srcnat; policy accept;\n"
+                         f"  ip6 saddr {self.pool6} ip6 daddr != {self.pool6} masquerade\n }}\n}}")
         self._nat_teardown()
         proc = subprocess.run(["nft", "-f", "-"], input="\n".join(rules), text=True,
                               capture_output=True)

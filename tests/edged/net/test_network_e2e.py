@@ -103,8 +103,14 @@ def net_node(real_node, tmp_path) -> Iterator:  # noqa: F811
     third = int(tag[:2], 16)
     node = real_node(network_pool=f"10.214.{third}.0/24", network_pool6="",
                      network_profile=str(prof), network_prefix="n" + tag,
-                     network_dns_upstreams="", network_nat=False)
+                     network_dns_upstreams="")
+    table = f"edged_n{tag}"
+    assert subprocess.run(["nft", "list", "table", "ip", table], capture_output=True,
+                          text=True).stdout.count("masquerade") == 1, "the NAT rule is in place"
     yield node
+    node.stop()
+    gone = subprocess.run(["nft", "list", "table", "ip", table], capture_output=True)
+    assert gone.returncode != 0, "the NAT table is removed with the last networked sandbox"
     srv.close()
 
 
