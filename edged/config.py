@@ -132,7 +132,8 @@ class Config:
     # resolver settings: profiles/network/<name>.toml, or a path), the resolver's port on
     # the gateway address, its upstream servers ("" = the host's resolv.conf; comma
     # separated), NAT to the uplink (nftables), namespaces prepared ahead of demand, and the
-    # host interface name prefix ("" = derived from state_dir).
+    # host interface name prefix ("" = derived from state_dir); the SNI/Host proxy for
+    # names on ports 443/80 and its ports on the gateway address.
     network_pool: str = "10.213.0.0/16"
     network_pool6: str = "fd8e:dbe7:ed9e:1::/64"
     network_profile: str = "default"
@@ -142,6 +143,9 @@ class Config:
     network_uplink: str = ""
     network_prepare_ahead: int = 1
     network_prefix: str = ""
+    network_proxy: bool = True
+    network_proxy_tls_port: int = 443
+    network_proxy_http_port: int = 80
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -193,6 +197,12 @@ class Config:
         if self.fncall_listen and not self.api_keys_file:
             raise BadRequest("config fncall_listen: a TCP listener needs api_keys_file (no "
                              "key, no listener)")
+        for name in ("network_dns_port", "network_proxy_tls_port", "network_proxy_http_port"):
+            if not 1 <= getattr(self, name) <= 65535:
+                raise BadRequest(f"config {name}: must be a port, 1..65535")
+        if self.network_proxy and self.network_proxy_tls_port == self.network_proxy_http_port:
+            raise BadRequest("config network_proxy_tls_port: must differ from "
+                             "network_proxy_http_port")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config) }
@@ -301,6 +311,18 @@ _HELP = {
     "fncall_preload": "FnCall: Python modules the warm interpreter imports, comma-separated",
     "fncall_keep_s": "FnCall: seconds a kept compile result lives at most",
     "fncall_keep_bytes": "FnCall: bytes of all kept compile results together, at most",
+    "network_pool": "IPv4 pool of networked sandboxes ('' = none)",
+    "network_pool6": "IPv6 pool of networked sandboxes ('' = IPv4 only)",
+    "network_profile": "network profile: services, platform denies, resolver (profiles/network)",
+    "network_dns_port": "port of edged's resolver on the gateway address",
+    "network_dns_upstreams": "upstream DNS servers, comma separated ('' = /etc/resolv.conf)",
+    "network_nat": "masquerade networked sandboxes' traffic to the uplink (nftables)",
+    "network_uplink": "uplink interface whose forwarding GET /v1/node reports ('' = all)",
+    "network_prepare_ahead": "network namespaces made ahead of demand",
+    "network_prefix": "host interface name prefix, <= 6 characters ('' = from state_dir)",
+    "network_proxy": "check the SNI/Host of sandboxes' connections to names on 443/80",
+    "network_proxy_tls_port": "the SNI proxy's port on the gateway address",
+    "network_proxy_http_port": "the Host proxy's port on the gateway address",
 }
 
 

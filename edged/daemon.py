@@ -292,7 +292,9 @@ class Server:
             dns_port=cfg.network_dns_port,
             upstreams=tuple(u.strip() for u in cfg.network_dns_upstreams.split(",") if u.strip()),
             nat=cfg.network_nat, uplink=cfg.network_uplink,
-            prepare_ahead=cfg.network_prepare_ahead,
+            prepare_ahead=cfg.network_prepare_ahead, proxy=cfg.network_proxy,
+            proxy_tls_port=cfg.network_proxy_tls_port,
+            proxy_http_port=cfg.network_proxy_http_port,
             cgroup_dir=cgroups.bpf_dir() if cgroups is not None else None,
             backend=chosen.name if chosen is not None else backends.default)
         net = NetworkManager(settings, ledger.record,

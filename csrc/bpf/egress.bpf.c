@@ -14,7 +14,9 @@
  *   cgroup_skb/egress           backstop: every packet a socket of the
  *                               sandbox sends, against the current policy
  *                               (what the hooks above did not see: a socket
- *                               connected under an earlier policy)
+ *                               connected under an earlier policy); a bare
+ *                               TCP reset always passes (a cut connection's
+ *                               peer must hear of it)
  *
  * Order of checks, the same everywhere: loopback (the sandbox's own
  * namespace) passes; DNS goes to the resolver; the resolver and proxy
@@ -361,11 +363,14 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, __u32 addr, __u8 h
 		report(netns, s->id, 4, proto, hook, (__u8)why, port, a);
 		return 0;
 	}
-	if (proto == TCP && (flags & EGRESS_A_PROXY) && !v6) {
+	if (proto == TCP && (flags & EGRESS_A_PROXY)) {
 		__u16 to = port == TLS_PORT ? s->proxy_tls : port == HTTP_PORT ? s->proxy_http : 0;
 
 		if (to) {
-			ctx->user_ip4 = s->dns4;
+			if (v6) /* ::ffff:resolver: the mapped prefix stays */
+				ctx->user_ip6[3] = s->dns4;
+			else
+				ctx->user_ip4 = s->dns4;
 			ctx->user_port = to;
 			return 1;
 		}
@@ -507,8 +512,8 @@ int egress_skb(struct __sk_buff *skb)
 	__u32 a[4] = {0, 0, 0, 0};
 	__u32 flags = 0;
 	__u16 port = 0;
-	__u8 proto, family;
-	int why, frag = 0;
+	__u8 proto, family, tcp[2];
+	int why, frag = 0, rst = 0;
 
 	if (skb->protocol == bpf_htons(ETH_P_IP)) {
 		struct iphdr ip;
@@ -525,6 +530,12 @@ int egress_skb(struct __sk_buff *skb)
 		if (!frag && (proto == TCP || proto == UDP) &&
 		    bpf_skb_load_bytes(skb, ip.ihl * 4 + 2, &port, sizeof(port)) < 0)
 			return 0;
+		if (!frag && proto == TCP) {
+			if (bpf_skb_load_bytes(skb, ip.ihl * 4 + 12, tcp, sizeof(tcp)) < 0)
+				return 0;
+			rst = (tcp[1] & 0x04) &&
+			      bpf_ntohs(ip.tot_len) == ip.ihl * 4 + (tcp[0] >> 4) * 4;
+		}
 	} else if (skb->protocol == bpf_htons(ETH_P_IPV6)) {
 		struct ipv6hdr ip6;
 
@@ -539,6 +550,11 @@ int egress_skb(struct __sk_buff *skb)
 		if ((proto == TCP || proto == UDP) &&
 		    bpf_skb_load_bytes(skb, sizeof(ip6) + 2, &port, sizeof(port)) < 0)
 			return 0;
+		if (proto == TCP) {
+			if (bpf_skb_load_bytes(skb, sizeof(ip6) + 12, tcp, sizeof(tcp)) < 0)
+				return 0;
+			rst = (tcp[1] & 0x04) && bpf_ntohs(ip6.payload_len) == (tcp[0] >> 4) * 4;
+		}
 	} else {
 		return 0;
 	}
@@ -553,6 +569,10 @@ int egress_skb(struct __sk_buff *skb)
 		report(*netns, s->id, family, proto, EGRESS_HOOK_SKB, EGRESS_WHY_NOT_ALLOWED, 0, a);
 		return 0;
 	}
+	/* A reset without payload carries nothing out: it is what a connection cut by a
+	 * policy change (SOCK_DESTROY) sends its peer, so that the peer lets go at once. */
+	if (rst)
+		return 1;
 	/* the resolver and the proxies */
 	if (family == 4 && a[0] == s->dns4 &&
 	    (frag || port == s->dns_port || (port && port == s->proxy_tls) ||

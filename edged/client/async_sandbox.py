@@ -235,6 +235,14 @@ class AsyncSandbox:
                              network_value(network))
         return dict(out)
 
+    async def network(self) -> dict[str, Any]:
+        """The sandbox's network: ``policy`` (``"none"`` or ``{"allow": [...]}``), and for
+        a networked one ``address``/``address6``, ``gateway``, ``resolver``, ``generation``
+        (policy changes so far), ``learned`` (addresses installed from DNS answers),
+        ``denied`` (refusals counted in the kernel), ``proxied`` (open SNI/Host-checked
+        connections)."""
+        return dict(await self._t.json("GET", path_for("sandboxes", self.id, "network")))
+
     async def pause(self) -> None:
         """Freeze the sandbox."""
         self.info = await self._t.json("POST", path_for("sandboxes", self.id, "pause"), {})

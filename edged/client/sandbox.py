@@ -196,6 +196,14 @@ class Sandbox:
                              network_value(network))
         return dict(out)
 
+    def network(self) -> dict[str, Any]:
+        """The sandbox's network: ``policy`` (``"none"`` or ``{"allow": [...]}``), and for
+        a networked one ``address``/``address6``, ``gateway``, ``resolver``, ``generation``
+        (policy changes so far), ``learned`` (addresses installed from DNS answers),
+        ``denied`` (refusals counted in the kernel), ``proxied`` (open SNI/Host-checked
+        connections)."""
+        return dict(self._t.json("GET", path_for("sandboxes", self.id, "network")))
+
     def pause(self) -> None:
         """Freeze the sandbox."""
         self.info = self._t.json("POST", path_for("sandboxes", self.id, "pause"), {})

@@ -90,6 +90,27 @@ def resolv_conf_servers(path: str = "/etc/resolv.conf") -> list[str]:
     return out
 
 
+def bind_socket(addr: Address, port: int, kind: int) -> socket.socket:
+    """A non-blocking socket of ``kind`` bound to ``addr``:``port`` with IP_FREEBIND (the
+    gateway address need not be on an interface yet). Raises OSError (EADDRINUSE)."""
+    fam = socket.AF_INET if addr.version == 4 else socket.AF_INET6
+    s = socket.socket(fam, kind)
+    try:
+        if kind == socket.SOCK_STREAM:  # (on UDP it would share the port with another)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if fam == socket.AF_INET:
+            s.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
+        else:
+            s.setsockopt(socket.IPPROTO_IPV6, IPV6_FREEBIND, 1)
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind((str(addr), port))
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 class Resolver:
     """The node's resolver.
 
@@ -133,24 +154,19 @@ class Resolver:
         return u, 53
 
     async def start(self) -> None:
-        """Bind UDP and TCP on every listen address. Raises OSError."""
+        """Bind UDP and TCP on every listen address. Raises OSError (EADDRINUSE: another
+        resolver there), having closed what it had bound."""
+        try:
+            await self._bind()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _bind(self) -> None:
         loop = asyncio.get_running_loop()
         for addr in self.listen:
-            fam = socket.AF_INET if addr.version == 4 else socket.AF_INET6
             for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
-                s = socket.socket(fam, kind)
-                try:
-                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    if fam == socket.AF_INET:
-                        s.setsockopt(socket.IPPROTO_IP, IP_FREEBIND, 1)
-                    else:
-                        s.setsockopt(socket.IPPROTO_IPV6, IPV6_FREEBIND, 1)
-                        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                    s.bind((str(addr), self.port))
-                    s.setblocking(False)
-                except OSError:
-                    s.close()
-                    raise
+                s = bind_socket(addr, self.port, kind)
                 if kind == socket.SOCK_DGRAM:
                     tr, _ = await loop.create_datagram_endpoint(lambda: _Udp(self), sock=s)
                     self._transports.append(tr)
@@ -232,7 +248,7 @@ class Resolver:
         want = 4 if rdtype == dns.rdatatype.A else 6
         if name in self.static:
             addrs = [a for a in self.static[name] if a.version == want]
-            return Answer(name, qtype, "NOERROR", self._allowed(addrs), self.ttl_min)
+            return Answer(name, qtype, "NOERROR", self._allowed(addrs), self.ttl_max)
         key = (name, rdtype)
         hit = self._cache.get(key)
         now = time.monotonic()

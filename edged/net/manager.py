@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from edged.errors import BackendError, BadRequest, EdgedError, InvalidState, NotFound
-from edged.net import bpf, dns, netns, policy, profile, sockdiag
+from edged.net import bpf, dns, netns, policy, profile, proxy, sockdiag
 from edged.net.policy import Network, Policy
 
 log = logging.getLogger("edged.net")
@@ -46,6 +46,8 @@ Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 EventSink = Callable[..., object]
 
 QUERY_RATE, QUERY_BURST = 100, 200  # DNS queries a second per sandbox
+#: proxy refusals reported a second per sandbox (as the programs' own denials: bpf.EVENT_RATE)
+PROXY_EVENT_RATE, PROXY_EVENT_BURST = 100, 100
 #: A learned address stays in the map this long past its TTL (a client that cached the
 #: answer until the last second still connects), then is collected.
 LEARN_GRACE_S = 2.0
@@ -67,8 +69,33 @@ class Settings:
     uplink: str = ""
     prepare_ahead: int = 1
     cgroup_dir: Path | None = None
+    #: the SNI/Host proxy (:mod:`edged.net.proxy`) and its ports on the gateway addresses
+    proxy: bool = True
+    proxy_tls_port: int = 443
+    proxy_http_port: int = 80
     #: the backend whose sandboxes join these namespaces (the one with ``cgroup_dir``)
     backend: str = "container"
+
+
+@dataclass
+class _Bucket:
+    """A token bucket: ``rate`` a second up to ``burst``."""
+
+    rate: float
+    burst: float
+    tokens: float = -1.0
+    last: float = field(default_factory=time.monotonic)
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        if self.tokens < 0:
+            self.tokens = self.burst
+        self.tokens = min(self.burst, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 @dataclass
@@ -82,27 +109,24 @@ class _Sandbox:
     learned: dict[tuple[str, bytes], int] = field(default_factory=dict)
     #: address -> names it was answered for (for the ledger's "name it came from")
     names: dict[Address, set[str]] = field(default_factory=dict)
-    tokens: float = QUERY_BURST
-    last: float = field(default_factory=time.monotonic)
+    queries: _Bucket = field(default_factory=lambda: _Bucket(QUERY_RATE, QUERY_BURST))
+    events: _Bucket = field(default_factory=lambda: _Bucket(PROXY_EVENT_RATE,
+                                                            PROXY_EVENT_BURST))
+    dropped: int = 0  # proxy refusals not reported since the last one
 
     @property
     def sandbox_id(self) -> str:
         return self.sid
 
     def allow_query(self) -> bool:
-        now = time.monotonic()
-        self.tokens = min(QUERY_BURST, self.tokens + (now - self.last) * QUERY_RATE)
-        self.last = now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
+        return self.queries.take()
 
     def record(self) -> dict[str, Any]:
         return {"id": self.sid, "index": self.ns.index, "cookie": self.ns.cookie,
                 "host_if": self.ns.host_if, "addr4": str(self.ns.addr4),
                 "addr6": str(self.ns.addr6) if self.ns.addr6 else None,
-                "policy": self.policy.request, "gen": self.gen}
+                "policy": self.policy.request, "gen": self.gen,
+                "names": {str(a): sorted(n) for a, n in self.names.items()}}
 
 
 @dataclass
@@ -149,6 +173,7 @@ class NetworkManager:
         self.records = settings.state_dir / "network"
         self.filter: bpf.EgressFilter | None = None
         self.resolver: dns.Resolver | None = None
+        self.proxy: proxy.Proxy | None = None
         self.plumber = netns.Plumber(self.prefix, self.gw4, self.gw6)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._by_addr: dict[Address, _Sandbox] = {}
@@ -180,6 +205,12 @@ class NetworkManager:
         if not ok:
             feats["reason"] = why
             return feats
+        pools: list[Network] = [self.pool4] + ([self.pool6] if self.pool6 else [])
+        users = await self.plumber.run(self.plumber.pool_users, pools)
+        if users:
+            feats["reason"] = (f"network pool {', '.join(map(str, pools))} in use on this host "
+                               f"(interfaces {', '.join(users)}): configure network_pool")
+            return feats
         try:
             self.s.cgroup_dir.mkdir(exist_ok=True)
             self.filter = await asyncio.to_thread(bpf.EgressFilter.open, self.s.cgroup_dir)
@@ -202,31 +233,57 @@ class NetworkManager:
             await self.resolver.start()
         except OSError as exc:
             feats["reason"] = f"resolver on {self.gw4}:{self.s.dns_port}: {exc}"
-            await self._close_filter(detach=False)
+            self.resolver = None
+            await self._close_filter(detach=not self._live_records())
             return feats
         feats["dns"] = {"listen": [str(a) for a in self.resolver.listen],
                         "port": self.s.dns_port, "upstreams": upstreams}
+        feats["sni_check"] = await self._start_proxy(feats)
         feats["nat"] = await asyncio.to_thread(self._nat_setup)
         feats["uplink_forwarding"] = _uplink_forwarding(self.s.uplink)
         self._events_fd = self.filter.start_events()
         asyncio.get_running_loop().add_reader(self._events_fd, self._drain_events)
         await self._adopt_records()
         feats["enabled"] = True
-        feats["sni_check"] = False
         self._gc = asyncio.ensure_future(self._gc_loop())
         await self._fill()  # ready before the first create (and its fds open from the start)
         return feats
 
+    async def _start_proxy(self, feats: dict[str, object]) -> bool:
+        """The SNI/Host proxy on the gateway addresses; False (and ``sni_reason``) when off
+        or its ports cannot be bound (names are then reached directly, through NAT)."""
+        if not self.s.proxy:
+            feats["sni_reason"] = "network_proxy is off"
+            return False
+        assert self.resolver is not None
+        p = proxy.Proxy(self.resolver.listen, self.s.proxy_tls_port, self.s.proxy_http_port,
+                        self._client_of, self.resolver.resolve, self._proxy_refused)
+        try:
+            await p.start()
+        except OSError as exc:
+            feats["sni_reason"] = (f"proxy on {self.gw4} ports {self.s.proxy_tls_port}, "
+                                   f"{self.s.proxy_http_port}: {exc}")
+            log.warning("network: %s", feats["sni_reason"])
+            return False
+        self.proxy = p
+        feats["proxy"] = {"tls_port": self.s.proxy_tls_port,
+                          "http_port": self.s.proxy_http_port}
+        return True
+
     async def close(self) -> None:
-        """Stop the resolver and background work and release prepared namespaces. With no
-        networked sandbox left, also detach the programs (freeing every map) and remove the
-        NAT rules and the cgroup directory; otherwise leave them for the next daemon."""
+        """Stop the resolver, the proxy and background work and release prepared
+        namespaces. With no networked sandbox left, also detach the programs (freeing every
+        map) and remove the NAT rules and the cgroup directory; otherwise leave them for the
+        next daemon (proxied connections end with this daemon)."""
         for t in (self._filling, self._gc):
             if t is not None:
                 t.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
         self._filling = self._gc = None
+        if self.proxy is not None:
+            await self.proxy.close()
+            self.proxy = None
         if self.resolver is not None:
             await self.resolver.close()
             self.resolver = None
@@ -235,6 +292,9 @@ class NetworkManager:
             self._used.discard(ns.index)
         self._ready.clear()
         last = not self._sandboxes and not self._live_records()
+        for sb in self._sandboxes.values():  # kept: what they learned, for the next daemon
+            with contextlib.suppress(OSError):
+                self._save(sb)
         await self._close_filter(detach=last)
         if last:
             await asyncio.to_thread(self._nat_teardown)
@@ -358,7 +418,8 @@ class NetworkManager:
                 "address6": str(sb.ns.addr6) if sb.ns.addr6 else None,
                 "gateway": str(self.gw4), "resolver": f"{self.gw4}:{self.s.dns_port}",
                 "generation": sb.gen, "learned": len(sb.learned),
-                "denied": self.filter.denied(sb.ns.index) if self.filter else 0}
+                "denied": self.filter.denied(sb.ns.index) if self.filter else 0,
+                "proxied": len(self.proxy.connections(sid)) if self.proxy else 0}
 
     async def set_policy(self, sid: str, pol: Policy) -> dict[str, Any]:
         """Replace sandbox ``sid``'s policy at once; cut its connections the new one
@@ -375,6 +436,8 @@ class NetworkManager:
         self._write_policy(sb, pol, cut=True)
         self._save(sb)
         cut = await self._cut(sb)
+        if self.proxy is not None:
+            cut += self.proxy.cut(sid)
         return {"policy": pol.request, "generation": sb.gen, "cut": cut}
 
     async def _cut(self, sb: _Sandbox) -> int:
@@ -422,9 +485,16 @@ class NetworkManager:
     # -- maps -----------------------------------------------------------------------------
 
     def _entry(self, sb: _Sandbox) -> bpf.SandboxEntry:
+        on = self.proxy is not None
         return bpf.SandboxEntry(id=sb.ns.index, gen=sb.gen, dns4=self.gw4,
                                 dns_port=self.s.dns_port, addr4=sb.ns.addr4,
-                                addr6=sb.ns.addr6, dns6=self.gw6 if sb.ns.addr6 else None)
+                                addr6=sb.ns.addr6, dns6=self.gw6 if sb.ns.addr6 else None,
+                                proxy_tls=self.s.proxy_tls_port if on else 0,
+                                proxy_http=self.s.proxy_http_port if on else 0)
+
+    def _learned_flags(self, port: int) -> int:
+        """A learned address's flags: through the proxy for 443/80 (and any-port rules)."""
+        return bpf.A_PROXY if self.proxy is not None and port in (0, 443, 80) else 0
 
     def _register(self, sb: _Sandbox) -> None:
         assert self.filter is not None
@@ -468,7 +538,8 @@ class NetworkManager:
                 if not exp:
                     continue
                 for port, proto in pol.name_ports(name):
-                    k = f.put_learned(sb.ns.index, addr, port, bpf.PROTO_NUM[proto], exp)
+                    k = f.put_learned(sb.ns.index, addr, port, bpf.PROTO_NUM[proto], exp,
+                                      flags=self._learned_flags(port))
                     learned[("learned4" if addr.version == 4 else "learned6", k)] = exp
                 names.setdefault(addr, set()).add(name)
         f.delete_keys((sb.rule_keys - keys) | (set(sb.learned) - set(learned)))
@@ -489,7 +560,8 @@ class NetworkManager:
         exp = bpf.now_ns() + int((ttl + LEARN_GRACE_S) * 1e9)
         for a in addrs:
             for port, proto in sb.policy.name_ports(name):
-                k = self.filter.put_learned(sb.ns.index, a, port, bpf.PROTO_NUM[proto], exp)
+                k = self.filter.put_learned(sb.ns.index, a, port, bpf.PROTO_NUM[proto], exp,
+                                            flags=self._learned_flags(port))
                 sb.learned[("learned4" if a.version == 4 else "learned6", k)] = exp
             sb.names.setdefault(a, set()).add(name)
 
@@ -497,6 +569,20 @@ class NetworkManager:
         if self.sink is not None:
             self.sink(client.sandbox_id, "dns_denied", path=name or None,
                       detail={"qtype": qtype, "why": why})
+
+    def _proxy_refused(self, client: dns.Client, name: str, port: int, why: str) -> None:
+        sb = client if isinstance(client, _Sandbox) else self._sandboxes.get(client.sandbox_id)
+        if sb is None or self.sink is None:
+            return
+        if not sb.events.take():
+            sb.dropped += 1
+            return
+        detail: dict[str, Any] = {"protocol": "tcp", "port": port, "hook": "proxy", "why": why}
+        if name:
+            detail["names"] = [name]
+        if sb.dropped:
+            detail["dropped_before"], sb.dropped = sb.dropped, 0
+        self.sink(sb.sid, "egress_denied", address=f"{name or '?'}:{port}", detail=detail)
 
     def _drain_events(self) -> None:
         if self.filter is None:
@@ -563,6 +649,17 @@ class NetworkManager:
                 log.warning("network record %s unreadable: %s", sid, exc)
                 continue
             sb = _Sandbox(sid, ns, pol, gen=int(rec.get("gen", 0)) + 1)
+            # what it learned: the addresses are in the maps, the names they were answered
+            # for in the record (saved at shutdown; after a crash none: a policy change
+            # then drops those addresses, and the sandbox asks the resolver again)
+            sb.names = {ipaddress.ip_address(a): set(n)
+                        for a, n in (rec.get("names") or {}).items()}
+            assert self.filter is not None
+            for name, key in self.filter.keys_of(ns.index):
+                if name.startswith("cidr"):
+                    sb.rule_keys.add((name, key))  # rewritten (or deleted) below
+                elif raw := self.filter.maps[name].lookup(key):
+                    sb.learned[(name, key)] = bpf.ALLOW.unpack(raw)[0]
             self._used.add(ns.index)
             self._register(sb)
             self._write_policy(sb, pol, cut=False)

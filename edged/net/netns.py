@@ -191,6 +191,27 @@ class Plumber:
         with contextlib.suppress(Exception):
             self._delete_link(name)
 
+    def pool_users(self, pools: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> list[str]:
+        """Host interfaces, other than ours, with an address or a route in ``pools`` (another
+        daemon's, or a network of the host's that the pool would collide with)."""
+        from pyroute2 import IPRoute
+
+        def inside(text: str | None) -> bool:
+            if not text:
+                return False
+            a = ipaddress.ip_address(text)
+            return any(a.version == p.version and a in p for p in pools)
+
+        with IPRoute() as host:
+            names = {ln["index"]: ln.get_attr("IFLA_IFNAME") or "" for ln in host.get_links()}
+            users = {names.get(a["index"], "?") for a in host.get_addr()
+                     if inside(a.get_attr("IFA_ADDRESS"))}
+            for fam in (socket.AF_INET, socket.AF_INET6):
+                users |= {names.get(r.get_attr("RTA_OIF"), "?")
+                          for r in host.get_routes(family=fam, table=254)
+                          if inside(r.get_attr("RTA_DST"))}
+        return sorted(u for u in users if not u.startswith(self.prefix))
+
     def links(self) -> list[str]:
         """Host interfaces with our prefix (leak checks, leftovers)."""
         from pyroute2 import IPRoute
