@@ -5,6 +5,11 @@ Run by setup.py's build step (``pip install .`` and ``pip install -e .``), or di
 development: ``python csrc/build_bins.py [OUT_DIR]`` (default ``edged/_bin``). sbx-init is
 linked statically (musl-gcc when installed: a ~100 KiB binary; else glibc ``-static``) because
 it runs inside sandboxes whose rootfs may have no libc at all.
+
+It also compiles the egress programs (``csrc/bpf/egress.bpf.c``) with clang ``-target bpf``
+into ``egress.bpf.o`` there, which the daemon loads with libbpf (:mod:`edged.net.bpf`); where
+clang or the libbpf headers are missing, that object is skipped with a warning (networked
+sandboxes are then reported unavailable by ``GET /v1/node``).
 """
 
 from __future__ import annotations
@@ -70,6 +75,27 @@ def _compile(out: pathlib.Path, sources: list[str], musl: bool, tmp_dir: pathlib
     raise RuntimeError(f"building {out.name} failed:\n{last}")
 
 
+def _build_bpf(out: pathlib.Path) -> bool:
+    """Compile the egress programs into ``out``; False (and a warning) when clang or the
+    libbpf headers are not installed."""
+    clang = shutil.which("clang") or shutil.which("clang-14")
+    if clang is None or not os.path.isfile("/usr/include/bpf/bpf_helpers.h"):
+        print("build_bins: no clang or libbpf headers: egress programs not built",
+              file=sys.stderr)
+        return False
+    arch = subprocess.run(["gcc", "-dumpmachine"], capture_output=True, text=True).stdout.strip()
+    tmp = out.with_suffix(".tmp")
+    # -g: the BTF that libbpf reads the map definitions from; -mcpu=v3: atomics, 32-bit jumps
+    cmd = [clang, "-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror",
+           f"-I{CSRC / 'bpf'}", f"-I/usr/include/{arch}", "-c", str(CSRC / "bpf/egress.bpf.c"),
+           "-o", str(tmp)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building {out.name} failed:\n{proc.stderr}")
+    os.replace(tmp, out)
+    return True
+
+
 def build(out_dir: pathlib.Path) -> list[pathlib.Path]:
     """Compile every binary into ``out_dir``; returns their paths. Raises RuntimeError with
     the compiler's message on failure."""
@@ -80,6 +106,9 @@ def build(out_dir: pathlib.Path) -> list[pathlib.Path]:
             out = out_dir / name
             _compile(out, sources, musl, pathlib.Path(tmp))
             built.append(out)
+    bpf = out_dir / "egress.bpf.o"
+    if _build_bpf(bpf):
+        built.append(bpf)
     return built
 
 

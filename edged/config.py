@@ -130,6 +130,25 @@ class Config:
     fncall_preload: str = "sys,os,math,re,json,collections,itertools,functools,heapq,bisect"
     fncall_keep_s: float = 300.0  # how long a kept compile result lives at most
     fncall_keep_bytes: int = 256 << 20  # all kept compile results together, at most
+    # Networked sandboxes (edged.net): the IPv4 address pool ("" = no networked sandboxes),
+    # the IPv6 one ("" = IPv4 only), the network profile (services, platform denies,
+    # resolver settings: profiles/network/<name>.toml, or a path), the resolver's port on
+    # the gateway address, its upstream servers ("" = the host's resolv.conf; comma
+    # separated), NAT to the uplink (nftables), namespaces prepared ahead of demand, and the
+    # host interface name prefix ("" = derived from state_dir); the SNI/Host proxy for
+    # names on ports 443/80 and its ports on the gateway address.
+    network_pool: str = "10.213.0.0/16"
+    network_pool6: str = "fd8e:dbe7:ed9e:1::/64"
+    network_profile: str = "default"
+    network_dns_port: int = 53
+    network_dns_upstreams: str = ""
+    network_nat: bool = True
+    network_uplink: str = ""
+    network_prepare_ahead: int = 1
+    network_prefix: str = ""
+    network_proxy: bool = True
+    network_proxy_tls_port: int = 443
+    network_proxy_http_port: int = 80
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -165,7 +184,8 @@ class Config:
                      "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
                      "swap_file_bytes", "sandbox_swap_share", "fncall_recycle_after",
-                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes"):
+                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
+                     "network_prepare_ahead"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
         for name in ("fncall_pool", "fncall_cpus", "fncall_memory_bytes", "fncall_disk_bytes",
@@ -182,6 +202,12 @@ class Config:
         if self.fncall_listen and not self.api_keys_file:
             raise BadRequest("config fncall_listen: a TCP listener needs api_keys_file (no "
                              "key, no listener)")
+        for name in ("network_dns_port", "network_proxy_tls_port", "network_proxy_http_port"):
+            if not 1 <= getattr(self, name) <= 65535:
+                raise BadRequest(f"config {name}: must be a port, 1..65535")
+        if self.network_proxy and self.network_proxy_tls_port == self.network_proxy_http_port:
+            raise BadRequest("config network_proxy_tls_port: must differ from "
+                             "network_proxy_http_port")
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config) }
@@ -291,6 +317,18 @@ _HELP = {
     "fncall_preload": "FnCall: Python modules the warm interpreter imports, comma-separated",
     "fncall_keep_s": "FnCall: seconds a kept compile result lives at most",
     "fncall_keep_bytes": "FnCall: bytes of all kept compile results together, at most",
+    "network_pool": "IPv4 pool of networked sandboxes ('' = none)",
+    "network_pool6": "IPv6 pool of networked sandboxes ('' = IPv4 only)",
+    "network_profile": "network profile: services, platform denies, resolver (profiles/network)",
+    "network_dns_port": "port of edged's resolver on the gateway address",
+    "network_dns_upstreams": "upstream DNS servers, comma separated ('' = /etc/resolv.conf)",
+    "network_nat": "masquerade networked sandboxes' traffic to the uplink (nftables)",
+    "network_uplink": "uplink interface whose forwarding GET /v1/node reports ('' = all)",
+    "network_prepare_ahead": "network namespaces made ahead of demand",
+    "network_prefix": "host interface name prefix, <= 6 characters ('' = from state_dir)",
+    "network_proxy": "check the SNI/Host of sandboxes' connections to names on 443/80",
+    "network_proxy_tls_port": "the SNI proxy's port on the gateway address",
+    "network_proxy_http_port": "the Host proxy's port on the gateway address",
 }
 
 

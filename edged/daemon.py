@@ -222,6 +222,7 @@ class Server:
         self.manager.ledger = ledger
         self.swap = await asyncio.to_thread(self._start_swap, backends)
         self.manager.swap = self.swap
+        self.manager.net = await self._start_network(backends, ledger)
         service = LayerService(layers, interval_s=cfg.layers_check_interval_s,
                                metrics=metrics)
         self.manager.layer_service = service
@@ -274,6 +275,40 @@ class Server:
         await site.start()
         log.info("SandboxFusion listener", extra={"listen": cfg.fncall_listen,
                                                    "keys": len(keys.ids)})
+
+    async def _start_network(self, backends: Backends, ledger: Ledger) -> Any:
+        """The node's networking (:mod:`edged.net`), or None with ``network_pool`` empty. It
+        serves the first backend whose sandboxes can join a namespace the daemon made (a
+        cgroups room with a v2 directory for the egress programs, and an init pid to enter
+        the namespace by: the container backend). A host without what it needs (cgroup v2,
+        BPF) gets one that refuses networked sandboxes with the reason (``GET /v1/node``)."""
+        cfg = self.config
+        if not cfg.network_pool:
+            return None
+        from edged.net.manager import NetworkManager, Settings
+
+        chosen: Backend | None = None
+        for b in backends:
+            if getattr(b, "cgroups", None) is not None and hasattr(b, "init_pid"):
+                chosen = b
+                break
+        cgroups = getattr(chosen, "cgroups", None)
+        settings = Settings(
+            state_dir=Path(cfg.state_dir), pool4=cfg.network_pool, pool6=cfg.network_pool6,
+            prefix=cfg.network_prefix, profile=cfg.network_profile,
+            dns_port=cfg.network_dns_port,
+            upstreams=tuple(u.strip() for u in cfg.network_dns_upstreams.split(",") if u.strip()),
+            nat=cfg.network_nat, uplink=cfg.network_uplink,
+            prepare_ahead=cfg.network_prepare_ahead, proxy=cfg.network_proxy,
+            proxy_tls_port=cfg.network_proxy_tls_port,
+            proxy_http_port=cfg.network_proxy_http_port,
+            cgroup_dir=cgroups.bpf_dir() if cgroups is not None else None,
+            backend=chosen.name if chosen is not None else backends.default)
+        net = NetworkManager(settings, ledger.record,
+                             getattr(chosen, "init_pid", None))
+        feats = await net.start()
+        log.info("network", extra={"network": feats})
+        return net
 
     def _lock(self, path: Path, *, write_pid: bool) -> None:
         """Hold an exclusive flock on ``path`` for the daemon's life (released by the kernel
@@ -367,6 +402,8 @@ class Server:
             await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
             # pools and control connections; kept sandboxes live on
             await self.manager.backends.close()
+            if self.manager.net is not None:
+                await self.manager.net.close()
         if self.swap is not None:  # after the sandboxes: swapoff reads back what is left
             kept = self.manager is not None and bool(self.manager.find())
             await asyncio.to_thread(self.swap.stop, kept)

@@ -9,7 +9,9 @@ APT_PACKAGES=(
   build-essential pkg-config clang            # C core, BPF programs
   libzstd-dev libxxhash-dev libssl-dev        # chunk compression, hashing
   libfuse3-dev fuse3                          # lazy layer file server
-  libseccomp-dev libcap-dev libbpf-dev        # confinement
+  libseccomp-dev libcap-dev libbpf-dev        # confinement; libbpf: loads the egress programs (edged/net)
+  nftables                                    # NAT of networked sandboxes to the uplink (edged/net)
+  bpftool                                     # inspecting the attached egress programs and maps by hand
   apparmor xfslibs-dev                        # apparmor_parser compile checks; XFS ioctl headers for tests
   erofs-utils                                 # fsck.erofs / mkfs.erofs: cross-checks, benchmark baseline
   mmdebstrap                                  # real Debian rootfs for tests and the main job

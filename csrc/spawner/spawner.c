@@ -17,6 +17,8 @@
  *                 [--sysfs 1]            (a sysfs of the sandbox's netns on /sys;
  *                                         without it /sys is an empty directory)
  *                 [--caps MASK]          (capabilities kept, bit n = capability n)
+ *                 [--netns-fd N]         (join this network namespace instead of
+ *                                         making one: see "networked sandboxes")
  *                 [--landlock FILE] [--seccomp FILE] [--apparmor PROFILE]
  *                                        (policies sbx-init applies per exec)
  * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
@@ -67,6 +69,15 @@
  * might create gets a copy of the mount table in which the kernel locks them
  * (read-only and not unmountable: MNT_LOCK_READONLY / MNT_LOCKED).  Landlock,
  * applied by sbx-init to each exec, denies the same writes independently.
+ *
+ * Networked sandboxes (--netns-fd): the daemon makes the network namespace
+ * (veth, addresses, routes) and hands it over as an open fd; this process
+ * joins it before the clone, which then leaves out CLONE_NEWNET.  The
+ * namespace stays owned by the initial user namespace, so the sandbox's root,
+ * root only in its own user namespace, holds no capability over it: it
+ * cannot change its address or routes, or open raw sockets, whatever
+ * capabilities a task profile keeps.  (In pool mode the option comes with
+ * --pool: the namespace is chosen when the spawner is started.)
  *
  * Grader view (--pristine): the workload may write much that a grader runs
  * (/etc/python3.11/sitecustomize.py, a .pth file, a grader tool it can
@@ -125,7 +136,7 @@
 #include "lfs_error.h"
 
 struct opts {
-	int status_fd, pool, joined;
+	int status_fd, pool, joined, netns_fd;
 	const char *root, *ctl, *log, *init, *hostname;
 	unsigned long uid_base, id_count;
 	unsigned long long disk_bytes;
@@ -173,7 +184,7 @@ static int fs_fail(struct lfs_error *e, int fsfd, int code, const char *what)
  * order, as SCM_RIGHTS), then the lowers for the grader view, if any (bottom
  * first), then the options, NUL-separated. */
 enum { SETUP_ROOT, SETUP_SCRATCH, SETUP_LISTEN, SETUP_INIT, SETUP_LOG, SETUP_CG_A, SETUP_CG_B,
-       SETUP_LL, SETUP_SC, SETUP_DEV, SETUP_SHM, SETUP_NFDS };
+       SETUP_LL, SETUP_SC, SETUP_DEV, SETUP_SHM, SETUP_SYSFS, SETUP_NFDS };
 #define SETUP_MAX_FDS (SETUP_NFDS + MAX_LOWERS)
 
 static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS],
@@ -292,6 +303,7 @@ struct child_fds {
 	int dev, shm;    /* the scratch tmpfs's dev/ and shm/, detached */
 	int lowers[MAX_LOWERS]; /* the lowers for grader views (bottom first) */
 	int n_lowers;
+	int sysfs;       /* a detached sysfs (joined network namespace), or -1 */
 };
 
 static int bind_dev(const char *name, struct lfs_error *e)
@@ -367,6 +379,11 @@ static int loopback_up(struct lfs_error *e)
 	strcpy(ifr.ifr_name, "lo");
 	if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
 		return lfs_error_set(e, errno, "SIOCGIFFLAGS `lo`");
+	/* A network namespace the daemon made (--netns-fd) has it up already,
+	 * and belongs to the initial user namespace: sandbox root may not touch
+	 * its interfaces at all. */
+	if (ifr.ifr_flags & IFF_UP)
+		return 0;
 	ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
 	if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
 		return lfs_error_set(e, errno, "SIOCSIFFLAGS `lo`");
@@ -482,8 +499,15 @@ static int child_setup(const struct opts *o, struct child_fds *f, struct lfs_err
 		return lfs_error_set(e, errno, "mount proc on `/proc`");
 	if (make_dev(f->dev, f->shm, e) < 0)
 		return -1;
-	if (o->sysfs &&
-	    mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+	if (f->sysfs >= 0) {
+		cleanup_close int sysfs = f->sysfs;
+
+		f->sysfs = -1;
+		if (move_mount(sysfs, "", AT_FDCWD, "sys", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+			return lfs_error_set(e, errno, "attach sysfs on `/sys`");
+	} else if (o->sysfs &&
+		   mount("sysfs", "sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+			 NULL) < 0)
 		return lfs_error_set(e, errno, "mount sysfs on `/sys`");
 	if (sethostname(o->hostname, strlen(o->hostname)) < 0)
 		return lfs_error_set(e, errno, "sethostname `%s`", o->hostname);
@@ -536,6 +560,7 @@ static void child_main(int sync)
 	f->sc = got[SETUP_SC];
 	f->dev = got[SETUP_DEV];
 	f->shm = got[SETUP_SHM];
+	f->sysfs = got[SETUP_SYSFS];
 	oargc = split_args(args, (size_t)len, oargv);
 	if (oargc < 0) {
 		lfs_error_set(&e, E2BIG, "too many options");
@@ -909,6 +934,30 @@ static int join_cgroups(const struct opts *o, pid_t child, struct lfs_error *e)
 	return 0;
 }
 
+/* Set once this process has joined a --netns-fd namespace (pool mode parses
+ * the options again after the clone). */
+static int netns_joined;
+
+/* sysfs for a sandbox in a joined network namespace: mounting one needs
+ * CAP_SYS_ADMIN over the namespace's owner, the initial user namespace, so it
+ * is made here, as host root in that namespace (it shows the sandbox's own
+ * interfaces), read-only and detached, and the child attaches it. */
+static int make_sysfs(struct lfs_error *e)
+{
+	cleanup_close int fs = fsopen("sysfs", FSOPEN_CLOEXEC);
+	int mnt;
+
+	if (fs < 0)
+		return lfs_error_set(e, errno, "fsopen sysfs");
+	if (fsconfig(fs, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+		return fs_fail(e, fs, errno, "create sysfs");
+	mnt = fsmount(fs, FSMOUNT_CLOEXEC,
+		      MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC);
+	if (mnt < 0)
+		return lfs_error_set(e, errno, "fsmount sysfs");
+	return mnt;
+}
+
 /* A child in new namespaces with its id maps written, waiting for its setup
  * message on `sync`. */
 struct pre {
@@ -942,6 +991,14 @@ static int prefork(const struct opts *o, struct pre *p, struct lfs_error *e)
 
 	p->pid = 0;
 	p->sync = -1;
+	if (o->netns_fd >= 0) {
+		/* as host root, before the euid change below */
+		if (setns(o->netns_fd, CLONE_NEWNET) < 0)
+			return lfs_error_set(e, errno, "join the network namespace (fd %d)", o->netns_fd);
+		close(o->netns_fd);
+		ca.flags &= ~(unsigned long long)CLONE_NEWNET;
+		netns_joined = 1;
+	}
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
 		return lfs_error_set(e, errno, "socketpair");
 	/* The user namespace belongs to the euid that creates it, and per-user
@@ -992,7 +1049,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 		  pid_t *out_pid, struct lfs_error *e)
 {
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
-	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1;
+	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1, sysfs = -1;
 	int devs[2] = {-1, -1}, lowers[MAX_LOWERS];
 	int rc;
 	char reply[600];
@@ -1033,12 +1090,18 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 	rootmnt = build_rootfs(o, p->pid, &scratch, devs, lowers, e);
 	if (rootmnt < 0)
 		return -1;
+	if (netns_joined && o->sysfs) {
+		sysfs = make_sysfs(e);
+		if (sysfs < 0)
+			return -1;
+	}
 	{
 		int fds[SETUP_NFDS] = {[SETUP_ROOT] = rootmnt, [SETUP_SCRATCH] = scratch,
 				       [SETUP_LISTEN] = listen_fd, [SETUP_INIT] = init_exe,
 				       [SETUP_LOG] = log_fd, [SETUP_CG_A] = cg_a, [SETUP_CG_B] = cg_b,
 				       [SETUP_LL] = ll, [SETUP_SC] = sc, [SETUP_DEV] = devs[0],
-				       [SETUP_SHM] = devs[1]};
+				       [SETUP_SHM] = devs[1],
+				       [SETUP_SYSFS] = sysfs};
 
 		/* the lowers go along only for a grader view: sbx-init keeps them */
 		rc = send_setup(p->sync, args, len, fds, lowers, o->n_pristine ? o->n_lowers : 0);
@@ -1071,6 +1134,7 @@ static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e
 
 	memset(o, 0, sizeof(*o));
 	o->status_fd = -1;
+	o->netns_fd = -1;
 	o->hostname = "sandbox";
 	o->id_count = 65536;
 	for (i = 1; i < argc; i++) {
@@ -1083,6 +1147,8 @@ static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e
 			o->status_fd = atoi(v);
 		else if (!strcmp(k, "--pool"))
 			o->pool = atoi(v);
+		else if (!strcmp(k, "--netns-fd"))
+			o->netns_fd = atoi(v);
 		else if (!strcmp(k, "--root"))
 			o->root = v;
 		else if (!strcmp(k, "--ctl"))

@@ -161,6 +161,18 @@ async def signal_sandbox(request: web.Request) -> web.Response:
     return web.json_response(await mgr.signal(sid, requests.parse_signal(body)))
 
 
+async def put_network(request: web.Request) -> web.Response:
+    """PUT /v1/sandboxes/{id}/network ("none" | {"allow": [...]}) → {policy, generation, cut}."""
+    out = await _m(request).set_network(_sid(request),
+                                        requests.parse_network(await json_body(request)))
+    return web.json_response(out)
+
+
+async def get_network(request: web.Request) -> web.Response:
+    """GET /v1/sandboxes/{id}/network → policy, addresses, resolver, counters."""
+    return web.json_response(_m(request).network_info(_sid(request)))
+
+
 async def sandbox_stats(request: web.Request) -> web.Response:
     """GET /v1/sandboxes/{id}/stats → backend usage figures."""
     return web.json_response(await manager_of(request).stats(sandbox_id_of(request)))
@@ -445,6 +457,8 @@ ROUTES: list[tuple[str, str, Handler]] = [
     ("POST", "/v1/sandboxes/{id}/resume", resume_sandbox),
     ("POST", "/v1/sandboxes/{id}/timeout", set_timeout),
     ("GET", "/v1/sandboxes/{id}/stats", sandbox_stats),
+    ("PUT", "/v1/sandboxes/{id}/network", put_network),
+    ("GET", "/v1/sandboxes/{id}/network", get_network),
     ("GET", "/v1/images", list_images),
     ("POST", "/v1/images", put_image),
     ("GET", "/v1/images/{ref}", get_image),

@@ -185,6 +185,24 @@ def hostname(v: object) -> str:
     return v
 
 
+def network_value(v: object) -> str | dict[str, Any]:
+    """A ``network`` value's shape: ``"none"`` or ``{"allow": [RULE, ...]}`` (the rules are
+    checked against the node's network profile by the manager, :mod:`edged.net.policy`)."""
+    if v == "none":
+        return "none"
+    if not isinstance(v, dict) or set(v) != {"allow"} or not isinstance(v["allow"], list):
+        raise BadRequest('network: must be "none" or {"allow": [RULE, ...]}')
+    return v
+
+
+def parse_network(body: object) -> str | dict[str, Any]:
+    """A ``PUT /v1/sandboxes/{id}/network`` body: the network value, bare or as
+    ``{"network": VALUE}``."""
+    if isinstance(body, dict) and set(body) == {"network"}:
+        body = body["network"]
+    return network_value(body)
+
+
 def parse_create(body: object) -> CreateRequest:
     """A ``POST /v1/sandboxes`` body. :class:`BadRequest` names the first bad field."""
     b = _object(body, _CREATE_FIELDS)
@@ -205,9 +223,7 @@ def parse_create(body: object) -> CreateRequest:
         if not isinstance(layers_v, list) or not 1 <= len(layers_v) <= 64:
             raise BadRequest("layers: must be a list of 1 to 64 digests, bottom first")
         layers = tuple(check_digest(d) for d in layers_v)
-    network = b.get("network", "none")
-    if network != "none":
-        raise BadRequest(f"network: {network!r} is not supported (only 'none')")
+    network = network_value(b.get("network", "none"))
     host = hostname(b["hostname"]) if "hostname" in b else None
     task_profile = _profile_name(b.get("task_profile"), "task_profile", "default")
     seccomp_profile = _profile_name(b.get("seccomp_profile"), "seccomp_profile", None)

@@ -81,7 +81,10 @@ class SandboxSpec:
     ``lowers``: host paths of the layers, BOTTOM FIRST (base, workspace, toolkit), in the
     backend's :data:`LayerForm`: read-only directories (EROFS mountpoints or plain
     directories) or EROFS image files. ``env``: default environment of every exec.
-    ``network``: only ``"none"`` for now: an empty netns with loopback up.
+    ``network``: ``"none"`` (an empty netns with loopback up, made by the spawner) or
+    ``"policy"``: then ``netns_fd`` is a network namespace the daemon made (:mod:`edged.net`)
+    for the sandbox to join, and the sandbox gets a cgroup v2 directory of its own beneath
+    the backend's ``cgroups.bpf_dir()``, where the egress programs are attached.
     ``task_profile``: name of the task profile (``profiles/tasks``) that confines the
     sandbox (protected paths, Landlock, seccomp, capabilities); None runs it unconfined
     (benchmarks and tests only: the daemon always names one). ``seccomp_profile``: overrides
@@ -101,6 +104,7 @@ class SandboxSpec:
     task_profile: str | None = "default"
     seccomp_profile: str | None = None
     qos: str = "best_effort"
+    netns_fd: int | None = None
 
 
 @dataclass(frozen=True)

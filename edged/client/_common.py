@@ -187,7 +187,8 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
                 task_profile: str | None = None,
                 seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
                 qos: str | None = None,
-                auto_pause_after: float | None = None) -> dict[str, Any]:
+                auto_pause_after: float | None = None,
+                network: Any = None) -> dict[str, Any]:
     """The ``POST /v1/sandboxes`` body."""
     body: dict[str, Any] = {}
     if image is not None:
@@ -217,7 +218,23 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
         body["qos"] = qos
     if auto_pause_after is not None:
         body["auto_pause_after_s"] = auto_pause_after
+    if network is not None:
+        body["network"] = network_value(network)
     return body
+
+
+def network_value(network: Any) -> Any:
+    """A ``network`` argument as the API takes it: ``"none"``, ``{"allow": [RULE, ...]}``, a
+    list of rules (shorthand for ``{"allow": [...]}``), or the DSec form ``{"pypi": True,
+    "npm": False}`` (the services set to true are allowed)."""
+    if network == "none" or (isinstance(network, str) and network != "none"):
+        return network
+    if isinstance(network, list | tuple):
+        return {"allow": list(network)}
+    if isinstance(network, Mapping) and "allow" not in network and network and all(
+            isinstance(v, bool) for v in network.values()):
+        return {"allow": [k for k, v in network.items() if v]}
+    return dict(network) if isinstance(network, Mapping) else network
 
 
 def describe(cmd: str | Sequence[str]) -> str:

@@ -19,6 +19,7 @@ from edged.client._common import (
     create_body,
     encode_json,
     exec_body,
+    network_value,
 )
 from edged.client._http import default_socket, path_for
 from edged.client.errors import DaemonUnavailableError, NotFoundError, from_body
@@ -208,7 +209,8 @@ class AsyncSandbox:
                      socket: str | None = None, task_profile: str | None = None,
                      seccomp_profile: str | None = None,
                      memory_request_bytes: int | None = None, qos: str | None = None,
-                     auto_pause_after: float | None = None) -> AsyncSandbox:
+                     auto_pause_after: float | None = None,
+                     network: Any = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
         t = AsyncTransport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
@@ -216,7 +218,7 @@ class AsyncSandbox:
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after)
+                           auto_pause_after=auto_pause_after, network=network)
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:
@@ -275,6 +277,22 @@ class AsyncSandbox:
         body = {"signal": 9, "all": True}
         out = await self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
         return int(out["killed"])
+
+    async def set_network(self, network: Any) -> dict[str, Any]:
+        """Replace the sandbox's egress policy at once (same forms as ``create``'s
+        ``network``; ``"none"`` allows nothing); connections the new policy forbids are cut.
+        Returns ``{"policy", "generation", "cut"}``."""
+        out = await self._t.json("PUT", path_for("sandboxes", self.id, "network"),
+                             network_value(network))
+        return dict(out)
+
+    async def network(self) -> dict[str, Any]:
+        """The sandbox's network: ``policy`` (``"none"`` or ``{"allow": [...]}``), and for
+        a networked one ``address``/``address6``, ``gateway``, ``resolver``, ``generation``
+        (policy changes so far), ``learned`` (addresses installed from DNS answers),
+        ``denied`` (refusals counted in the kernel), ``proxied`` (open SNI/Host-checked
+        connections)."""
+        return dict(await self._t.json("GET", path_for("sandboxes", self.id, "network")))
 
     async def pause(self) -> None:
         """Freeze the sandbox."""

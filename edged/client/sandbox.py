@@ -8,7 +8,14 @@ import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Literal, overload
 
-from edged.client._common import ExecCollector, ExecResult, OutputCallback, create_body, exec_body
+from edged.client._common import (
+    ExecCollector,
+    ExecResult,
+    OutputCallback,
+    create_body,
+    exec_body,
+    network_value,
+)
 from edged.client._http import Transport, path_for
 from edged.client.errors import BadRequestError, NotFoundError
 from edged.client.process import ProcessHandle
@@ -150,17 +157,20 @@ class Sandbox:
                task_profile: str | None = None,
                seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
                qos: str | None = None, auto_pause_after: float | None = None,
-               template: str | None = None, envs: Mapping[str, str] | None = None,
-               cpu: float | None = None, memory_mib: int | None = None) -> Sandbox:
+               network: Any = None, template: str | None = None,
+               envs: Mapping[str, str] | None = None, cpu: float | None = None,
+               memory_mib: int | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
         ``default``). ``memory_request_bytes``: what it will use soon (admission sets it
         aside; ``memory_bytes`` is the limit it may burst to). ``qos``: ``"best_effort"``
         (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
-        many seconds (any request resumes it). E2B's and Modal's names work too:
-        ``template`` (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib``
-        (``memory_bytes`` in MiB)."""
+        many seconds (any request resumes it). ``network``: ``"none"`` (default), ``{"allow":
+        ["pypi", "pypi.org:443", "203.0.113.0/24"]}``, a list of rules, or the DSec form
+        ``{"pypi": True, "npm": False}``. E2B's and Modal's names work too: ``template``
+        (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib`` (``memory_bytes``
+        in MiB)."""
         image = image if image is not None else template
         env = _env(env, envs)
         cpus = cpus if cpus is not None else cpu
@@ -172,7 +182,7 @@ class Sandbox:
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after)
+                           auto_pause_after=auto_pause_after, network=network)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod
@@ -270,6 +280,22 @@ class Sandbox:
         body = {"signal": 9, "all": True}
         out = self._t.json("POST", path_for("sandboxes", self.id, "signal"), body)
         return int(out["killed"])
+
+    def set_network(self, network: Any) -> dict[str, Any]:
+        """Replace the sandbox's egress policy at once (same forms as ``create``'s
+        ``network``; ``"none"`` allows nothing); connections the new policy forbids are cut.
+        Returns ``{"policy", "generation", "cut"}``."""
+        out = self._t.json("PUT", path_for("sandboxes", self.id, "network"),
+                             network_value(network))
+        return dict(out)
+
+    def network(self) -> dict[str, Any]:
+        """The sandbox's network: ``policy`` (``"none"`` or ``{"allow": [...]}``), and for
+        a networked one ``address``/``address6``, ``gateway``, ``resolver``, ``generation``
+        (policy changes so far), ``learned`` (addresses installed from DNS answers),
+        ``denied`` (refusals counted in the kernel), ``proxied`` (open SNI/Host-checked
+        connections)."""
+        return dict(self._t.json("GET", path_for("sandboxes", self.id, "network")))
 
     def pause(self) -> None:
         """Freeze the sandbox."""

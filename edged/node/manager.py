@@ -51,6 +51,9 @@ from edged.images.mounts import LayerCounters, LayerMounts
 from edged.images.registry import ImageRegistry, check_ref
 from edged.images.service import LayerService
 from edged.metrics import Metrics
+from edged.net.manager import NetworkManager
+from edged.net.policy import NONE as NO_NETWORK
+from edged.net.policy import Policy
 from edged.node.admission import Admission, Capacity, Usage
 from edged.node.fds import FdBudget
 from edged.node.reclaim import ReclaimConfig, Reclaimer
@@ -123,6 +126,8 @@ class SandboxManager:
         self.features: dict[str, dict[str, object]] = {}
         #: the security-event ledger (set by the daemon; None: events are not kept)
         self.ledger: Ledger | None = None
+        #: networked sandboxes (set by the daemon; None: only ``"none"``)
+        self.net: NetworkManager | None = None
         self.default_resources = Resources()
         #: the sandboxes' shell sessions (POST /v1/sandboxes/{id}/sessions)
         self.sessions = Sessions(self)
@@ -306,6 +311,22 @@ class SandboxManager:
         rec.set_ttl(cfg.default_ttl_s if req.ttl_s is None else req.ttl_s)
         return rec
 
+    def parse_network(self, value: object, backend: str) -> Policy:
+        """A ``network`` value (``"none"`` or ``{"allow": [...]}``) for a sandbox of
+        ``backend``; :class:`BadRequest` names the bad rule or a backend that runs no
+        networked sandboxes, :class:`InvalidState` when this node has no networking."""
+        if value is None or value == "none":
+            return NO_NETWORK
+        if self.net is None:
+            raise InvalidState("network: this node runs no networked sandboxes "
+                               "(network_pool is empty)")
+        pol = self.net.parse(value)
+        self.net.require_enabled()
+        if backend != self.net.backend:
+            raise BadRequest(f"network: the {backend} backend runs no networked sandboxes "
+                             f"(on this node: {self.net.backend})")
+        return pol
+
     async def create(self, req: CreateRequest) -> SandboxRecord:
         """Create the sandbox ``req`` asks for and return its record once ``running``.
 
@@ -315,6 +336,8 @@ class SandboxManager:
         """
         rec = self._record(req)
         backend = self.backends.get(rec.backend)
+        policy = self.parse_network(req.network, rec.backend)
+        rec.network = policy.request
         if rec.id in self._sandboxes:
             raise Conflict(f"sandbox {rec.id}: id already in use")
         t0 = time.monotonic()
@@ -338,18 +361,23 @@ class SandboxManager:
                 if not all(d in held for d in rec.layers):
                     await asyncio.wait({fetching})
                 rec.lowers = await self.layers.acquire_all(rec.layers, backend.layer_form)
+                attached = None
                 try:
                     self._save(rec)
+                    if policy.networked:
+                        assert self.net is not None
+                        attached = await self.net.attach(rec.id, policy)
                     spec = SandboxSpec(
                         id=rec.id,
                         lowers=tuple(rec.lowers),
                         resources=rec.resources,
                         env=dict(rec.env),
                         hostname=rec.hostname,
-                        network=rec.network,
+                        network="policy" if attached else "none",
                         task_profile=rec.task_profile,
                         seccomp_profile=rec.seccomp_profile,
                         qos=rec.qos,
+                        netns_fd=attached.netns_fd if attached else None,
                     )
                     try:
                         await backend.create(spec)
@@ -358,6 +386,9 @@ class SandboxManager:
                             await backend.destroy(rec.id)
                         raise
                 except BaseException:
+                    if attached and self.net is not None:
+                        with contextlib.suppress(Exception):
+                            await self.net.detach(rec.id)
                     await self._release_layers(rec.layers, backend.layer_form)
                     raise
                 rec.transition(State.RUNNING)
@@ -417,12 +448,39 @@ class SandboxManager:
                 if isinstance(e, EdgedError):
                     raise
                 raise BackendError(f"sandbox {sandbox_id}: destroy failed: {e}") from e
+            if self.net is not None:
+                await self.net.detach(sandbox_id)
             await self._release_layers(rec.layers, self.backend_of(sandbox_id).layer_form)
             rec.transition(State.STOPPED)
             self._forget(rec, "deleted" if cause == "api" else cause)
         self.metrics.destroys.labels(cause=cause).inc()
         log.info("sandbox stopped", extra={"sandbox": sandbox_id, "cause": cause})
         return rec
+
+    async def set_network(self, sandbox_id: str, value: object) -> dict[str, Any]:
+        """``PUT /v1/sandboxes/{id}/network``: replace a running or paused sandbox's policy
+        at once (see :meth:`edged.net.manager.NetworkManager.set_policy`); returns
+        ``{"policy", "generation", "cut"}``. Raises BadRequest, InvalidState (created
+        without a network, or not running), NotFound."""
+        rec = self.get(sandbox_id)
+        async with self._lock(sandbox_id):
+            rec.require(State.RUNNING, State.PAUSED, op="change the network policy")
+            if self.net is None or not self.net.has(sandbox_id):
+                raise InvalidState(f"sandbox {sandbox_id} was created without a network "
+                                   f"(\"none\"); its policy cannot change")
+            policy = self.net.parse(value)
+            out = await self.net.set_policy(sandbox_id, policy)
+            rec.network = out["policy"]
+            rec.touch()
+            self._save(rec)
+        return out
+
+    def network_info(self, sandbox_id: str) -> dict[str, Any]:
+        """``GET /v1/sandboxes/{id}/network``: policy, addresses, resolver, counters."""
+        self.get(sandbox_id)
+        if self.net is None:
+            return {"policy": "none"}
+        return self.net.info(sandbox_id)
 
     async def pause(self, sandbox_id: str, cause: str = "api") -> SandboxRecord:
         """Freeze a running sandbox (:class:`InvalidState` otherwise) and, with
@@ -874,6 +932,8 @@ class SandboxManager:
                     and self.config.on_start == "adopt":
                 try:
                     await backend.adopt(sid)
+                    if rec.network != "none" and self.net is not None:
+                        await self.net.adopt(sid)
                     await self.layers.acquire_all(rec.layers, backend.layer_form)
                     self.capacity.hold(sid, rec.resources)
                     rec.touch()
@@ -901,6 +961,8 @@ class SandboxManager:
                     out["destroyed"].append(sid)
             keep = {s for s in out["adopted"] if records[s].backend == name}
             out["cleaned"] += await backend.cleanup_leftovers(keep)
+        if self.net is not None:
+            await self.net.forget_unadopted(set(out["adopted"]))
         await self.backends.warm()  # e.g. the container backend's spawner pool
         out["layers_unmounted"] = await self.layers.sweep()
         self._update_gauges()
@@ -950,7 +1012,9 @@ class SandboxManager:
             counts[r.state.value] = counts.get(r.state.value, 0) + 1
         info["sandboxes"] = counts
         info["backend"] = self.backends.default
-        info["features"] = self.features.get(self.backends.default, {})
+        info["features"] = dict(self.features.get(self.backends.default, {}))
+        info["features"]["network"] = self.net.features if self.net is not None else {
+            "enabled": False, "reason": "network_pool is empty"}
         info["backends"] = {
             name: {"layer_form": self.backends.get(name).layer_form,
                    "features": self.features.get(name, {})}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from edged.backends.base import Resources
 
@@ -29,7 +30,8 @@ class CreateRequest:
     resources: Mapping[str, int | float] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     labels: Mapping[str, str] = field(default_factory=dict)
-    network: str = "none"
+    #: ``"none"`` or ``{"allow": [RULE, ...]}`` (:mod:`edged.net.policy`)
+    network: str | Mapping[str, Any] = "none"
     hostname: str | None = None
     task_profile: str = "default"
     seccomp_profile: str | None = None

