@@ -163,14 +163,14 @@ async def signal_sandbox(request: web.Request) -> web.Response:
 
 async def put_network(request: web.Request) -> web.Response:
     """PUT /v1/sandboxes/{id}/network ("none" | {"allow": [...]}) → {policy, generation, cut}."""
-    out = await _m(request).set_network(_sid(request),
-                                        requests.parse_network(await json_body(request)))
+    out = await manager_of(request).set_network(
+        sandbox_id_of(request), requests.parse_network(await json_body(request)))
     return web.json_response(out)
 
 
 async def get_network(request: web.Request) -> web.Response:
     """GET /v1/sandboxes/{id}/network → policy, addresses, resolver, counters."""
-    return web.json_response(_m(request).network_info(_sid(request)))
+    return web.json_response(manager_of(request).network_info(sandbox_id_of(request)))
 
 
 async def sandbox_stats(request: web.Request) -> web.Response:
