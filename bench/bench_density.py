@@ -54,7 +54,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edged.client import AsyncSandbox, CapacityExhaustedError, Sandbox
+from edged.client import AsyncSandbox, CapacityExhaustedError, RetryPolicy, Sandbox
 from edged.client._http import Transport
 from edged.config import Config
 from edged.node import hostmem
@@ -194,8 +194,9 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
+                # its own loop sees each refusal (no SDK retry inside the create it times)
                 s = await AsyncSandbox.create(layers=[digest], id=sid, env=ENV, socket=sock,
-                                              timeout=0)
+                                              timeout=0, retry=RetryPolicy(retries=0))
             except CapacityExhaustedError as e:
                 now = time.monotonic()
                 refused_since = refused_since or now

@@ -10,7 +10,7 @@ Talks HTTP to the daemon's Unix socket (``$EDGED_SOCKET`` or ``/run/edged/edged.
 imports neither the daemon's internals nor layerfs, so a trainer imports it cheaply.
 """
 
-from edged.client._common import ExecResult
+from edged.client._common import ExecResult, RetryPolicy
 from edged.client.async_sandbox import AsyncSandbox, AsyncSession
 from edged.client.errors import (
     ERRORS_BY_CODE,
@@ -54,6 +54,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PidsExhaustedError",
     "ProcessHandle",
+    "RetryPolicy",
     "Sandbox",
     "SandboxError",
     "Session",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import random
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote, urlencode
 
-from edged.client.errors import PayloadTooLargeError
+from edged.client.errors import BadRequestError, PayloadTooLargeError
 
 OutputCallback = Callable[[str], object]
 
@@ -27,6 +29,66 @@ def encode_json(payload: Any) -> bytes:
         raise PayloadTooLargeError(f"request body of {len(body)} bytes: larger than the "
                                    f"daemon's {MAX_JSON_BODY}", status=413)
     return body
+
+
+def path_for(*parts: str, query: dict[str, Any] | list[tuple[str, str]] | None = None) -> str:
+    """``/v1/...`` with each part percent-encoded (``:`` and ``/`` of image refs kept)."""
+    p = "/v1/" + "/".join(quote(x, safe=":/") for x in parts)
+    if query:
+        p += "?" + urlencode(query)
+    return p
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a client retries a request the node refused with 503 because it is full
+    (``capacity_exhausted``): up to ``retries`` more times, after the ``Retry-After`` the
+    daemon named, else ``backoff_s`` doubling with each attempt (times a jitter in
+    [0.5, 1.5)); no wait longer than ``max_wait_s`` seconds. A request whose body is a
+    stream is never retried (it cannot be sent twice). ``RetryPolicy(retries=0)``: none."""
+
+    retries: int = 3
+    backoff_s: float = 0.5
+    max_wait_s: float = 30.0
+
+    def wait(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number ``attempt`` (0-based)."""
+        if retry_after is not None and retry_after >= 0:
+            return float(min(retry_after, self.max_wait_s))
+        return float(min(self.backoff_s * 2.0 ** attempt * (0.5 + random.random()),
+                         self.max_wait_s))
+
+
+def merge_env(env: Mapping[str, str] | None,
+              envs: Mapping[str, str] | None) -> dict[str, str] | None:
+    """``env`` and E2B's ``envs`` together (both given: one dict of both)."""
+    if env is None and envs is None:
+        return None
+    return {**(env or {}), **(envs or {})}
+
+
+def uid_of(user: int | str | None) -> int | None:
+    """A uid, or ``"root"``; other names need the sandbox's passwd: give the number.
+    Raises :class:`~edged.client.errors.BadRequestError` for another name."""
+    if user is None or isinstance(user, int):
+        return user
+    if user == "root":
+        return 0
+    if user.isdigit():
+        return int(user)
+    raise BadRequestError(f"user {user!r}: give a uid (only 'root' is known by name)")
+
+
+def fs_call(sandbox_id: str, op: str, **args: Any) -> tuple[str, str, Any]:
+    """(method, path, JSON body) of a file operation of ``/v1/sandboxes/{id}/fs``: ``list``
+    (``path``, ``depth``), ``stat`` (``path``), ``mkdir`` (``path``, ``parents``),
+    ``remove`` (``path``), ``rename`` (``src``, ``dst``)."""
+    if op in ("list", "stat"):
+        q = {k: str(v) for k, v in args.items()}
+        return "GET", path_for("sandboxes", sandbox_id, "fs", op, query=q), None
+    if op in ("mkdir", "remove", "rename"):
+        return "POST", path_for("sandboxes", sandbox_id, "fs", op), dict(args)
+    raise ValueError(f"no file operation {op!r}")
 
 
 @dataclass
@@ -188,8 +250,17 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
                 seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
                 qos: str | None = None,
                 auto_pause_after: float | None = None,
-                network: Any = None) -> dict[str, Any]:
-    """The ``POST /v1/sandboxes`` body."""
+                network: Any = None, template: str | None = None,
+                envs: Mapping[str, str] | None = None, cpu: float | None = None,
+                memory_mib: int | None = None) -> dict[str, Any]:
+    """The ``POST /v1/sandboxes`` body. E2B's and Modal's names are taken too: ``template``
+    (``image``), ``envs`` (merged with ``env``), ``cpu`` (``cpus``), ``memory_mib``
+    (``memory_bytes`` in MiB); the edged name wins where both are given."""
+    image = image if image is not None else template
+    env = merge_env(env, envs)
+    cpus = cpus if cpus is not None else cpu
+    if memory_mib is not None and memory_bytes is None:
+        memory_bytes = memory_mib << 20
     body: dict[str, Any] = {}
     if image is not None:
         body["image"] = image

@@ -6,14 +6,13 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import random
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-from urllib.parse import quote, urlencode
 
-from edged.client._common import encode_json
+from edged.client._common import RetryPolicy, encode_json
+from edged.client._common import path_for as path_for  # where the SDK's modules import it
 from edged.client.errors import (
     CapacityExhaustedError,
     DaemonUnavailableError,
@@ -45,35 +44,34 @@ class _UnixConnection(http.client.HTTPConnection):
         self.sock = s
 
 
-def path_for(*parts: str, query: dict[str, Any] | list[tuple[str, str]] | None = None) -> str:
-    """``/v1/...`` with each part percent-encoded (``:`` and ``/`` of image refs kept)."""
-    p = "/v1/" + "/".join(quote(x, safe=":/") for x in parts)
-    if query:
-        p += "?" + urlencode(query)
-    return p
+def retry_policy(retry: RetryPolicy | None, retries: int | None, backoff_s: float | None,
+                 max_wait_s: float | None) -> RetryPolicy:
+    """``retry`` (default :class:`~edged.client._common.RetryPolicy`) with the fields given
+    one by one put in."""
+    base = retry or RetryPolicy()
+    return RetryPolicy(
+        retries=max(0, base.retries if retries is None else retries),
+        backoff_s=base.backoff_s if backoff_s is None else backoff_s,
+        max_wait_s=base.max_wait_s if max_wait_s is None else max_wait_s)
 
 
 class Transport:
     """Requests to one daemon socket. ``timeout``: seconds per socket operation (None: wait
     forever, used by exec streams whose command decides its own time). A request refused
-    with 503 (the node is full: ``capacity_exhausted``) is retried up to ``retries`` times,
-    after the ``Retry-After`` it names or else ``backoff_s`` doubling each time (with
-    jitter), each wait at most ``max_wait_s``; a request whose body is a stream is not."""
+    with 503 (the node is full: ``capacity_exhausted``) is retried as ``retry`` says
+    (:class:`~edged.client._common.RetryPolicy`; ``retries``, ``backoff_s``, ``max_wait_s``
+    set its fields one by one)."""
 
     def __init__(self, socket_path: str | None = None, timeout: float | None = 60.0, *,
-                 retries: int = 3, backoff_s: float = 0.5, max_wait_s: float = 30.0) -> None:
+                 retry: RetryPolicy | None = None, retries: int | None = None,
+                 backoff_s: float | None = None, max_wait_s: float | None = None) -> None:
         self.socket_path = socket_path or default_socket()
         self.timeout = timeout
-        self.retries = max(0, retries)
-        self.backoff_s = backoff_s
-        self.max_wait_s = max_wait_s
+        self.retry = retry_policy(retry, retries, backoff_s, max_wait_s)
 
     def retry_wait(self, attempt: int, retry_after: float | None) -> float:
         """Seconds to wait before retry number ``attempt`` (0-based)."""
-        if retry_after is not None and retry_after >= 0:
-            return float(min(retry_after, self.max_wait_s))
-        return float(min(self.backoff_s * 2.0 ** attempt * (0.5 + random.random()),
-                         self.max_wait_s))
+        return self.retry.wait(attempt, retry_after)
 
     def _open_once(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
              headers: dict[str, str] | None = None,
@@ -115,7 +113,7 @@ class Transport:
             try:
                 return self._open_once(method, path, body, headers, timeout)
             except CapacityExhaustedError as e:
-                if attempt >= self.retries or not (body is None or isinstance(body, bytes)):
+                if attempt >= self.retry.retries or not (body is None or isinstance(body, bytes)):
                     raise
                 time.sleep(self.retry_wait(attempt, e.retry_after))
                 attempt += 1

@@ -1,6 +1,7 @@
-"""The asyncio SDK: :class:`AsyncSandbox`, the same methods as
-:class:`edged.client.Sandbox`, awaited. aiohttp is imported when first used, not when
-``edged.client`` is imported."""
+"""The asyncio SDK: :class:`AsyncSandbox`, the methods of :class:`edged.client.Sandbox`,
+awaited (not yet: process handles and PTYs, ``exec(background=True)`` and ``pty()``; run an
+exec as a task instead). aiohttp is imported when first used, not when ``edged.client`` is
+imported."""
 
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ from edged.client._common import (
     ExecCollector,
     ExecResult,
     OutputCallback,
+    RetryPolicy,
     create_body,
     encode_json,
     exec_body,
+    fs_call,
+    merge_env,
     network_value,
+    path_for,
+    uid_of,
 )
-from edged.client._http import default_socket, path_for
-from edged.client.errors import DaemonUnavailableError, NotFoundError, from_body
+from edged.client._http import default_socket, retry_policy
+from edged.client.errors import (
+    CapacityExhaustedError,
+    DaemonUnavailableError,
+    NotFoundError,
+    from_body,
+)
 from edged.client.session import run_body, session_body
 
 if TYPE_CHECKING:
@@ -32,10 +43,15 @@ FILE_CHUNK = 256 << 10
 
 
 class AsyncTransport:
-    """An aiohttp session over the daemon's Unix socket."""
+    """An aiohttp session over the daemon's Unix socket. A request refused with 503 (the
+    node is full) is retried as ``retry`` says (see :class:`edged.client._http.Transport`);
+    one whose body is a stream (an async iterator) is not."""
 
-    def __init__(self, socket_path: str | None = None) -> None:
+    def __init__(self, socket_path: str | None = None, *, retry: RetryPolicy | None = None,
+                 retries: int | None = None, backoff_s: float | None = None,
+                 max_wait_s: float | None = None) -> None:
         self.socket_path = socket_path or default_socket()
+        self.retry = retry_policy(retry, retries, backoff_s, max_wait_s)
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
@@ -57,7 +73,22 @@ class AsyncTransport:
             await asyncio.sleep(0)
 
     async def request(self, method: str, path: str, **kw: Any) -> aiohttp.ClientResponse:
-        """Send a request; raise the mapped exception for an error status."""
+        """Send a request (retried on 503, see the class); raise the mapped exception for
+        an error status."""
+        data = kw.get("data")
+        replayable = data is None or isinstance(data, bytes | str)
+        attempt = 0
+        while True:
+            try:
+                return await self._request_once(method, path, **kw)
+            except CapacityExhaustedError as e:
+                if attempt >= self.retry.retries or not replayable:
+                    raise
+                await asyncio.sleep(self.retry.wait(attempt, e.retry_after))
+                attempt += 1
+
+    async def _request_once(self, method: str, path: str,
+                            **kw: Any) -> aiohttp.ClientResponse:
         import aiohttp
 
         try:
@@ -99,14 +130,16 @@ def json_kw(payload: Any) -> dict[str, Any]:
 
 
 class AsyncCommands:
-    """``sbx.commands.run(...)``: the same as :meth:`AsyncSandbox.exec`."""
+    """``sbx.commands.run(...)``: :meth:`AsyncSandbox.exec` as E2B has it: a non-zero exit
+    raises :class:`~edged.client.CommandExitError` (``check=False`` returns it)."""
 
     def __init__(self, sbx: AsyncSandbox) -> None:
         self._sbx = sbx
 
-    async def run(self, cmd: str | Sequence[str], **kw: Any) -> ExecResult:
+    async def run(self, cmd: str | Sequence[str], *, check: bool = True,
+                  **kw: Any) -> ExecResult:
         """See :meth:`AsyncSandbox.exec`."""
-        return await self._sbx.exec(cmd, **kw)
+        return await self._sbx.exec(cmd, check=check, **kw)
 
 
 class AsyncFiles:
@@ -116,10 +149,11 @@ class AsyncFiles:
         self._sbx = sbx
 
     async def write(self, path: str, data: str | bytes | AsyncIterator[bytes],
-                    mode: int = 0o644) -> int:
-        """Write text (UTF-8), bytes or an async iterator of chunks to ``path``."""
+                    mode: int = 0o644, *, parents: bool = True) -> int:
+        """Write text (UTF-8), bytes or an async iterator of chunks to ``path``, making its
+        missing parent directories unless ``parents`` is False; returns bytes written."""
         body: Any = data.encode() if isinstance(data, str) else data
-        q = {"path": path, "mode": f"{mode:o}"}
+        q = {"path": path, "mode": f"{mode:o}", "parents": "1" if parents else "0"}
         resp = await self._sbx._t.request(
             "PUT", path_for("sandboxes", self._sbx.id, "files", query=q), data=body)
         async with resp:
@@ -140,6 +174,39 @@ class AsyncFiles:
     async def read(self, path: str) -> str:
         """The file at ``path`` as UTF-8 text (invalid bytes replaced)."""
         return (await self.read_bytes(path)).decode("utf-8", "replace")
+
+    async def list(self, path: str, depth: int = 1) -> builtins.list[dict[str, Any]]:
+        """See :meth:`edged.client.sandbox.Files.list`."""
+        t, sid = self._sbx._t, self._sbx.id
+        return builtins.list((await t.json(*fs_call(sid, "list", path=path,
+                                                    depth=depth)))["entries"])
+
+    async def stat(self, path: str) -> dict[str, Any]:
+        """The entry at ``path`` (a symlink as itself); ``NotFoundError`` if none."""
+        return dict(await self._sbx._t.json(*fs_call(self._sbx.id, "stat", path=path)))
+
+    async def exists(self, path: str) -> bool:
+        """Whether anything is at ``path``."""
+        try:
+            await self.stat(path)
+        except NotFoundError:
+            return False
+        return True
+
+    async def mkdir(self, path: str, *, parents: bool = True) -> bool:
+        """Make the directory ``path`` (and its parents); False if it already was one."""
+        out = await self._sbx._t.json(*fs_call(self._sbx.id, "mkdir", path=path,
+                                               parents=parents))
+        return bool(out["created"])
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a directory with all it holds."""
+        await self._sbx._t.json(*fs_call(self._sbx.id, "remove", path=path))
+
+    async def rename(self, src: str, dst: str) -> dict[str, Any]:
+        """Move ``src`` to ``dst``; returns the entry at ``dst``."""
+        return dict(await self._sbx._t.json(*fs_call(self._sbx.id, "rename", src=src,
+                                                     dst=dst)))
 
 
 class AsyncSession:
@@ -210,15 +277,19 @@ class AsyncSandbox:
                      seccomp_profile: str | None = None,
                      memory_request_bytes: int | None = None, qos: str | None = None,
                      auto_pause_after: float | None = None,
-                     network: Any = None) -> AsyncSandbox:
+                     network: Any = None, template: str | None = None,
+                     envs: Mapping[str, str] | None = None, cpu: float | None = None,
+                     memory_mib: int | None = None,
+                     retry: RetryPolicy | None = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
-        t = AsyncTransport(socket)
+        t = AsyncTransport(socket, retry=retry)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after, network=network)
+                           auto_pause_after=auto_pause_after, network=network,
+                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib)
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:
@@ -227,9 +298,10 @@ class AsyncSandbox:
         return cls(info, t)
 
     @classmethod
-    async def connect(cls, sandbox_id: str, socket: str | None = None) -> AsyncSandbox:
+    async def connect(cls, sandbox_id: str, socket: str | None = None,
+                      retry: RetryPolicy | None = None) -> AsyncSandbox:
         """Attach to an existing sandbox."""
-        t = AsyncTransport(socket)
+        t = AsyncTransport(socket, retry=retry)
         try:
             return cls(await t.json("GET", path_for("sandboxes", sandbox_id)), t)
         except BaseException:
@@ -244,14 +316,14 @@ class AsyncSandbox:
     async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    stdin: str | None = None, output_limit: int | None = None,
-                   user: int | None = None, on_stdout: OutputCallback | None = None,
+                   user: int | str | None = None, on_stdout: OutputCallback | None = None,
                    on_stderr: OutputCallback | None = None, trusted: bool = False,
                    kill_leftovers: bool = False, envs: Mapping[str, str] | None = None,
                    check: bool = False) -> ExecResult:
         """See :meth:`edged.client.Sandbox.exec` (no ``background`` here: run it as a task)."""
-        merged = {**(env or {}), **(envs or {})} if env or envs else None
-        body = exec_body(cmd, timeout=timeout, env=merged, cwd=cwd, stdin=stdin,
-                         output_limit=output_limit, user=user, trusted=trusted,
+        body = exec_body(cmd, timeout=timeout, env=merge_env(env, envs), cwd=cwd,
+                         stdin=stdin, output_limit=output_limit, user=uid_of(user),
+                         trusted=trusted,
                          kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
         resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"),
@@ -323,6 +395,11 @@ class AsyncSandbox:
         return AsyncSession(self, await self._t.json(
             "POST", path_for("sandboxes", self.id, "sessions"), body))
 
+    async def sessions(self) -> builtins.list[AsyncSession]:
+        """The sandbox's shell sessions, oldest first."""
+        data = await self._t.json("GET", path_for("sandboxes", self.id, "sessions"))
+        return [AsyncSession(self, s) for s in data["sessions"]]
+
     async def snapshot(self, kind: str = "workspace", exclude: Sequence[str] = (),
                        image: str | None = None) -> str:
         """See :meth:`edged.client.Sandbox.snapshot`; the whole answer in
@@ -340,10 +417,11 @@ class AsyncSandbox:
 
     @classmethod
     async def list(cls, labels: Mapping[str, str] | None = None,
-                   socket: str | None = None) -> builtins.list[AsyncSandbox]:
+                   socket: str | None = None,
+                   retry: RetryPolicy | None = None) -> builtins.list[AsyncSandbox]:
         """Sandboxes on the node, optionally those carrying every label given (they share
         one HTTP session; close any of them when done)."""
-        t = AsyncTransport(socket)
+        t = AsyncTransport(socket, retry=retry)
         q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         try:
             data = await t.json("GET", path_for("sandboxes", query=q))
@@ -356,6 +434,10 @@ class AsyncSandbox:
         """Destroy the sandbox (idempotent)."""
         with contextlib.suppress(NotFoundError):
             self.info = await self._t.json("DELETE", path_for("sandboxes", self.id))
+
+    async def terminate(self) -> None:
+        """:meth:`kill` under Modal's name."""
+        await self.kill()
 
     async def close(self) -> None:
         """Close the HTTP session (the sandbox lives on)."""

@@ -12,12 +12,17 @@ from edged.client._common import (
     ExecCollector,
     ExecResult,
     OutputCallback,
+    RetryPolicy,
     create_body,
     exec_body,
+    fs_call,
+    merge_env,
     network_value,
+    path_for,
+    uid_of,
 )
-from edged.client._http import Transport, path_for
-from edged.client.errors import BadRequestError, NotFoundError
+from edged.client._http import Transport
+from edged.client.errors import NotFoundError
 from edged.client.process import ProcessHandle
 from edged.client.session import Session, session_body
 
@@ -94,15 +99,12 @@ class Files:
         """Entries below the directory ``path`` (``depth`` levels), sorted by path: each
         ``{"name", "path", "type": "file"|"dir"|"symlink", "size", "mode", "permissions",
         "owner", "group", "mtime", "symlink_target"}``."""
-        q = {"path": path, "depth": str(depth)}
-        data = self._sbx._t.json("GET", path_for("sandboxes", self._sbx.id, "fs", "list",
-                                                 query=q))
+        data = self._sbx._t.json(*fs_call(self._sbx.id, "list", path=path, depth=depth))
         return builtins.list(data["entries"])
 
     def stat(self, path: str) -> dict[str, Any]:
         """The entry at ``path`` (a symlink as itself); ``NotFoundError`` if none."""
-        return dict(self._sbx._t.json("GET", path_for("sandboxes", self._sbx.id, "fs", "stat",
-                                                      query={"path": path})))
+        return dict(self._sbx._t.json(*fs_call(self._sbx.id, "stat", path=path)))
 
     def exists(self, path: str) -> bool:
         """Whether anything is at ``path``."""
@@ -114,20 +116,16 @@ class Files:
 
     def mkdir(self, path: str, *, parents: bool = True) -> bool:
         """Make the directory ``path`` (and its parents); False if it already was one."""
-        body = {"path": path, "parents": parents}
-        out = self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs", "mkdir"),
-                                body)
+        out = self._sbx._t.json(*fs_call(self._sbx.id, "mkdir", path=path, parents=parents))
         return bool(out["created"])
 
     def remove(self, path: str) -> None:
         """Remove a file, a symlink or a directory with all it holds."""
-        self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs", "remove"),
-                          {"path": path})
+        self._sbx._t.json(*fs_call(self._sbx.id, "remove", path=path))
 
     def rename(self, src: str, dst: str) -> dict[str, Any]:
         """Move ``src`` to ``dst``; returns the entry at ``dst``."""
-        return dict(self._sbx._t.json("POST", path_for("sandboxes", self._sbx.id, "fs",
-                                                       "rename"), {"src": src, "dst": dst}))
+        return dict(self._sbx._t.json(*fs_call(self._sbx.id, "rename", src=src, dst=dst)))
 
 
 class Sandbox:
@@ -159,7 +157,7 @@ class Sandbox:
                qos: str | None = None, auto_pause_after: float | None = None,
                network: Any = None, template: str | None = None,
                envs: Mapping[str, str] | None = None, cpu: float | None = None,
-               memory_mib: int | None = None) -> Sandbox:
+               memory_mib: int | None = None, retry: RetryPolicy | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
@@ -170,32 +168,30 @@ class Sandbox:
         ["pypi", "pypi.org:443", "203.0.113.0/24"]}``, a list of rules, or the DSec form
         ``{"pypi": True, "npm": False}``. E2B's and Modal's names work too: ``template``
         (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib`` (``memory_bytes``
-        in MiB)."""
-        image = image if image is not None else template
-        env = _env(env, envs)
-        cpus = cpus if cpus is not None else cpu
-        if memory_mib is not None and memory_bytes is None:
-            memory_bytes = memory_mib << 20
-        t = Transport(socket)
+        in MiB). ``retry``: how a full node's 503 is retried, by this sandbox's every request
+        (default :class:`~edged.client.RetryPolicy`: 3 times)."""
+        t = Transport(socket, retry=retry)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after, network=network)
+                           auto_pause_after=auto_pause_after, network=network,
+                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod
-    def connect(cls, sandbox_id: str, socket: str | None = None) -> Sandbox:
+    def connect(cls, sandbox_id: str, socket: str | None = None,
+                retry: RetryPolicy | None = None) -> Sandbox:
         """Attach to an existing sandbox (``NotFoundError`` if none)."""
-        t = Transport(socket)
+        t = Transport(socket, retry=retry)
         return cls(t.json("GET", path_for("sandboxes", sandbox_id)), t)
 
     @classmethod
     def list(cls, labels: Mapping[str, str] | None = None,
-             socket: str | None = None) -> list[Sandbox]:
+             socket: str | None = None, retry: RetryPolicy | None = None) -> list[Sandbox]:
         """Sandboxes on the node, optionally those carrying every label given."""
-        t = Transport(socket)
+        t = Transport(socket, retry=retry)
         q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
         data = t.json("GET", path_for("sandboxes", query=q))
         return [cls(s, t) for s in data["sandboxes"]]
@@ -243,9 +239,9 @@ class Sandbox:
         ``commands.run`` does). ``background``: return a
         :class:`~edged.client.process.ProcessHandle` at once (stdin kept open:
         ``write_stdin``, ``close_stdin``; ``wait``, ``signal``, ``kill``)."""
-        body = exec_body(cmd, timeout=timeout, env=_env(env, envs), cwd=cwd,
+        body = exec_body(cmd, timeout=timeout, env=merge_env(env, envs), cwd=cwd,
                          stdin=True if background and stdin is None else stdin,
-                         output_limit=output_limit, user=_uid(user), trusted=trusted,
+                         output_limit=output_limit, user=uid_of(user), trusted=trusted,
                          kill_leftovers=kill_leftovers)
         if background:
             return ProcessHandle(self, body, on_stdout=on_stdout, on_stderr=on_stderr)
@@ -263,7 +259,7 @@ class Sandbox:
         :class:`~edged.client.process.ProcessHandle` whose ``write_stdin`` types, whose
         output (``stdout``) is the terminal's, and which ``resize``\\s."""
         body = exec_body(cmd, timeout=timeout, env=env, cwd=cwd, stdin=True,
-                         output_limit=None, user=_uid(user), pty=True, size=(rows, cols))
+                         output_limit=None, user=uid_of(user), pty=True, size=(rows, cols))
         return ProcessHandle(self, body, on_stdout=on_stdout)
 
     def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> builtins.list[int]:
@@ -370,21 +366,3 @@ class Sandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.kill()
-
-
-def _env(env: Mapping[str, str] | None, envs: Mapping[str, str] | None) -> dict[str, str] | None:
-    """``env`` and E2B's ``envs`` together (both given: one dict of both)."""
-    if env is None and envs is None:
-        return None
-    return {**(env or {}), **(envs or {})}
-
-
-def _uid(user: int | str | None) -> int | None:
-    """A uid, or ``"root"``; other names need the sandbox's passwd: give the number."""
-    if user is None or isinstance(user, int):
-        return user
-    if user == "root":
-        return 0
-    if user.isdigit():
-        return int(user)
-    raise BadRequestError(f"user {user!r}: give a uid (only 'root' is known by name)")
