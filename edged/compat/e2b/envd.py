@@ -265,12 +265,17 @@ class Envd:
     async def _tree(self, sid: str, path: str, recursive: bool) -> dict[str, FileInfo]:
         return {e.path: e for e in await self.m.list_dir(sid, path, 64 if recursive else 1)}
 
-    async def _watch(self, sid: str, path: str, recursive: bool,
-                     include_entry: bool) -> AsyncIterator[fs_pb.FilesystemEvent]:
+    async def _baseline(self, sid: str, path: str, recursive: bool) -> dict[str, FileInfo]:
+        """The first listing of a watch (``BadRequest`` if ``path`` is not a directory)."""
         info = await self.m.stat_path(sid, path)
         if info.type != "dir":
             raise BadRequest(f"watch {path}: not a directory")
-        before = await self._tree(sid, path, recursive)
+        return await self._tree(sid, path, recursive)
+
+    async def _watch(self, sid: str, path: str, recursive: bool, include_entry: bool,
+                     before: dict[str, FileInfo]) -> AsyncIterator[fs_pb.FilesystemEvent]:
+        """The events of ``path`` since the listing ``before``: one poll every
+        :data:`WATCH_POLL_S`; ends when ``path`` is gone."""
         while True:
             await asyncio.sleep(WATCH_POLL_S)
             try:
@@ -298,32 +303,27 @@ class Envd:
     async def watch_dir(self, request: web.Request,
                         req: fs_pb.WatchDirRequest) -> AsyncIterator[fs_pb.WatchDirResponse]:
         sid, path = await self._fs_path(request, req.path)
-        events = self._watch(sid, path, req.recursive, req.include_entry)
-        first = asyncio.ensure_future(events.__anext__())
-        await asyncio.sleep(0)  # the first listing (and its errors) before "start"
+        # the baseline (and its errors) before "start": what changes after start is told
+        before = await self._baseline(sid, path, req.recursive)
         yield fs_pb.WatchDirResponse(start=fs_pb.WatchDirResponse.StartEvent())
-        try:
-            ev = await first
-            while True:
-                yield fs_pb.WatchDirResponse(filesystem=ev)
-                ev = await events.__anext__()
-        except StopAsyncIteration:
-            return
+        async for ev in self._watch(sid, path, req.recursive, req.include_entry, before):
+            yield fs_pb.WatchDirResponse(filesystem=ev)
 
     async def create_watcher(self, request: web.Request,
                              req: fs_pb.CreateWatcherRequest) -> fs_pb.CreateWatcherResponse:
         sid, path = await self._fs_path(request, req.path)
-        await self.m.stat_path(sid, path)
+        # the baseline is listed before the answer: a change made once the client has the
+        # watcher's id is one it will be told (a half-poll sleep had raced a slow listing)
+        before = await self._baseline(sid, path, req.recursive)
         wid = secrets.token_hex(8)
         events: list[Any] = []
 
         async def collect() -> None:
-            async for ev in self._watch(sid, path, req.recursive, req.include_entry):
+            async for ev in self._watch(sid, path, req.recursive, req.include_entry, before):
                 events.append(ev)
                 del events[:-10000]
 
         self._watchers[wid] = (sid, asyncio.ensure_future(collect()), events)
-        await asyncio.sleep(WATCH_POLL_S / 2)  # its first listing is the baseline
         return fs_pb.CreateWatcherResponse(watcher_id=wid)
 
     def _watcher(self, request: web.Request, wid: str) -> tuple[str, asyncio.Task[None],

@@ -1,11 +1,13 @@
 """The unmodified e2b SDK (pinned in the test extra) against edged's E2B-compatible listener
 on loopback, end to end: create, commands (foreground, background + wait, on_stdout, stdin,
-kill), files (write, read, list, exists, remove, rename, make_dir), Sandbox.list, kill,
+kill), PTY (typed into, resized), files (write, read, list, exists, remove, rename, make_dir,
+watch_dir), Sandbox.list, kill,
 set_timeout, pause/connect; and what it must refuse (no key, a wrong key, another key's
 sandbox, a wrong access token)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -147,3 +149,53 @@ def test_listener_refuses_to_start_without_keys(deb_node, tmp_path) -> None:
     bad.chmod(0o600)
     with pytest.raises(EdgedError, match="no key"):
         deb_node(e2b_listen="127.0.0.1:0", api_keys_file=str(bad))
+
+
+def test_e2b_sdk_pty_and_watch(e2b_node, monkeypatch) -> None:
+    """A PTY (bash on a terminal, typed into, resized) and a directory watcher through the
+    unmodified SDK, its listings slow (a loaded node)."""
+    from e2b import FilesystemEventType, PtySize, Sandbox
+
+    node, _ = e2b_node
+    mgr = node.server.manager
+    list_dir = mgr.list_dir
+
+    async def slow_list_dir(*a, **kw):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        return await list_dir(*a, **kw)
+
+    monkeypatch.setattr(mgr, "list_dir", slow_list_dir)
+    sbx = Sandbox.create(template="debian", timeout=120)
+    try:
+        h = sbx.pty.create(PtySize(rows=24, cols=80))
+        sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(h.pid, b"stty size; echo sum=$((6*7))\nexit 0\n")
+        seen: list[bytes] = []
+        h.wait(on_pty=seen.append)
+        out = b"".join(seen)
+        assert b"30 100" in out and b"sum=42" in out, out[-500:]
+        sbx.files.make_dir("/root/w")
+        sbx.files.write("/root/w/old.txt", "0")
+        w = sbx.files.watch_dir("/root/w")
+        # what is changed once watch_dir has returned is told (a poll every 0.2 s: a file
+        # made and removed within one poll is not seen, so each step waits for its event)
+        sbx.files.write("/root/w/x.txt", "1")
+        kinds = _watch_until(w, ("x.txt", FilesystemEventType.CREATE))
+        assert ("old.txt", FilesystemEventType.CREATE) not in kinds, kinds
+        sbx.commands.run("rm /root/w/x.txt; echo more >> /root/w/old.txt")
+        kinds = _watch_until(w, ("x.txt", FilesystemEventType.REMOVE),
+                             ("old.txt", FilesystemEventType.WRITE))
+        w.stop()
+    finally:
+        sbx.kill()
+
+
+def _watch_until(w, *wanted, timeout_s: float = 15.0) -> list:
+    """(name, type) of a watch handle's events until every one ``wanted`` came."""
+    kinds: list = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(k in kinds for k in wanted):
+        time.sleep(0.2)
+        kinds += [(e.name, e.type) for e in w.get_new_events()]
+    assert all(k in kinds for k in wanted), (wanted, kinds)
+    return kinds
