@@ -239,10 +239,11 @@ def test_clones_map_the_template_ram_from_a_write_sealed_memfd(
     run(go())
 
 
-def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: Machine,
+def test_vmm_runs_jailed_as_its_own_user_with_only_fds(templates: Templates, machine: Machine,
                                                 layer: Path, run_dir: Path) -> None:
-    """The clone's QEMU runs as an unprivileged user and still reads its layer in a 0700
-    root-owned directory and its kernel/initramfs: every file it has is an fd we gave it."""
+    """The clone's QEMU runs as an unprivileged user in namespaces of its own (no network,
+    no host file but /usr) and still reads its layer in a 0700 root-owned directory and its
+    kernel/initramfs: every file it has is an fd we gave it."""
     async def go() -> None:
         assert os.stat(layer.parent).st_mode & 0o077 == 0 and os.stat(layer.parent).st_uid == 0
         g = await _clone(templates, machine, layer, run_dir / "a")
@@ -253,6 +254,18 @@ def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: M
             groups = next(ln for ln in status.splitlines() if ln.startswith("Groups:"))
             assert uids == [str(VMM_UID)] * 4 and gids == [str(VMM_UID)] * 4
             assert groups.split()[1:] == []
+            # its jail: no network and no host file but /usr (read-only) and its own /proc
+            for ns in ("net", "ipc", "mnt"):
+                assert os.readlink(f"/proc/{g.vm.pid}/ns/{ns}") != os.readlink(
+                    f"/proc/self/ns/{ns}"), ns
+            root = f"/proc/{g.vm.pid}/root"
+            assert sorted(os.listdir(root)) == ["bin", "dev", "etc", "lib", "lib64", "proc",
+                                                "sbin", "usr"]
+            assert sorted(os.listdir(f"{root}/dev")) == ["null", "urandom", "zero"]
+            assert os.listdir(f"{root}/etc") == ["ld.so.cache"]
+            assert not os.path.exists(f"{root}/{layer}")
+            mounts = Path(f"/proc/{g.vm.pid}/mounts").read_text().splitlines()
+            assert any(m.split()[1] == "/usr" and " ro," in m for m in mounts), mounts
             _, out, _ = await g.run(["cat", "/etc/hostname"])
             assert out == b"layer\n"
         finally:
