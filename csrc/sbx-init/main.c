@@ -206,6 +206,11 @@ static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 			return ctl_error(s, h->exec_id, EINVAL, "kill all: a payload, or id 0");
 		return exec_kill_all(s, h->exec_id);
 	}
+	if (h->type == SBX_QUIESCE) {
+		if (h->len || !h->exec_id)
+			return ctl_error(s, h->exec_id, EINVAL, "quiesce: a payload, or id 0");
+		return ctl_quiesce(s, h->exec_id);
+	}
 	if (h->type >= SBX_FILE_PUT && h->type <= SBX_FILE_ABORT)
 		return files_message(s, h, p);
 	if (h->type < SBX_STDIN || h->type > SBX_CREDIT)

@@ -80,6 +80,14 @@ enum sbx_type {
 	SBX_FILE_CREDIT = 14, /* struct sbx_credit: client consumed this much of a get */
 	SBX_FILE_ABORT = 15, /* no payload: forget the transfer (a put leaves nothing); no
 			      * answer */
+	SBX_QUIESCE = 16,    /* no payload: answered with SBX_DONE (count 0) after every frame
+			      * queued before it; after that sbx-init sends nothing (execs run
+			      * on, their output waits in its queue and the pipes) until the
+			      * client's next frame (HELLO), or a new client.  How a microVM is
+			      * paused with its execs: the host takes everything in flight,
+			      * saves the VM in that quiet state and ends its VMM; the restored
+			      * guest's sbx-init resumes with the same connection and speaks
+			      * again when the host does (guest.h) */
 
 	/* sbx-init -> client */
 	SBX_HELLO_OK = 0x81, /* struct sbx_hello */

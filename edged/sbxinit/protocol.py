@@ -58,6 +58,7 @@ FILE_END = 12
 FILE_GET = 13
 FILE_CREDIT = 14
 FILE_ABORT = 15
+QUIESCE = 16  # answered with DONE; sbx-init then sends nothing until our next frame
 # sbx-init -> client
 HELLO_OK = 0x81
 STARTED = 0x82
