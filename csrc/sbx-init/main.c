@@ -191,9 +191,11 @@ static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 {
 	if (h->type == SBX_HELLO) {
 		struct sbx_hello hello = {.version = SBX_PROTO_VERSION,
-					  .cgroup_mode = (uint32_t)s->cg.mode,
-					  .execs = exec_count(s)};
+					  .cgroup_mode = (uint32_t)s->cg.mode};
 
+		if (h->flags & SBX_HELLO_NEW_CLIENT)
+			s->ctl.on_drop(s);
+		hello.execs = exec_count(s);
 		ctl_send(s, SBX_HELLO_OK, 0, &hello, sizeof(hello), NULL, 0);
 		return;
 	}

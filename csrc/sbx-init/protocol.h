@@ -57,7 +57,11 @@ _Static_assert(sizeof(struct sbx_hdr) == 16, "sbx_hdr is 16 bytes");
 
 enum sbx_type {
 	/* client -> sbx-init */
-	SBX_HELLO = 1,      /* no payload; answered with SBX_HELLO_OK */
+	SBX_HELLO = 1,      /* no payload; answered with SBX_HELLO_OK.  flags
+			     * SBX_HELLO_NEW_CLIENT: this is another client than the one
+			     * before on the same stream (a restored microVM's new daemon):
+			     * the previous one's execs and transfers go, as if it had
+			     * disconnected, before the answer */
 	SBX_EXEC = 2,       /* struct sbx_exec + strings; answered with STARTED or ERROR */
 	SBX_STDIN = 3,      /* 1..SBX_MAX_DATA bytes for the exec's stdin */
 	SBX_STDIN_EOF = 4,  /* no payload: close the exec's stdin */
@@ -119,6 +123,9 @@ struct sbx_done {
 	uint64_t reserved;
 };
 _Static_assert(sizeof(struct sbx_done) == 16, "sbx_done is 16 bytes");
+
+/* SBX_HELLO header flags */
+#define SBX_HELLO_NEW_CLIENT 0x1u
 
 /* SBX_EXEC flags */
 #define SBX_EXEC_STDIN 0x1u /* stdin is a pipe fed by SBX_STDIN; otherwise /dev/null */

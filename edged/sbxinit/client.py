@@ -242,15 +242,22 @@ class SbxClient:
             await self.writer.drain()
             await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
         except BaseException as exc:
-            held, self._held = self._held or [], None
             self.requests.pop(rid, None)
-            self._attached.set()
-            if not self.closed:  # whatever the answer, have it speak again
-                self.writer.write(b"".join([P.frame(P.HELLO), *held]))
+            self.unquiesce()  # whatever the answer, have it speak again
             if isinstance(exc, TimeoutError):
                 raise BackendError(f"sandbox {self.sandbox_id}: sbx-init did not quiesce "
                                    f"within {timeout_s} s") from exc
             raise
+
+    def unquiesce(self) -> None:
+        """Speak again over the same transport (a pause that did not happen): HELLO, then
+        the frames held since :meth:`quiesce`. Nothing if not quiesced."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        self._attached.set()
+        if not self.closed and not self.writer.is_closing():
+            self.writer.write(b"".join([P.frame(P.HELLO), *held]))
 
     async def detach(self) -> None:
         """Drop the transport of a quiesced connection, keeping every exec, request and
@@ -297,11 +304,12 @@ class SbxClient:
         with contextlib.suppress(InvalidState, ConnectionError):
             await self.send(data)
 
-    async def hello(self, timeout_s: float = 5.0) -> Hello:
-        """Send HELLO and wait (``timeout_s``) for the answer. Raises BackendError if none
-        comes or sbx-init speaks another protocol version."""
+    async def hello(self, timeout_s: float = 5.0, new_client: bool = False) -> Hello:
+        """Send HELLO and wait (``timeout_s``) for the answer. ``new_client``: on a stream
+        another client had (a restored microVM's), that client's execs go first. Raises
+        BackendError if none comes or sbx-init speaks another protocol version."""
         try:
-            await self.send(P.frame(P.HELLO))
+            await self.send(P.frame(P.HELLO, flags=P.HELLO_NEW_CLIENT if new_client else 0))
             version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
                                                              timeout_s)
         except (TimeoutError, OSError) as exc:
