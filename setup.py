@@ -2,8 +2,9 @@
 
 Everything else lives in pyproject.toml. The C core is compiled by the cffi build
 script ``layerfs/_build_native.py`` into the private extension ``layerfs._native``.
-The small executables (sbx-init, edged-spawner) are built by ``csrc/build_bins.py`` into
-``edged/_bin/`` during build_py, for both ``pip install .`` and ``pip install -e .``.
+The small executables (sbx-init, edged-spawner, edged-vmm-jail) are built by
+``csrc/build_bins.py`` into ``edged/_bin/`` during build_py, for both ``pip install .``
+and ``pip install -e .``.
 
 The policy data stays in the top-level ``profiles/`` (its source of truth, fixed by the project
 brief). A wheel gets a copy of it as ``edged/_profiles/``, which

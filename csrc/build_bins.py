@@ -1,5 +1,6 @@
 """Build the small executables that are not part of the cffi module: ``sbx-init`` (static,
-PID 1 of every sandbox) and ``edged-spawner`` (makes a container sandbox).
+PID 1 of every sandbox), ``edged-spawner`` (makes a container sandbox) and
+``edged-vmm-jail`` (starts a microVM's VMM jailed: its cgroups, user, namespaces).
 
 Run by setup.py's build step (``pip install .`` and ``pip install -e .``), or directly for
 development: ``python csrc/build_bins.py [OUT_DIR]`` (default ``edged/_bin``). sbx-init is
@@ -33,6 +34,7 @@ BINARIES = {
     # name: (sources, prefer musl)
     "sbx-init": ([*SBX_INIT, *CONFINE], True),
     "edged-spawner": (["spawner/spawner.c", *CONFINE], False),
+    "edged-vmm-jail": (["vmm-jail/jail.c"], False),
 }
 
 

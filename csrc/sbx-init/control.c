@@ -76,6 +76,25 @@ size_t ctl_pending(const struct sbx *s)
 	return s->ctl.outq.len - s->ctl.outq.off;
 }
 
+/* What may be written now: all that is queued, or while quiesced what was
+ * queued before the SBX_DONE that answered SBX_QUIESCE, that DONE included. */
+static size_t ctl_writable(const struct sbx *s)
+{
+	size_t n = ctl_pending(s);
+
+	return s->ctl.quiesced && s->ctl.hold_left < n ? s->ctl.hold_left : n;
+}
+
+void ctl_quiesce(struct sbx *s, uint32_t id)
+{
+	struct sbx_done done = {0};
+
+	ctl_send(s, SBX_DONE, id, &done, sizeof(done), NULL, 0);
+	s->ctl.quiesced = 1;
+	s->ctl.hold_left = ctl_pending(s);
+	s->interest_dirty = 1;
+}
+
 int ctl_connected(const struct sbx *s)
 {
 	return s->ctl.rfd >= 0;
@@ -93,6 +112,7 @@ static void drop_client(struct sbx *s)
 	c->outq.off = c->outq.len = 0;
 	c->inlen = 0;
 	c->broken = 0;
+	c->quiesced = 0;
 	c->on_drop(s);
 }
 
@@ -132,6 +152,10 @@ void ctl_on_readable(struct sbx *s)
 			}
 			if (c->inlen - off < sizeof(h) + h.len)
 				break;
+			if (c->quiesced) { /* the client speaks again: so do we */
+				c->quiesced = 0;
+				s->interest_dirty = 1;
+			}
 			c->on_frame(s, &h, c->inbuf + off + sizeof(h));
 			off += sizeof(h) + h.len;
 			if (c->rfd < 0)
@@ -148,8 +172,8 @@ void ctl_flush(struct sbx *s)
 
 	/* write(2), not send(2): the client may be a pipe or a port (SIGPIPE is
 	 * ignored: a closed peer is EPIPE) */
-	while (s->ctl.wfd >= 0 && ctl_pending(s)) {
-		ssize_t n = write(s->ctl.wfd, q->p + q->off, ctl_pending(s));
+	while (s->ctl.wfd >= 0 && ctl_writable(s)) {
+		ssize_t n = write(s->ctl.wfd, q->p + q->off, ctl_writable(s));
 
 		if (n < 0 && errno == EINTR)
 			continue;
@@ -160,6 +184,8 @@ void ctl_flush(struct sbx *s)
 			return;
 		}
 		q->off += (size_t)n;
+		if (s->ctl.quiesced)
+			s->ctl.hold_left -= (size_t)n;
 	}
 	if (q->off == q->len) {
 		q->off = q->len = 0;
@@ -192,7 +218,7 @@ void ctl_open(struct sbx *s)
 void ctl_update_interest(struct sbx *s)
 {
 	struct sbx_ctl *c = &s->ctl;
-	uint32_t out = ctl_pending(s) ? EPOLLOUT : 0;
+	uint32_t out = ctl_writable(s) ? EPOLLOUT : 0;
 
 	if (c->rfd < 0)
 		return;

@@ -191,9 +191,11 @@ static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 {
 	if (h->type == SBX_HELLO) {
 		struct sbx_hello hello = {.version = SBX_PROTO_VERSION,
-					  .cgroup_mode = (uint32_t)s->cg.mode,
-					  .execs = exec_count(s)};
+					  .cgroup_mode = (uint32_t)s->cg.mode};
 
+		if (h->flags & SBX_HELLO_NEW_CLIENT)
+			s->ctl.on_drop(s);
+		hello.execs = exec_count(s);
 		ctl_send(s, SBX_HELLO_OK, 0, &hello, sizeof(hello), NULL, 0);
 		return;
 	}
@@ -205,6 +207,11 @@ static void on_frame(struct sbx *s, const struct sbx_hdr *h, uint8_t *p)
 		if (h->len || !h->exec_id)
 			return ctl_error(s, h->exec_id, EINVAL, "kill all: a payload, or id 0");
 		return exec_kill_all(s, h->exec_id);
+	}
+	if (h->type == SBX_QUIESCE) {
+		if (h->len || !h->exec_id)
+			return ctl_error(s, h->exec_id, EINVAL, "quiesce: a payload, or id 0");
+		return ctl_quiesce(s, h->exec_id);
 	}
 	if (h->type >= SBX_FILE_PUT && h->type <= SBX_FILE_ABORT)
 		return files_message(s, h, p);

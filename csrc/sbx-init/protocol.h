@@ -57,7 +57,11 @@ _Static_assert(sizeof(struct sbx_hdr) == 16, "sbx_hdr is 16 bytes");
 
 enum sbx_type {
 	/* client -> sbx-init */
-	SBX_HELLO = 1,      /* no payload; answered with SBX_HELLO_OK */
+	SBX_HELLO = 1,      /* no payload; answered with SBX_HELLO_OK.  flags
+			     * SBX_HELLO_NEW_CLIENT: this is another client than the one
+			     * before on the same stream (a restored microVM's new daemon):
+			     * the previous one's execs and transfers go, as if it had
+			     * disconnected, before the answer */
 	SBX_EXEC = 2,       /* struct sbx_exec + strings; answered with STARTED or ERROR */
 	SBX_STDIN = 3,      /* 1..SBX_MAX_DATA bytes for the exec's stdin */
 	SBX_STDIN_EOF = 4,  /* no payload: close the exec's stdin */
@@ -80,6 +84,14 @@ enum sbx_type {
 	SBX_FILE_CREDIT = 14, /* struct sbx_credit: client consumed this much of a get */
 	SBX_FILE_ABORT = 15, /* no payload: forget the transfer (a put leaves nothing); no
 			      * answer */
+	SBX_QUIESCE = 16,    /* no payload: answered with SBX_DONE (count 0) after every frame
+			      * queued before it; after that sbx-init sends nothing (execs run
+			      * on, their output waits in its queue and the pipes) until the
+			      * client's next frame (HELLO), or a new client.  How a microVM is
+			      * paused with its execs: the host takes everything in flight,
+			      * saves the VM in that quiet state and ends its VMM; the restored
+			      * guest's sbx-init resumes with the same connection and speaks
+			      * again when the host does (guest.h) */
 
 	/* sbx-init -> client */
 	SBX_HELLO_OK = 0x81, /* struct sbx_hello */
@@ -111,6 +123,9 @@ struct sbx_done {
 	uint64_t reserved;
 };
 _Static_assert(sizeof(struct sbx_done) == 16, "sbx_done is 16 bytes");
+
+/* SBX_HELLO header flags */
+#define SBX_HELLO_NEW_CLIENT 0x1u
 
 /* SBX_EXEC flags */
 #define SBX_EXEC_STDIN 0x1u /* stdin is a pipe fed by SBX_STDIN; otherwise /dev/null */

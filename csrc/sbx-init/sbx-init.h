@@ -137,6 +137,10 @@ struct sbx_ctl {
 	void (*on_drop)(struct sbx *s);
 	struct sbx_buf outq;
 	int broken;       /* a frame could not be queued: the client is dropped */
+	/* SBX_QUIESCE: nothing beyond the first `hold_left` bytes of outq is
+	 * written until the client's next frame */
+	int quiesced;
+	size_t hold_left;
 	uint8_t inbuf[sizeof(struct sbx_hdr) + SBX_MAX_PAYLOAD];
 	size_t inlen;
 };
@@ -208,6 +212,7 @@ void ctl_send(struct sbx *s, uint16_t type, uint32_t exec_id, const void *a, siz
 void ctl_error(struct sbx *s, uint32_t exec_id, int code, const char *fmt, ...)
 	__attribute__((format(printf, 4, 5)));
 size_t ctl_pending(const struct sbx *s);
+void ctl_quiesce(struct sbx *s, uint32_t id);
 int ctl_connected(const struct sbx *s);
 void ctl_open(struct sbx *s);
 void ctl_on_readable(struct sbx *s);

@@ -21,9 +21,24 @@ EventSink = Callable[..., object]
 
 #: Where a backend reports a sandbox that died on its own (its init ended: killed, crashed,
 #: out of memory), at once: ``sink(sandbox_id, cause)``; ``cause`` is a JSON object,
-#: ``{"what": str, "signal": int, "exit_status": int, "oom_kill": bool, "log": str}`` with
-#: the fields that are known. The sandbox stays until it is destroyed.
+#: ``{"what": str, "signal": int, "exit_status": int, "oom_kill": bool, "log": str,
+#: "layers": [digest]}`` with the fields that are known (the daemon reports its own causes
+#: the same way, e.g. ``layers``: lost with the layer service). The sandbox stays until it is
+#: destroyed.
 FailureSink = Callable[[str, Mapping[str, object]], None]
+
+
+def failure_text(cause: Mapping[str, object]) -> str:
+    """A :data:`FailureSink` cause in words, e.g. ``sbx-init ended (signal 9)``,
+    ``sbx-init ended (exit status 1, out of memory)``, ``... (status unknown)``."""
+    layers = cause.get("layers")
+    known = [f"signal {cause['signal']}" if "signal" in cause else "",
+             f"exit status {cause['exit_status']}" if "exit_status" in cause else "",
+             "out of memory" if cause.get("oom_kill") else "",
+             "layers " + ", ".join(map(str, layers)) if isinstance(layers, list) else ""]
+    what = cause.get("what", "the sandbox died")
+    return f"{what} ({', '.join(k for k in known if k) or 'status unknown'})"
+
 
 #: What a backend needs of each layer of a sandbox: ``"tree"``, the layer mounted (a
 #: read-only directory, e.g. an overlay lower), or ``"image"``, the layer's EROFS image

@@ -202,7 +202,8 @@ class Admission:
     loadavg_path: str = "/proc/loadavg"
     pid_max_path: str = "/proc/sys/kernel/pid_max"
     clock: Callable[[], float] = time.monotonic
-    _recent: collections.deque[tuple[float, int, int]] = field(
+    #: admissions within ``window_s``: (when, sandbox id, its request, MemAvailable then)
+    _recent: collections.deque[tuple[float, str, int, int]] = field(
         default_factory=collections.deque)
 
     # -- what the host has ----------------------------------------------------------------
@@ -212,8 +213,8 @@ class Admission:
             self._recent.popleft()
         if not self._recent:
             return 0
-        asked = sum(r for _t, r, _a in self._recent)
-        realized = max(0, self._recent[0][2] - avail)
+        asked = sum(r for _t, _s, r, _a in self._recent)
+        realized = max(0, self._recent[0][3] - avail)
         return max(0, asked - realized)
 
     def snapshot(self) -> dict[str, Any]:
@@ -311,8 +312,13 @@ class Admission:
                 f"pending {snap['pending_bytes'] * mib:.0f}, reclaimable "
                 f"{snap['reclaimable_bytes'] * mib:.0f})", retry)
         self.capacity.hold(sandbox_id, res)
-        self._recent.append((self.clock(), res.memory_request_bytes, snap["available_bytes"]))
+        self._recent.append((self.clock(), sandbox_id, res.memory_request_bytes,
+                             snap["available_bytes"]))
 
     def release(self, sandbox_id: str) -> None:
-        """Give back what ``sandbox_id`` held."""
+        """Give back what ``sandbox_id`` held; its request is no longer pending (a sandbox
+        deleted within the window had kept it set aside: create/delete cycles faster than
+        ``window_s`` / request came to refuse every create)."""
         self.capacity.release(sandbox_id)
+        if any(s == sandbox_id for _t, s, _r, _a in self._recent):
+            self._recent = collections.deque(e for e in self._recent if e[1] != sandbox_id)

@@ -35,6 +35,7 @@ from edged.backends.base import (
     Resources,
     SandboxSpec,
     SnapshotSource,
+    failure_text,
 )
 from edged.backends.registry import Backends
 from edged.config import Config
@@ -630,15 +631,8 @@ class SandboxManager:
         rec = self._sandboxes.get(sandbox_id)
         if rec is None or rec.state not in (State.CREATING, State.RUNNING, State.PAUSED):
             return  # being deleted, or already failed
-        what = str(cause.get("what", "the sandbox died"))
-        known = [f"{k} {cause[k]}" for k in ("signal", "exit_status") if k in cause]
-        if cause.get("oom_kill"):
-            known.append("out of memory")
-        layers = cause.get("layers")
-        if isinstance(layers, list):
-            known.append("layers " + ", ".join(map(str, layers)))
         rec.transition(State.FAILED)
-        rec.error = f"{what} ({', '.join(known) or 'status unknown'})"
+        rec.error = failure_text(cause)
         log.warning("sandbox %s failed: %s", sandbox_id, rec.error,
                     extra={"sandbox": sandbox_id})
         if self.ledger is not None:

@@ -182,37 +182,134 @@ class SbxClient:
             asyncio.get_running_loop().create_future())
         self._next_exec = 1
         self._lock = asyncio.Lock()
+        #: frames queued while the transport is away (:meth:`quiesce`), None otherwise;
+        #: :meth:`send` waits for ``_attached`` then
+        self._held: list[bytes] | None = None
+        self._attached = asyncio.Event()
+        self._attached.set()
         self._task = asyncio.create_task(self._read_loop())
 
     # -- sending ---------------------------------------------------------------------------
 
     async def send(self, data: bytes) -> None:
-        """Write encoded frames. Raises InvalidState once the connection is closed."""
-        if self.closed:
-            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
-        async with self._lock:
-            self.writer.write(data)
-            await self.writer.drain()
+        """Write encoded frames (while the transport is away, see :meth:`quiesce`, once it
+        is back). Raises InvalidState once the connection is closed."""
+        while True:
+            await self._attached.wait()
+            if self.closed:
+                raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
+            async with self._lock:
+                if not self._attached.is_set():
+                    continue  # quiesced while we waited for the lock: nothing may follow
+                self.writer.write(data)
+                await self.writer.drain()
+                return
 
     def write_now(self, data: bytes) -> bool:
         """Queue encoded frames on the transport at once, without waiting for it to drain
-        (for a caller that is being cancelled: whole frames, in order). False once the
-        connection is closed."""
-        if self.closed or self.writer.is_closing():
+        (for a caller that is being cancelled: whole frames, in order; while the transport
+        is away, they go first once it is back). False once the connection is closed."""
+        if self.closed:
+            return False
+        if self._held is not None:
+            self._held.append(data)
+            return True
+        if self.writer.is_closing():
             return False
         self.writer.write(data)
         return True
 
+    async def quiesce(self, timeout_s: float = 10.0) -> None:
+        """Take everything sbx-init sent and stop it sending (protocol QUIESCE): from the
+        answer on, frames to send are held here (:meth:`send` waits) and sbx-init sends
+        nothing, its execs running on, until :meth:`reattach` speaks again. Then the
+        transport may go (:meth:`detach`): a microVM is saved in this state. Raises
+        BackendError (no answer within ``timeout_s``: sbx-init is made to speak again and
+        nothing is held), InvalidState (closed)."""
+        if self._held is not None:
+            raise InvalidState(f"sandbox {self.sandbox_id}: control connection already "
+                               f"quiesced")
+        if self.closed:
+            raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
+        rid = self._request_id()
+        req = _Request(asyncio.get_running_loop().create_future())
+        self.requests[rid] = req
+        async with self._lock:  # no frame of another sender may follow QUIESCE
+            self._held = []
+            self._attached.clear()
+            self.writer.write(P.frame(P.QUIESCE, rid))
+        try:
+            await self.writer.drain()
+            await asyncio.wait_for(asyncio.shield(req.done), timeout_s)
+        except BaseException as exc:
+            self.requests.pop(rid, None)
+            self.unquiesce()  # whatever the answer, have it speak again
+            if isinstance(exc, TimeoutError):
+                raise BackendError(f"sandbox {self.sandbox_id}: sbx-init did not quiesce "
+                                   f"within {timeout_s} s") from exc
+            raise
+
+    def unquiesce(self) -> None:
+        """Speak again over the same transport (a pause that did not happen): HELLO, then
+        the frames held since :meth:`quiesce`. Nothing if not quiesced."""
+        if self._held is None:
+            return
+        held, self._held = self._held, None
+        self._attached.set()
+        if not self.closed and not self.writer.is_closing():
+            self.writer.write(b"".join([P.frame(P.HELLO), *held]))
+
+    async def detach(self) -> None:
+        """Drop the transport of a quiesced connection, keeping every exec, request and
+        held frame for :meth:`reattach`."""
+        if self._held is None:
+            raise InvalidState(f"sandbox {self.sandbox_id}: detach without quiesce")
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+    async def reattach(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       timeout_s: float = 5.0) -> Hello:
+        """Go on over a new transport to the same sbx-init (a restored microVM's): HELLO,
+        which makes it speak again, then the frames held since :meth:`quiesce`; execs and
+        requests carry on. Raises BackendError (no hello: the connection is then lost,
+        its execs ended ``killed``)."""
+        if self._held is None:
+            raise InvalidState(f"sandbox {self.sandbox_id}: reattach without quiesce")
+        self.reader, self.writer = reader, writer
+        self._hello = asyncio.get_running_loop().create_future()
+        self._task = asyncio.create_task(self._read_loop())
+        held, self._held = self._held, None
+        writer.write(b"".join([P.frame(P.HELLO), *held]))
+        self._attached.set()
+        try:
+            version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
+                                                             timeout_s)
+        except (TimeoutError, OSError, BackendError) as exc:
+            await self.close()
+            raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init after "
+                               f"the transport came back: {exc or 'timed out'}") from exc
+        self.info = Hello(version, P.CGROUP_MODES.get(mode, str(mode)), execs)
+        return self.info
+
     async def send_quiet(self, data: bytes) -> None:
-        """:meth:`send`, ignoring a closed or broken connection."""
+        """:meth:`send`, ignoring a closed or broken connection; while the transport is
+        away, held without waiting (credits: a consumer goes on with what it has)."""
+        if self._held is not None:
+            self._held.append(data)
+            return
         with contextlib.suppress(InvalidState, ConnectionError):
             await self.send(data)
 
-    async def hello(self, timeout_s: float = 5.0) -> Hello:
-        """Send HELLO and wait (``timeout_s``) for the answer. Raises BackendError if none
-        comes or sbx-init speaks another protocol version."""
+    async def hello(self, timeout_s: float = 5.0, new_client: bool = False) -> Hello:
+        """Send HELLO and wait (``timeout_s``) for the answer. ``new_client``: on a stream
+        another client had (a restored microVM's), that client's execs go first. Raises
+        BackendError if none comes or sbx-init speaks another protocol version."""
         try:
-            await self.send(P.frame(P.HELLO))
+            await self.send(P.frame(P.HELLO, flags=P.HELLO_NEW_CLIENT if new_client else 0))
             version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
                                                              timeout_s)
         except (TimeoutError, OSError) as exc:
@@ -365,6 +462,7 @@ class SbxClient:
 
     async def _read_loop(self) -> None:
         dec = P.Decoder()
+        broken = False
         try:
             while True:
                 data = await self.reader.read(1 << 18)
@@ -381,8 +479,11 @@ class SbxClient:
             # sbx-init broke the protocol: only a compromised PID 1 would
             log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
             self._violation({"from": "sbx-init", "error": str(exc)})
+            broken = True
         finally:
-            self._lost()
+            # quiesced, the transport may go (a paused microVM's VMM ends) to come back
+            if broken or self._held is None:
+                self._lost()
 
     def _violation(self, detail: dict[str, object]) -> None:
         if self.sink is not None:
@@ -474,6 +575,8 @@ class SbxClient:
 
     def _lost(self) -> None:
         self.closed = True
+        self._held = None
+        self._attached.set()  # senders waiting for a transport get InvalidState
         for fut in self.pending.values():
             if not fut.done():
                 fut.set_exception(BackendError(f"sandbox {self.sandbox_id}: sbx-init went away"))

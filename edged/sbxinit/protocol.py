@@ -58,6 +58,9 @@ FILE_END = 12
 FILE_GET = 13
 FILE_CREDIT = 14
 FILE_ABORT = 15
+QUIESCE = 16  # answered with DONE; sbx-init then sends nothing until our next frame
+#: HELLO's header flag: another client than the one before on this stream (its execs go)
+HELLO_NEW_CLIENT = 0x1
 # sbx-init -> client
 HELLO_OK = 0x81
 STARTED = 0x82
@@ -82,11 +85,11 @@ CGROUP_MODES = {0: "none", 1: "v1", 2: "v2"}
 REASONS = {1: "exited", 2: "signalled", 3: "timeout", 4: "oom", 5: "output_limit", 6: "killed"}
 
 
-def frame(type_: int, exec_id: int = 0, payload: bytes = b"") -> bytes:
+def frame(type_: int, exec_id: int = 0, payload: bytes = b"", flags: int = 0) -> bytes:
     """One encoded frame. Raises ValueError if ``payload`` exceeds :data:`MAX_PAYLOAD`."""
     if len(payload) > MAX_PAYLOAD:
         raise ValueError(f"frame payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
-    return HDR.pack(len(payload), type_, 0, exec_id, 0) + payload
+    return HDR.pack(len(payload), type_, flags, exec_id, 0) + payload
 
 
 def exec_frame(

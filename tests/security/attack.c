@@ -14,8 +14,13 @@
  *   mem                 allocate and touch memory until killed
  *   fds                 open files until refused
  *   inotify [hold]      inotify instances until refused (then keep them)
+ *   forkbomb            a fork bomb that outlives its exec (see do_forkbomb)
+ *   forkchurn           a fork bomb that keeps the pids limit nearly full
  *   denyflood N         call a denied syscall (umount2) N times; prints how many
  *                       failed with EPERM
+ *
+ * It refuses to run anywhere but inside a sandbox (inside_sandbox): as root on
+ * a host, forkbomb, mem or fds would take the machine down.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -38,6 +43,7 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static void report(const char *label, long rc)
@@ -292,21 +298,30 @@ static int do_inotify(int hold)
 	return 0;
 }
 
+/* Leave the exec: a new session, stdio on /dev/null; 0 in the child, 1 in the
+ * parent (which should return at once). */
+static int daemonize(void)
+{
+	int fd;
+
+	if (fork() != 0)
+		return 1;
+	setsid();
+	fd = open("/dev/null", O_RDWR);
+	dup2(fd, 0);
+	dup2(fd, 1);
+	dup2(fd, 2);
+	return 0;
+}
+
 /* A fork bomb that outlives its exec and never lets go: the first child leaves
  * the exec's session, then every process forks forever, retrying a refused fork
  * (at the pids limit) after 1 ms instead of exiting, so a freed pid is taken
  * again at once. */
 static int do_forkbomb(void)
 {
-	int fd;
-
-	if (fork() != 0)
+	if (daemonize())
 		return 0;
-	setsid();
-	fd = open("/dev/null", O_RDWR);
-	dup2(fd, 0);
-	dup2(fd, 1);
-	dup2(fd, 2);
 	for (;;)
 		if (fork() < 0)
 			usleep(1000);
@@ -317,15 +332,10 @@ static int do_forkbomb(void)
  * does as its processes fail and exit); the failed forks spin the CPU. */
 static int do_forkchurn(void)
 {
-	int fd, i;
+	int i;
 
-	if (fork() != 0)
+	if (daemonize())
 		return 0;
-	setsid();
-	fd = open("/dev/null", O_RDWR);
-	dup2(fd, 0);
-	dup2(fd, 1);
-	dup2(fd, 2);
 	for (i = 0; i < 3; i++)
 		if (fork() == 0)
 			break;
@@ -353,8 +363,30 @@ static int do_denyflood(const char *count)
 	return 0;
 }
 
+/* Whether this runs inside a sandbox: PID 1 of its pid namespace is sbx-init,
+ * and that namespace is not the host's (the initial pid namespace has the fixed
+ * inode PROC_PID_INIT_INO, 0xEFFFFFFC: include/linux/proc_ns.h). */
+static int inside_sandbox(void)
+{
+	char comm[32] = "";
+	struct stat st;
+	int fd = open("/proc/1/comm", O_RDONLY | O_CLOEXEC);
+	ssize_t n = fd >= 0 ? read(fd, comm, sizeof(comm) - 1) : -1;
+
+	if (fd >= 0)
+		close(fd);
+	if (n <= 0 || strcmp(comm, "sbx-init\n") != 0)
+		return 0;
+	return stat("/proc/self/ns/pid", &st) == 0 && st.st_ino != 0xEFFFFFFCu;
+}
+
 int main(int argc, char **argv)
 {
+	if (!inside_sandbox()) {
+		fprintf(stderr, "attack: refusing to run outside a sandbox (PID 1 is not "
+				"sbx-init in a pid namespace of its own)\n");
+		return 3;
+	}
 	if (argc == 3 && !strcmp(argv[1], "protect"))
 		return do_protect(argv[2]);
 	if (argc == 4 && !strcmp(argv[1], "ioctl"))

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import dataclasses
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -230,3 +231,12 @@ def test_execs_beside_a_fork_bomb_at_the_pids_limit_are_whole_or_refused(
     assert ran and not wrong, f"{len(wrong)} of {ran} execs lost output: {wrong[:3]}"
     assert refused, "the pids limit was never reached"
     assert "pids_limit" in kinds(node.ledger, "bomb")
+
+
+def test_the_attack_tool_refuses_to_run_on_the_host(attack_bin: Path) -> None:
+    # As root on the host its fork bombs (or mem, fds) would take the machine down: it runs
+    # only where PID 1 is sbx-init in a pid namespace other than the host's. (`fds` is what
+    # would run here without the guard: it only opens files until its own rlimit.)
+    p = subprocess.run([str(attack_bin), "fds"], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (3, ""), (p.returncode, p.stdout[:200])
+    assert "refusing to run outside a sandbox" in p.stderr

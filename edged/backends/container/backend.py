@@ -51,6 +51,7 @@ from edged.backends.base import (
     Resources,
     SandboxSpec,
     UpperDir,
+    failure_text,
 )
 from edged.backends.container import confinement, fileops, files, scratch
 from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
@@ -330,8 +331,9 @@ class ContainerBackend:
         if self._sandboxes.get(sbx.id) is not sbx or sbx.id in self._busy:
             return
         sbx.dead = _death_cause(sbx)
-        log.warning("sandbox %s: sbx-init ended (%s); the sandbox has failed", sbx.id,
-                    _cause_text(sbx.dead))
+        # one line per failure: the daemon (on_failure) logs it with the sandbox's record
+        log.log(logging.DEBUG if self.on_failure is not None else logging.WARNING,
+                "sandbox %s has failed: %s", sbx.id, failure_text(sbx.dead))
         if self.on_failure is not None:
             try:
                 self.on_failure(sbx.id, dict(sbx.dead))
@@ -619,7 +621,7 @@ class ContainerBackend:
         if sbx.paused:
             raise InvalidState(f"sandbox {sandbox_id} is paused")
         if sbx.dead is not None:
-            raise InvalidState(f"sandbox {sandbox_id} has failed: {_cause_text(sbx.dead)}")
+            raise InvalidState(f"sandbox {sandbox_id} has failed: {failure_text(sbx.dead)}")
         if sbx.conn is None or sbx.conn.closed:
             raise InvalidState(f"sandbox {sandbox_id}: sbx-init is not connected")
         if not (0 <= spec.uid < self.id_count and 0 <= spec.gid < self.id_count):
@@ -983,15 +985,6 @@ def _death_cause(sbx: _Sandbox) -> dict[str, object]:
         if lines:
             cause["log"] = lines[-1][-300:]
     return cause
-
-
-def _cause_text(cause: dict[str, object]) -> str:
-    """A failure cause in words: ``sbx-init ended: signal 9``."""
-    bits = [f"signal {cause['signal']}" if "signal" in cause else "",
-            f"exit status {cause['exit_status']}" if "exit_status" in cause else "",
-            "out of memory" if cause.get("oom_kill") else ""]
-    known = ", ".join(b for b in bits if b) or "status unknown"
-    return f"{cause['what']} ({known})"
 
 
 def _remove_quietly(cg: SandboxCgroup) -> None:

@@ -54,7 +54,7 @@ async def probe(vmm: Vmm, machine: Machine, run_root: Path,
     t0 = time.monotonic()
     vm = None
     try:
-        vm = await vmm.boot(m, [Disk(None, "probe")], run_dir, run_dir / "mem", share=False)
+        vm = await vmm.boot(m, [Disk(None, "probe")], run_dir, None, share=False)
         reader, writer = await open_port(vm)
         try:
             boot.parse_ready(await read_exact(reader, boot.READY.size, "ready record", vm,

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from edged.backends.base import ExecEnd
+from edged.backends.base import EventSink, ExecEnd
 from edged.backends.microvm import boot, disks
 from edged.backends.microvm.template import (
     BOOT_TIMEOUT_S,
@@ -26,18 +26,19 @@ from edged.backends.microvm.template import (
     open_port,
     read_exact,
 )
-from edged.backends.microvm.vmm import Disk, Machine, Vm, Vmm
+from edged.backends.microvm.vmm import Disk, Jail, Machine, Vm, Vmm
 from edged.errors import BackendError
 from edged.sbxinit import SbxClient, SbxExec
 
 HELLO_TIMEOUT_S = 10.0
 
 
-async def _hello(name: str, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> SbxClient:
-    conn = SbxClient(name, reader, writer)
+async def _hello(name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 sink: EventSink | None = None, on_end: Callable[[], None] | None = None,
+                 new_client: bool = False) -> SbxClient:
+    conn = SbxClient(name, reader, writer, sink, on_end)
     try:
-        await conn.hello(HELLO_TIMEOUT_S)
+        await conn.hello(HELLO_TIMEOUT_S, new_client)
     except BaseException:
         await conn.close()
         raise
@@ -62,50 +63,69 @@ class Timings:
 @dataclass
 class GuestVm:
     """A microVM sandbox that is up: ``vm``, ``conn`` (sbx-init), ``run_dir`` (sockets,
-    console, upper disk)."""
+    console, logs), ``data_dir`` (the upper disk, a paused VM's snapshot: on the node's
+    disk, not in memory), ``disks``."""
 
     vm: Vm
     conn: SbxClient
     run_dir: Path
     disks: list[Disk]
     timings: Timings = field(default_factory=Timings)
+    data_dir: Path | None = None
+
+    @property
+    def upper(self) -> Path:
+        """The upper disk file."""
+        return (self.data_dir or self.run_dir) / "upper.img"
 
     @classmethod
     async def clone(cls, templates: Templates, template: Template, layers: Sequence[str],
                     run_dir: Path, spec: boot.BootSpec, disk_bytes: int = 1 << 30,
-                    sandbox_id: str = "") -> GuestVm:
+                    sandbox_id: str = "", *, data_dir: Path | None = None,
+                    jail: Jail | None = None, sink: EventSink | None = None,
+                    on_end: Callable[[], None] | None = None) -> GuestVm:
         """Create a sandbox from ``template``: ``layers`` are EROFS image files, bottom
-        first (one disk each, read-only, no copy); the upper disk is made in ``run_dir``.
-        The machine's disk count must be ``len(layers) + 1``. Raises BackendError (and
-        leaves nothing running, nor ``run_dir``) if any step fails."""
+        first (one disk each, read-only, no copy); the upper disk is made in ``data_dir``
+        (default ``run_dir``). The machine's disk count must be ``len(layers) + 1``. The
+        VMM is confined by ``jail``; ``sink``/``on_end`` go to the sbx-init client
+        (:class:`~edged.sbxinit.SbxClient`). Raises BackendError (and leaves nothing
+        running, nor ``run_dir`` and ``data_dir``) if any step fails."""
         if len(layers) + 1 != template.machine.ndisks:
             raise BackendError(f"{len(layers)} layers for a template with "
                                f"{template.machine.ndisks - 1} layer disks")
 
         async def start(dl: list[Disk]) -> Vm:
-            return await templates.clone(template, dl, run_dir)
+            return await templates.clone(template, dl, run_dir, jail)
 
-        return await cls._launch(start, False, layers, run_dir, spec, disk_bytes, sandbox_id)
+        return await cls._launch(start, False, layers, run_dir, data_dir, spec, disk_bytes,
+                                 sandbox_id, sink, on_end)
 
     @classmethod
     async def cold_boot(cls, vmm: Vmm, machine: Machine, layers: Sequence[str],
                         run_dir: Path, spec: boot.BootSpec, disk_bytes: int = 1 << 30,
-                        sandbox_id: str = "") -> GuestVm:
+                        sandbox_id: str = "", *, data_dir: Path | None = None,
+                        jail: Jail | None = None, sink: EventSink | None = None,
+                        on_end: Callable[[], None] | None = None) -> GuestVm:
         """As :meth:`clone`, but boot the kernel afresh (RAM anonymous, private): the
         baseline a template saves, and the way when no template can be made."""
         async def start(dl: list[Disk]) -> Vm:
-            return await vmm.boot(machine, dl, run_dir, None, share=False)
+            return await vmm.boot(machine, dl, run_dir, None, share=False, jail=jail)
 
-        return await cls._launch(start, True, layers, run_dir, spec, disk_bytes, sandbox_id)
+        return await cls._launch(start, True, layers, run_dir, data_dir, spec, disk_bytes,
+                                 sandbox_id, sink, on_end)
 
     @classmethod
     async def _launch(cls, start: Callable[[list[Disk]], Awaitable[Vm]], wait_ready: bool,
-                      layers: Sequence[str], run_dir: Path, spec: boot.BootSpec,
-                      disk_bytes: int, sandbox_id: str) -> GuestVm:
+                      layers: Sequence[str], run_dir: Path, data_dir: Path | None,
+                      spec: boot.BootSpec, disk_bytes: int, sandbox_id: str,
+                      sink: EventSink | None,
+                      on_end: Callable[[], None] | None) -> GuestVm:
         t = Timings()
         t0 = time.monotonic()
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        upper = run_dir / "upper.img"
+        if data_dir is not None:
+            data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        upper = (data_dir or run_dir) / "upper.img"
         vm: Vm | None = None
         writer: asyncio.StreamWriter | None = None
         try:
@@ -123,7 +143,7 @@ class GuestVm:
             t.guest_boot, t.guest_steps = await boot_guest(reader, writer, vm, spec)
             t.boot = time.monotonic() - t1
             t2 = time.monotonic()
-            conn = await _hello(sandbox_id or run_dir.name, reader, writer)
+            conn = await _hello(sandbox_id or run_dir.name, reader, writer, sink, on_end)
             t.hello = time.monotonic() - t2
         except BaseException:
             if writer is not None:
@@ -131,32 +151,68 @@ class GuestVm:
             if vm is not None:
                 await vm.kill()
             await asyncio.to_thread(shutil.rmtree, run_dir, True)
+            if data_dir is not None:
+                await asyncio.to_thread(shutil.rmtree, data_dir, True)
             raise
         t.total = time.monotonic() - t0
-        return cls(vm, conn, run_dir, dl, t)
+        return cls(vm, conn, run_dir, dl, t, data_dir)
 
-    async def pause(self, snapshot: Path) -> None:
-        """Snapshot the VM to ``snapshot`` (device state and every RAM page the guest has,
-        zero pages excepted) and end the VMM: nothing of it stays in host memory but what
-        the page cache keeps of the snapshot file. The upper disk stays as it is."""
-        await self.vm.save(snapshot)
+    @property
+    def snapshot(self) -> Path:
+        """Where :meth:`pause` saves the VM."""
+        return (self.data_dir or self.run_dir) / "snapshot"
+
+    async def pause(self, snapshot: Path | None = None) -> None:
+        """Snapshot the VM to ``snapshot`` (default :attr:`snapshot`: device state and every
+        RAM page the guest has, zero pages excepted) and end the VMM: nothing of it stays in
+        host memory but what the page cache keeps of the snapshot file. The upper disk
+        stays as it is.
+
+        Execs go on across the pause: sbx-init is first quiesced (it has sent all it had
+        and sends nothing more; :meth:`~edged.sbxinit.SbxClient.quiesce`), so the guest is
+        saved with nothing in flight between it and us; their processes stop with the
+        guest, and after :meth:`resume` they run on and their output and ends come over
+        the same connection. Raises BackendError (the VM then still runs)."""
+        await self.conn.quiesce()
+        try:
+            await self.vm.save(snapshot or self.snapshot)
+        except BaseException:
+            # a save that failed leaves the guest running as it was: speak to it again
+            self.conn.unquiesce()
+            with contextlib.suppress(Exception):
+                await self.vm.cont()
+            raise
         await self.vm.kill()
-        with contextlib.suppress(Exception):
-            await self.conn.close()
+        await self.conn.detach()
 
-    async def resume(self, vmm: Vmm, machine: Machine, snapshot: Path) -> None:
-        """Start a VMM from ``snapshot`` with this sandbox's disks and connect to its
-        sbx-init again. Raises BackendError.
+    async def resume(self, vmm: Vmm, machine: Machine, snapshot: Path | None = None,
+                     jail: Jail | None = None, fresh: bool = False,
+                     sink: EventSink | None = None,
+                     on_end: Callable[[], None] | None = None) -> None:
+        """Start a VMM from ``snapshot`` (default :attr:`snapshot`) with this sandbox's
+        disks, confined by ``jail``, and go on over the same sbx-init connection (the
+        guest's execs carry on). ``fresh``: a new client instead (a restarted daemon, which
+        has none of the paused one's execs): the guest's sbx-init sees its old client go,
+        which kills the execs it had, and a new connection is made (``sink``, ``on_end``).
+        Raises BackendError (the VMM is then gone).
 
         RAM: anonymous, filled from the snapshot (only the pages it holds are allocated).
         Not the template's file mapped privately as a clone has it: loading a stream writes
         every page it holds and zeroes every other page that is not zero in the file, so
         the resumed VM had a private copy of all its RAM (309 MiB PSS for a 256 MiB guest
         measured here, against ~94 MiB before the pause)."""
-        vm = await vmm.restore(machine, self.disks, self.run_dir, None, snapshot)
+        vm = await vmm.restore(machine, self.disks, self.run_dir, None,
+                               snapshot or self.snapshot, jail)
         try:
             reader, writer = await open_port(vm)
-            self.conn = await _hello(self.conn.sandbox_id, reader, writer)
+            if fresh or self.conn.closed:
+                # the guest's sbx-init drops the paused client's execs (HELLO_NEW_CLIENT);
+                # so do we (their handles end "killed")
+                await self.conn.close()
+                self.conn = await _hello(self.conn.sandbox_id, reader, writer, sink, on_end,
+                                         new_client=True)
+            else:
+                await self.conn.reattach(reader, writer, HELLO_TIMEOUT_S)
         except BaseException:
             await vm.kill()
             raise
@@ -181,9 +237,11 @@ class GuestVm:
         raise BackendError("exec ended without an END")  # pragma: no cover
 
     async def destroy(self) -> None:
-        """Kill the VMM, drop the connection, remove the run directory (upper disk,
-        sockets, console). Idempotent."""
+        """Kill the VMM, drop the connection, remove the run and data directories (upper
+        disk, snapshot, sockets, console). Idempotent."""
         await self.vm.kill()
         with contextlib.suppress(Exception):
             await self.conn.close()
         await asyncio.to_thread(shutil.rmtree, self.run_dir, True)
+        if self.data_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, self.data_dir, True)

@@ -42,12 +42,14 @@ from pathlib import Path
 
 from edged.backends.microvm.boot import PORT_NAME
 from edged.backends.microvm.qmp import Qmp, QmpError
-from edged.backends.microvm.vmm import Disk, Machine
+from edged.backends.microvm.vmm import Disk, Jail, Machine
 from edged.errors import BackendError
 
 log = logging.getLogger("edged.microvm")
 
 QEMU = "qemu-system-x86_64"
+#: The jail every VMM starts in (``csrc/vmm-jail/jail.c``, built into ``edged/_bin``).
+JAIL = Path(__file__).resolve().parents[2] / "_bin" / "edged-vmm-jail"
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 #: A template's placeholder disk: the template's guest probes it, and a clone's guest keeps
 #: this as its disk's size (larger than any layer or upper file: filesystems keep to their
@@ -86,8 +88,9 @@ class Fds:
 
 
 def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, share: bool,
-         fds: Fds, incoming: bool = False, binary: str = QEMU) -> list[str]:
-    """The QEMU command line (see the module docstring). Raises ValueError if ``disks`` or
+         fds: Fds, incoming: bool = False, binary: str = QEMU, name: str = "sbx") -> list[str]:
+    """The QEMU command line (see the module docstring); ``name``: the guest's name (its
+    run directory: what names its process in ``ps``). Raises ValueError if ``disks`` or
     ``fds.disks`` does not match ``machine.ndisks``."""
     disk_fds = fds.disks
     if not len(disks) == len(disk_fds) == machine.ndisks:
@@ -105,7 +108,7 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, s
     if accel == "tcg" and machine.tb_size_mib:
         accel += f",tb-size={machine.tb_size_mib}"
     a = [
-        binary, "-name", "sbx,debug-threads=on",
+        binary, "-name", f"{name.replace(',', ',,')},debug-threads=on",
         "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=off,memory-backend=mem",
         "-accel", accel, "-cpu", "max" if machine.accel == "tcg" else "host",
         "-smp", str(machine.vcpus), "-m", f"{machine.memory_mib}M",
@@ -249,27 +252,72 @@ class QemuVm:
 
 
 class QemuVmm:
-    """Starts QEMU ``microvm`` guests (the :class:`~.vmm.Vmm` interface)."""
+    """Starts QEMU ``microvm`` guests (the :class:`~.vmm.Vmm` interface), each in
+    ``edged-vmm-jail`` (:class:`~.vmm.Jail`)."""
 
     name = "qemu"
 
-    def __init__(self, binary: str = QEMU, run_as: tuple[int, int] | None = None) -> None:
-        """``run_as``: ``(uid, gid)`` to start clones and resumed VMs as (a user of their
-        own: one VMM taken over by its guest then holds nothing but its own fds, and cannot
-        signal or trace VMMs of other users). Template boots run as the caller: they open
-        the template's RAM file, and run no workload."""
+    def __init__(self, binary: str = QEMU, run_as: tuple[int, int] | None = None,
+                 jail_bin: Path = JAIL) -> None:
+        """``run_as``: ``(uid, gid)`` of a VM started without a :class:`Jail` of its own
+        (None: the caller's): a user of their own means one VMM taken over by its guest
+        holds nothing but its own fds, and cannot signal or trace VMMs of other users.
+        ``binary``: QEMU, by name on ``PATH`` or absolute; in a jail with ``fs`` it must
+        be under ``/usr`` (all the jail shows)."""
         self.binary = binary
         self.run_as = run_as
+        self.jail_bin = jail_bin
 
     def available(self) -> str | None:
         if shutil.which(self.binary) is None:
             return f"{self.binary} not installed (Debian qemu-system-x86)"
+        if not self.jail_bin.is_file():
+            return f"{self.jail_bin} not built (pip install -e . builds it)"
         return None
+
+    def default_jail(self) -> Jail:
+        """The jail of a VM started without one: :attr:`run_as`, every namespace."""
+        if self.run_as is None:
+            return Jail()
+        return Jail(uid=self.run_as[0], gid=self.run_as[1])
+
+    def _jail_argv(self, jail: Jail, machine: Machine, run_dir: Path) -> list[str]:
+        a = [str(self.jail_bin)]
+        for j in jail.join:
+            a += ["--join", j]
+        devices, groups = list(jail.devices), list(jail.groups)
+        if machine.accel == "kvm" and "/dev/kvm" not in devices:
+            devices.append("/dev/kvm")
+            with contextlib.suppress(OSError):  # the node's group (Debian: kvm, 0660)
+                groups.append(os.stat("/dev/kvm").st_gid)
+        if jail.uid is not None:
+            a += ["--uid", str(jail.uid), "--gid", str(jail.gid)]
+            for g in dict.fromkeys(groups):
+                a += ["--group", str(g)]
+        if jail.netns:
+            a.append("--netns")
+        if jail.fs:
+            root = run_dir / "jail"
+            root.mkdir(exist_ok=True)
+            a += ["--root", str(root)]
+            for d in devices:
+                a += ["--dev", d]
+        return [*a, "--"]
+
+    def _binary_path(self, jail: Jail) -> str:
+        path = shutil.which(self.binary) or self.binary
+        path = os.path.realpath(path)
+        if jail.fs and not path.startswith("/usr/"):
+            raise BackendError(f"{path}: a jailed VMM must be under /usr (all its jail shows)")
+        return path
 
     async def _start(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
                      mem_path: Path | int | None, share: bool,
-                     state: Path | None) -> QemuVm:
+                     state: Path | None, jail: Jail | None) -> QemuVm:
         run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        jail = jail if jail is not None else self.default_jail()
+        if isinstance(mem_path, Path) and jail.fs:
+            raise BackendError(f"VM {run_dir.name}: a jailed VMM takes its RAM file as an fd")
         opened: list[int] = []
 
         def open_fd(path: str | Path, flags: int, mode: int = 0o600) -> int:
@@ -292,15 +340,15 @@ class QemuVmm:
                 tuple(None if d.path is None else
                       open_fd(d.path, os.O_RDONLY if d.read_only else os.O_RDWR)
                       for d in disks))
-            a = argv(machine, disks, mem_path, share, fds, sfd is not None, self.binary)
+            a = [*self._jail_argv(jail, machine, run_dir),
+                 *argv(machine, disks, mem_path, share, fds, sfd is not None,
+                       self._binary_path(jail), name=str(run_dir))]
             inherit = [*fds.all(), *([sfd] if sfd is not None else []),
                        *([mem_path] if isinstance(mem_path, int) else [])]
-            user = self.run_as if not isinstance(mem_path, Path) else None
             try:
                 proc = subprocess.Popen(
                     a, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=inherit,
-                    start_new_session=True, user=user[0] if user else None,
-                    group=user[1] if user else None, extra_groups=[] if user else None)
+                    start_new_session=True)
             except OSError as e:
                 raise BackendError(f"start {self.binary}: {e}") from e
         finally:
@@ -331,12 +379,14 @@ class QemuVmm:
         return vm
 
     async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                   mem_path: Path | None, share: bool) -> QemuVm:
-        return await self._start(machine, disks, run_dir, mem_path, share, None)
+                   mem_path: Path | int | None, share: bool,
+                   jail: Jail | None = None) -> QemuVm:
+        return await self._start(machine, disks, run_dir, mem_path, share, None, jail)
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path | int | None, state: Path) -> QemuVm:
-        return await self._start(machine, disks, run_dir, mem_path, False, state)
+                      mem_path: Path | int | None, state: Path,
+                      jail: Jail | None = None) -> QemuVm:
+        return await self._start(machine, disks, run_dir, mem_path, False, state, jail)
 
 
 def qemu_log_tail(run_dir: Path, limit: int = 2000) -> str:

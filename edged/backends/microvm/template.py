@@ -64,7 +64,7 @@ from pathlib import Path
 
 from edged.backends.microvm import boot
 from edged.backends.microvm.qemu import qemu_log_tail
-from edged.backends.microvm.vmm import Disk, Machine, Vm, Vmm
+from edged.backends.microvm.vmm import Disk, Jail, Machine, Vm, Vmm
 from edged.errors import BackendError
 
 log = logging.getLogger("edged.microvm")
@@ -159,19 +159,19 @@ class Templates:
             return None
         return Template(machine, d, float(meta.get("boot_s", 0.0)))
 
-    async def get(self, machine: Machine) -> Template:
+    async def get(self, machine: Machine, jail: Jail | None = None) -> Template:
         """The template of ``machine``, booting and saving it first if there is none (one
-        boot at a time per machine). Raises BackendError if the guest does not come up
-        within :data:`BOOT_TIMEOUT_S`."""
+        boot at a time per machine; its VMM confined by ``jail``, by default the VMM's).
+        Raises BackendError if the guest does not come up within :data:`BOOT_TIMEOUT_S`."""
         key = machine.key()
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             found = self.find(machine)
             if found is not None:
                 return found
-            return await self._make(machine)
+            return await self._make(machine, jail)
 
-    async def _make(self, machine: Machine) -> Template:
+    async def _make(self, machine: Machine, jail: Jail | None = None) -> Template:
         key = machine.key()
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = self.root / f".{key}.{os.getpid()}"
@@ -179,10 +179,19 @@ class Templates:
         tmp.mkdir(mode=0o700)
         run_dir = self.run_root / f"template-{key}"
         shutil.rmtree(run_dir, ignore_errors=True)
+        jail = jail or self.vmm.default_jail()
         t0 = time.monotonic()
-        vm = await self.vmm.boot(machine, self._placeholders(machine), run_dir,
-                                 tmp / "mem", share=True)
+        # The RAM file reaches the (jailed) VMM as an fd; it re-opens it through
+        # /proc/self/fd, which checks the file's owner and mode: its user owns it while it
+        # boots, root once it is saved.
+        mem_fd = os.open(tmp / "mem", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        vm: Vm | None = None
         try:
+            os.ftruncate(mem_fd, machine.memory_mib << 20)
+            if jail.uid is not None:
+                os.fchown(mem_fd, jail.uid, jail.gid if jail.gid is not None else -1)
+            vm = await self.vmm.boot(machine, self._placeholders(machine), run_dir,
+                                     mem_fd, share=True, jail=jail)
             reader, writer = await open_port(vm)
             try:
                 boot.parse_ready(await read_exact(reader, boot.READY.size, "ready record",
@@ -192,11 +201,15 @@ class Templates:
             finally:
                 writer.close()
         except BaseException:
-            await vm.kill()
+            if vm is not None:
+                await vm.kill()
+            os.close(mem_fd)
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         await vm.kill()
+        os.fchown(mem_fd, 0, 0)
+        os.close(mem_fd)
         shutil.rmtree(run_dir, ignore_errors=True)
         for f in ("mem", "state"):
             os.chmod(tmp / f, 0o400)
@@ -210,15 +223,18 @@ class Templates:
                  machine.memory_mib, machine.vcpus, machine.accel)
         return Template(machine, dest, boot_s)
 
-    async def clone(self, template: Template, disks: Sequence[Disk], run_dir: Path) -> Vm:
+    async def clone(self, template: Template, disks: Sequence[Disk], run_dir: Path,
+                    jail: Jail | None = None) -> Vm:
         """Start a clone of ``template`` with ``disks`` (same count as the machine's), its
-        RAM the template's sealed memfd (made on first use)."""
+        RAM the template's sealed memfd (made on first use), its VMM confined by ``jail``
+        (None: the VMM's default)."""
         key = template.dir.name
         fd = self._ram_fds.get(key)
         if fd is None:
             fd = await asyncio.to_thread(sealed_copy, template.mem)
             self._ram_fds[key] = fd
-        return await self.vmm.restore(template.machine, disks, run_dir, fd, template.state)
+        return await self.vmm.restore(template.machine, disks, run_dir, fd, template.state,
+                                      jail)
 
     def close(self) -> None:
         """Close the templates' memfds (running clones keep their own references)."""

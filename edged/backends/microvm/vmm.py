@@ -58,6 +58,27 @@ class Machine:
 
 
 @dataclass(frozen=True)
+class Jail:
+    """How a VMM process is confined on the host, by ``edged-vmm-jail``
+    (``csrc/vmm-jail/jail.c``) before the VMM runs: ``uid``/``gid`` (None: the caller's),
+    ``groups`` (supplementary; none by default); ``join``: cgroup files it writes itself
+    into (``tasks`` on v1, ``cgroup.procs`` on v2), so that everything it uses from its
+    first instruction is charged to its cgroups; ``netns``: a network and IPC namespace of
+    its own (a guest without a network needs no socket of the host's); ``fs``: a mount
+    namespace that shows it nothing of the host's files but ``/usr`` (read-only),
+    ``/etc/ld.so.cache``, a ``/proc`` of its own processes and a ``/dev`` of null, zero,
+    urandom and ``devices`` (``/dev/kvm``): every file it works on is an fd it inherits."""
+
+    uid: int | None = None
+    gid: int | None = None
+    groups: tuple[int, ...] = ()
+    join: tuple[str, ...] = ()
+    netns: bool = True
+    fs: bool = True
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Disk:
     """A virtio-blk disk: ``path`` (a raw image file), ``serial`` (how the guest finds it),
     ``read_only``. ``path`` None: an empty placeholder (templates)."""
@@ -124,14 +145,20 @@ class Vmm(Protocol):
         """None if usable here, else why not (binary missing...)."""
         ...
 
+    def default_jail(self) -> Jail:
+        """How a VM started without a :class:`Jail` of its own is confined."""
+        ...
+
     async def boot(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                   mem_path: Path | None, share: bool) -> Vm:
-        """Cold-boot ``machine`` with its RAM in the file ``mem_path`` (``share``: mapped
-        shared, so a template's RAM is the file itself), or anonymous RAM when None."""
+                   mem_path: Path | int | None, share: bool, jail: Jail | None = None) -> Vm:
+        """Cold-boot ``machine`` with its RAM in the file ``mem_path`` (a path, or an fd the
+        VMM inherits; ``share``: mapped shared, so a template's RAM is the file itself), or
+        anonymous RAM when None; confined as ``jail`` says (None: the VMM's default)."""
         ...
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
-                      mem_path: Path | int | None, state: Path) -> Vm:
+                      mem_path: Path | int | None, state: Path,
+                      jail: Jail | None = None) -> Vm:
         """Start ``machine`` from a state written by :meth:`Vm.save`, its RAM mapped
         privately (copy-on-write) from ``mem_path`` (a template's RAM: a file, or an fd the
         VMM inherits), or anonymous RAM when None (a full snapshot, which carries every

@@ -443,3 +443,27 @@ def test_sandbox_gone_records_its_cause(api: Api) -> None:
     assert causes == {"ttl": "ttl", "idle": "idle", "del": "deleted"}
     r = api.get("/v1/sandboxes/ttl/events?since=-5", check=False)
     assert r.status == 400 and r.json()["error"]["code"] == "bad_request"
+
+
+def test_a_sandbox_the_backend_reports_dead_is_failed(api: Api, node) -> None:
+    """A backend's failure report (its sandbox's init ended) makes the sandbox ``failed`` at
+    once with the cause in words as its error and in one ``sandbox_failed`` event (a second
+    report changes nothing); exec is a 409; delete removes it (issue 9, item 4)."""
+    create(api, id="dead")
+    cause = {"what": "sbx-init ended", "signal": 9, "oom_kill": True, "log": "last line"}
+    for _ in range(2):
+        node.call(_report(node, "dead", cause))
+    info = api.get("/v1/sandboxes/dead").json()
+    assert (info["state"], info["error"]) == (
+        "failed", "sbx-init ended (signal 9, out of memory)"), info
+    evs = api.get("/v1/sandboxes/dead/events?kind=sandbox_failed").json()["events"]
+    assert [e["detail"]["cause"] for e in evs] == [cause]
+    r = api.post("/v1/sandboxes/dead/exec", {"cmd": "true"}, check=False)
+    assert r.status == 409 and r.json()["error"]["code"] == "invalid_state", r.body
+    assert api.delete("/v1/sandboxes/dead").status in (200, 204)
+    assert "dead" in node.backend.destroyed
+    assert api.get("/v1/sandboxes/dead", check=False).status == 404
+
+
+async def _report(node, sid: str, cause: dict) -> None:
+    node.backend.on_failure(sid, cause)  # on the daemon's loop, as a backend calls it

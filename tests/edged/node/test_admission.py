@@ -130,6 +130,24 @@ def test_memory_hungry_request_refused_before_the_host_is_at_risk(tmp_path: Path
         a.admit("over", res(200 * MiB))
 
 
+def test_a_released_sandbox_is_no_longer_pending(tmp_path: Path) -> None:
+    # Bug: a sandbox deleted within the window kept its request pending, so create/delete
+    # cycles faster than window / request (the e2e 1000-cycle test: 32 MiB every ~30 ms)
+    # came to refuse every create with "pending 8160" and nothing running.
+    host, clock = Host(tmp_path), [100.0]
+    a = adm(host, clock)
+    for i in range(100):  # 100 x 1 GiB within 1 s, on 7 GiB of headroom
+        a.admit(f"c{i}", res(GiB))
+        a.release(f"c{i}")
+        clock[0] += 0.01
+    assert a.snapshot()["memory"]["pending_bytes"] == 0
+    a.admit("held", res(3 * GiB))
+    a.admit("gone", res(2 * GiB))
+    a.release("gone")
+    assert a.snapshot()["memory"]["pending_bytes"] == 3 * GiB  # only the one still held
+    a.release("gone")  # idempotent
+
+
 def test_reclaimable_counts_and_shortens_retry(tmp_path: Path) -> None:
     host, clock = Host(tmp_path), [0.0]
     host.set(avail=GiB + 10 * MiB)

@@ -115,14 +115,24 @@ def tag(i: int) -> bytes:
     return f"TAG{i}\n".encode()
 
 
-def test_echo_at_a_starved_cpu_quota(backend: ContainerBackend, busybox_tree: Path) -> None:
-    # the issue's reproduction: 8 at once in one sandbox at cpus 0.05 (17-42 of 400 lost)
+def none_lost(b: ContainerBackend, tree: Path, *, cpus: float, n: int, concurrency: int,
+              count: int = 1, busy: bool = False,
+              argv: Callable[[int], tuple[str, ...]] = echo, want: Callable[[int], bytes] = tag,
+              want_err: Callable[[int], bytes] = lambda i: b"", **kw: Any) -> None:
+    """``n`` execs in each of ``count`` sandboxes at ``cpus``, ``concurrency`` at once in
+    each (``busy``: beside :func:`busy_loops`); fails unless every one delivered whole."""
     async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 1, cpus=0.05) as sids:
-            tally = await hammer(backend, sids, 240, 8, echo, tag)
+        async with sandboxes(b, tree, count, cpus=cpus) as sids, \
+                (busy_loops(b, sids[0]) if busy else contextlib.nullcontext()):
+            tally = await hammer(b, sids, n, concurrency, argv, want, want_err, **kw)
         tally.assert_none_lost()
 
-    run(body)
+    run(body, timeout=max(300, n * count // 2))
+
+
+def test_echo_at_a_starved_cpu_quota(backend: ContainerBackend, busybox_tree: Path) -> None:
+    # the issue's reproduction: 8 at once in one sandbox at cpus 0.05 (17-42 of 400 lost)
+    none_lost(backend, busybox_tree, cpus=0.05, n=240, concurrency=8)
 
 
 def test_both_streams_and_big_outputs_at_a_starved_cpu_quota(
@@ -130,64 +140,33 @@ def test_both_streams_and_big_outputs_at_a_starved_cpu_quota(
     # output larger than a pipe's buffer, on both streams: the last 64 KiB of each are in
     # the pipes when the process ends
     size = 200_000
-
-    def argv(i: int) -> tuple[str, ...]:
-        return ("sh", "-c", f"head -c {size} /dev/zero; echo E{i} >&2; head -c {i} /dev/zero")
-
-    async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 1, cpus=0.05) as sids:
-            tally = await hammer(backend, sids, 24, 4, argv, lambda i: bytes(size + i),
-                                 lambda i: f"E{i}\n".encode())
-        tally.assert_none_lost()
-
-    run(body)
+    none_lost(backend, busybox_tree, cpus=0.05, n=24, concurrency=4,
+              argv=lambda i: ("sh", "-c", f"head -c {size} /dev/zero; echo E{i} >&2; "
+                                          f"head -c {i} /dev/zero"),
+              want=lambda i: bytes(size + i), want_err=lambda i: f"E{i}\n".encode())
 
 
 def test_pty_echo_at_a_starved_cpu_quota(backend: ContainerBackend, busybox_tree: Path) -> None:
-    async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 1, cpus=0.05) as sids:
-            tally = await hammer(backend, sids, 60, 4, echo, lambda i: f"TAG{i}\r\n".encode(),
-                                 pty=True)
-        tally.assert_none_lost()
-
-    run(body)
+    none_lost(backend, busybox_tree, cpus=0.05, n=60, concurrency=4,
+              want=lambda i: f"TAG{i}\r\n".encode(), pty=True)
 
 
 def test_echo_beside_busy_loops_inside_and_outside(backend: ContainerBackend,
                                                    busybox_tree: Path) -> None:
     # the issue: 13 of 200 lost at cpus 0.5 with a busy loop left running in the sandbox
-    async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 1, cpus=0.5) as sids, \
-                busy_loops(backend, sids[0]):
-            tally = await hammer(backend, sids, 400, 8, echo, tag)
-        tally.assert_none_lost()
-
-    run(body)
+    none_lost(backend, busybox_tree, cpus=0.5, n=400, concurrency=8, busy=True)
 
 
 def test_echo_across_sandboxes(backend: ContainerBackend, busybox_tree: Path) -> None:
     # the issue: 41 of 1,600 lost across 20 sandboxes x 4 concurrent
-    async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 6, cpus=0.1) as sids:
-            tally = await hammer(backend, sids, 30, 4, echo, tag)
-        tally.assert_none_lost()
-
-    run(body)
+    none_lost(backend, busybox_tree, cpus=0.1, n=30, concurrency=4, count=6)
 
 
 @pytest.mark.slow
 def test_echo_at_scale_under_pressure(backend: ContainerBackend, busybox_tree: Path) -> None:
-    # the issue's full figures: 400 at cpus 0.05; 20 sandboxes x 4 x 20, busy loops beside
-    async def body() -> None:
-        async with sandboxes(backend, busybox_tree, 1, cpus=0.05) as sids:
-            tally = await hammer(backend, sids, 400, 8, echo, tag)
-        tally.assert_none_lost()
-        async with sandboxes(backend, busybox_tree, 20, cpus=0.5) as sids, \
-                busy_loops(backend, sids[0]):
-            tally = await hammer(backend, sids, 80, 4, echo, tag)
-        tally.assert_none_lost()
-
-    run(body, timeout=900)
+    # the issue's full figures: 400 at cpus 0.05; 20 sandboxes x 4 x 80, busy loops beside
+    none_lost(backend, busybox_tree, cpus=0.05, n=400, concurrency=8)
+    none_lost(backend, busybox_tree, cpus=0.5, n=80, concurrency=4, count=20, busy=True)
 
 
 def _children(pid: int) -> list[int]:

@@ -179,19 +179,52 @@ def test_bad_layer_fails_the_create_with_the_guests_reason(
 def test_pause_to_a_snapshot_and_resume(templates: Templates, machine: Machine, layer: Path,
                                         run_dir: Path) -> None:
     """Pause ends the VMM (nothing left running) with the guest in a file; resume brings the
-    same guest back: what it wrote and a process it left running are still there."""
+    same guest back: what it wrote, a process it left running, and an exec that was running
+    at the pause (its output from before and after, its stdin, its end) are still there."""
     async def go() -> None:
         g = await _clone(templates, machine, layer, run_dir / "a")
         try:
             await g.run(["sh", "-c", "echo kept > /state; (sleep 1000 &) ; echo $(hostname)"])
             _, ps_before, _ = await g.run(["sh", "-c", "pidof sleep"])
+            h = await g.conn.exec(("sh", "-c", "echo before; read x; echo after $x"),
+                                  {"PATH": "/bin"}, stdin=True)
+            events = h.events()
+            assert await events.__anext__() == ("stdout", b"before\n")
             snap = run_dir / "a.snapshot"
             await g.pause(snap)
             assert not g.vm.alive() and not qemu_pids_of(run_dir / "a")
             assert snap.stat().st_size > 1 << 20  # the guest's RAM is in it
+            stdin = asyncio.create_task(h.write_stdin(b"x\n"))  # waits for the resume
             await g.resume(templates.vmm, machine, snap)
+            await stdin
+            rest = [ev async for ev in events]
+            assert rest[0] == ("stdout", b"after x\n"), rest
+            assert (rest[-1].reason, rest[-1].exit_code) == ("exited", 0)  # type: ignore[union-attr]
             _, out, _ = await g.run(["sh", "-c", "cat /state; pidof sleep"])
             assert out == b"kept\n" + ps_before
+        finally:
+            await g.destroy()
+
+    run(go())
+
+
+def test_resume_by_a_new_client_ends_the_old_clients_execs(
+        templates: Templates, machine: Machine, layer: Path, run_dir: Path) -> None:
+    """A daemon restarted while its VM was paused has none of its execs: resumed ``fresh``,
+    the guest's sbx-init sees its old client go and kills that client's execs (as a
+    container's does when its daemon goes), keeping what runs on its own."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            await g.run(["sh", "-c", "(sleep 1000 &)"])
+            h = await g.start(["sh", "-c", "sleep 500"])
+            assert h.pid > 0
+            await g.pause()
+            await g.resume(templates.vmm, machine, fresh=True)
+            _, out, _ = await g.run(["sh", "-c", "ps -o args | grep -c '^sleep [15]00'"])
+            assert out == b"1\n"  # sleep 1000 is left, sleep 500 was killed
+            end, _, _ = await g.run(["echo", "ok"])
+            assert end.exit_code == 0
         finally:
             await g.destroy()
 
@@ -239,10 +272,11 @@ def test_clones_map_the_template_ram_from_a_write_sealed_memfd(
     run(go())
 
 
-def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: Machine,
+def test_vmm_runs_jailed_as_its_own_user_with_only_fds(templates: Templates, machine: Machine,
                                                 layer: Path, run_dir: Path) -> None:
-    """The clone's QEMU runs as an unprivileged user and still reads its layer in a 0700
-    root-owned directory and its kernel/initramfs: every file it has is an fd we gave it."""
+    """The clone's QEMU runs as an unprivileged user in namespaces of its own (no network,
+    no host file but /usr) and still reads its layer in a 0700 root-owned directory and its
+    kernel/initramfs: every file it has is an fd we gave it."""
     async def go() -> None:
         assert os.stat(layer.parent).st_mode & 0o077 == 0 and os.stat(layer.parent).st_uid == 0
         g = await _clone(templates, machine, layer, run_dir / "a")
@@ -253,6 +287,18 @@ def test_vmm_runs_as_its_own_user_with_only_fds(templates: Templates, machine: M
             groups = next(ln for ln in status.splitlines() if ln.startswith("Groups:"))
             assert uids == [str(VMM_UID)] * 4 and gids == [str(VMM_UID)] * 4
             assert groups.split()[1:] == []
+            # its jail: no network and no host file but /usr (read-only) and its own /proc
+            for ns in ("net", "ipc", "mnt"):
+                assert os.readlink(f"/proc/{g.vm.pid}/ns/{ns}") != os.readlink(
+                    f"/proc/self/ns/{ns}"), ns
+            root = f"/proc/{g.vm.pid}/root"
+            assert sorted(os.listdir(root)) == ["bin", "dev", "etc", "lib", "lib64", "proc",
+                                                "sbin", "usr"]
+            assert sorted(os.listdir(f"{root}/dev")) == ["null", "urandom", "zero"]
+            assert os.listdir(f"{root}/etc") == ["ld.so.cache"]
+            assert not os.path.exists(f"{root}/{layer}")
+            mounts = Path(f"/proc/{g.vm.pid}/mounts").read_text().splitlines()
+            assert any(m.split()[1] == "/usr" and " ro," in m for m in mounts), mounts
             _, out, _ = await g.run(["cat", "/etc/hostname"])
             assert out == b"layer\n"
         finally:
