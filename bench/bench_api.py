@@ -37,6 +37,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_create import busybox_tree
+
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.client import Sandbox
@@ -55,15 +57,8 @@ def busybox_layer(work: Path) -> tuple[str, str]:
     from layerfs.build import build_layer
     from layerfs.store import Store
 
-    bb = shutil.which("busybox") or "/bin/busybox"
-    root = work / "root"
-    (root / "bin").mkdir(parents=True)
-    for d in ("etc", "tmp"):
-        (root / d).mkdir()
-    shutil.copy(bb, root / "bin" / "busybox")
-    for a in subprocess.run([bb, "--list"], capture_output=True, text=True).stdout.split():
-        if a != "busybox":
-            os.symlink("busybox", root / "bin" / a)
+    root = busybox_tree(work / "root")
+    (root / "etc").mkdir()
     store = str(work / "store")
     return store, build_layer(str(root), kind="base", store=Store(store)).digest
 

@@ -67,7 +67,7 @@ from typing import IO, Any, BinaryIO, TypeVar
 import zstandard
 
 from layerfs.errors import CorruptError, LayerfsError, NotFoundError, StoreError
-from layerfs.fsutil import atomic_write, fsync_dir, write_all
+from layerfs.fsutil import atomic_write, fsync_dir, write_replace
 from layerfs.manifest import (
     MAX_CHUNK_SIZE,
     ChunkRef,
@@ -340,18 +340,7 @@ class Store:
         except FileNotFoundError:
             pass
         comp = self._cctx().compress(data)
-        fd, tmp = tempfile.mkstemp(prefix="chunk.", dir=self._path("tmp"))
-        try:
-            try:
-                write_all(fd, comp)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        write_replace(path, comp, tmp_dir=self._path("tmp"), prefix="chunk.")
         return "sha256:" + hexd, len(comp), True
 
     def _decode_chunk(self, digest: str, comp: bytes, where: str) -> bytes:

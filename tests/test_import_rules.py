@@ -7,6 +7,13 @@
 - nothing under ``edged/node/`` or ``edged/api/`` imports a particular backend (only the
   contract, ``edged.backends.base``, and the registry, ``edged.backends.registry``), and no
   backend imports the node (it is below it);
+- no backend imports another (``container``, ``microvm``, ``fncall`` share the contract and
+  the rooms below it, never each other's code);
+- the rooms every backend shares, ``edged/sbxinit/`` and ``edged/cgroups/``, know of the
+  backends only the contract's types (``edged.backends.base``), and nothing of the node, the
+  API or the network; ``edged/images/`` (the layers' one owner) and ``edged/net/`` know no
+  particular backend, nor the node or the API;
+- ``edged/security/`` (policy) does not import the API (the transport);
 - ``edged/security/`` does not import ``layerfs`` (confinement has its own native module);
 - ``edged/client/`` (the SDK) imports nothing of the daemon, nor ``layerfs``.
 """
@@ -68,6 +75,9 @@ def imports_of(module: str) -> Iterator[tuple[str, int]]:
                     yield target, node.lineno
 
 
+#: The backends' own packages (edged/backends/<kind>/).
+BACKENDS = sorted(p.parent.name for p in (ROOT / "edged/backends").glob("*/__init__.py"))
+
 GRAPH = {m: sorted({t for t, _ in imports_of(m) if t != m}) for m in MODULES}
 
 
@@ -81,6 +91,8 @@ def test_the_graph_is_read() -> None:
     assert "edged.node.manager" in GRAPH["edged.api.app"]
     assert "edged.backends.registry" in GRAPH["edged.node.manager"]
     assert "layerfs.remote.connect" in GRAPH["edged.images.mounts"]  # a lazy import
+    assert {"container", "fncall", "microvm"} <= set(BACKENDS)
+    assert "edged.backends.base" in GRAPH["edged.sbxinit.client"]  # a rule's allowed import
 
 
 def test_no_import_circle() -> None:
@@ -132,6 +144,19 @@ def _under(prefix: str) -> list[str]:
      "the API knows backends by the contract and the registry"),
     ("edged.backends", lambda t: t.startswith(("edged.node", "edged.api")),
      "a backend is below the node and the API"),
+    *[(f"edged.backends.{kind}", lambda t, kind=kind: t.startswith("edged.backends.")
+       and t.split(".")[2] in BACKENDS and t.split(".")[2] != kind,
+       "a backend reaches into no other backend") for kind in BACKENDS],
+    *[(room, lambda t: t.startswith(("edged.node", "edged.api", "edged.net"))
+       or (t.startswith("edged.backends") and t != "edged.backends.base"),
+       "the rooms every backend shares know of backends only the contract's types")
+      for room in ("edged.sbxinit", "edged.cgroups")],
+    *[(room, lambda t: t.startswith(("edged.node", "edged.api"))
+       or (t.startswith("edged.backends") and t != "edged.backends.base"),
+       "below the node and the API, and no particular backend's")
+      for room in ("edged.images", "edged.net")],
+    ("edged.security", lambda t: t.startswith("edged.api"),
+     "policy does not depend on the transport (the API)"),
     ("edged.security", lambda t: t.startswith("layerfs"),
      "confinement has its own native module (edged._native)"),
     ("edged.client", lambda t: not t.startswith("edged.client"),

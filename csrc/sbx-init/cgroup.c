@@ -18,6 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "lfs_cleanup.h"
 #include "sbx-init.h"
 
 /* Pick the implementation from the directories given at start-up. */
@@ -102,30 +103,26 @@ uint64_t cg_oom_kills(struct sbx_cg *cg)
 int cg_write(int dirfd, const char *cg, const char *file, const char *val)
 {
 	char path[64];
-	int fd, rc = 0;
+	cleanup_close int fd = -1;
 
 	snprintf(path, sizeof(path), "%s/%s", cg, file);
 	fd = openat(dirfd, path, O_WRONLY | O_CLOEXEC);
-	if (fd < 0)
+	if (fd < 0 || write(fd, val, strlen(val)) < 0)
 		return -1;
-	if (write(fd, val, strlen(val)) < 0)
-		rc = -1;
-	close(fd);
-	return rc;
+	return 0;
 }
 
 ssize_t cg_read(int dirfd, const char *cg, const char *file, char *out, size_t size)
 {
 	char path[64];
+	cleanup_close int fd = -1;
 	ssize_t n;
-	int fd;
 
 	snprintf(path, sizeof(path), "%s/%s", cg, file);
 	fd = openat(dirfd, path, O_RDONLY | O_CLOEXEC);
 	if (fd < 0)
 		return -1;
 	n = read(fd, out, size - 1);
-	close(fd);
 	if (n < 0)
 		return -1;
 	out[n] = 0;

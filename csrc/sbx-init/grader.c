@@ -21,6 +21,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "lfs_cleanup.h"
 #include "sbx-init.h"
 
 #ifndef OPEN_TREE_CLONE
@@ -51,7 +52,9 @@
  * without an upper.  Returns a detached mount fd, -1 with *f set. */
 static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 {
-	int ovl, mnt, empty = -1, i, saved;
+	cleanup_close int empty = -1;
+	cleanup_close int ovl = -1;
+	int mnt, i, saved;
 
 	if (pol->scratch_fd < 0)
 		return sbx_fail(f, ENOENT, "grader view", "no scratch dir for the bottom layer");
@@ -59,11 +62,8 @@ static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 	if (empty < 0)
 		return sbx_fail(f, errno, "grader view", "empty bottom layer");
 	ovl = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC_);
-	if (ovl < 0) {
-		saved = errno;
-		close(empty);
-		return sbx_fail(f, saved, "grader view", "fsopen overlay");
-	}
+	if (ovl < 0)
+		return sbx_fail(f, errno, "grader view", "fsopen overlay");
 	for (i = pol->n_lowers - 1; i >= 0; i--)
 		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, pol->lowers[i]) < 0)
 			break;
@@ -80,11 +80,8 @@ static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 		snprintf(dirs + off, sizeof(dirs) - off, "/proc/self/fd/%d", empty);
 		close(ovl); /* a context that refused a parameter is not reused */
 		ovl = (int)syscall(SYS_fsopen, "overlay", FSOPEN_CLOEXEC_);
-		if (ovl < 0) {
-			saved = errno;
-			close(empty);
-			return sbx_fail(f, saved, "grader view", "fsopen overlay");
-		}
+		if (ovl < 0)
+			return sbx_fail(f, errno, "grader view", "fsopen overlay");
 		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_STRING_, "lowerdir", dirs, 0) < 0 ||
 		    syscall(SYS_fsconfig, ovl, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0)
 			goto fail;
@@ -97,8 +94,6 @@ static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 			   MOUNT_ATTR_RDONLY_ | MOUNT_ATTR_NODEV_ | MOUNT_ATTR_NOSUID_);
 	if (mnt < 0)
 		goto fail;
-	close(ovl);
-	close(empty);
 	return mnt;
 fail:
 	saved = errno;
@@ -107,8 +102,6 @@ fail:
 		static char log[256];
 		ssize_t n = read(ovl, log, sizeof(log) - 1);
 
-		close(ovl);
-		close(empty);
 		if (n > 0) {
 			log[n] = 0;
 			if (log[n - 1] == '\n')

@@ -1,5 +1,6 @@
 """Sandbox backends: one interface (:class:`edged.backends.base.Backend`), one module per kind
-(``container`` now; ``fncall``, ``microvm``, ``fullvm`` later)."""
+(``container``, ``fncall``, built by name by :mod:`edged.backends.registry`; ``microvm``'s
+pieces, not yet registered)."""
 
 from edged.backends.base import (
     Backend,

@@ -27,13 +27,13 @@ What running sandboxes see (tested in ``tests/edged/images/test_layer_service_e2
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from edged.images.mounts import LayerMounts
 from edged.metrics import Metrics
+from edged.periodic import Periodic
 
 log = logging.getLogger("edged.images")
 
@@ -54,7 +54,8 @@ class LayerService:
         self.available = True
         self.failures = 0  #: failed restarts in a row
         self._next_try = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(self.check_once, lambda: self.interval_s,
+                              "layer service check", log)
 
     @property
     def supervised(self) -> bool:
@@ -159,26 +160,14 @@ class LayerService:
         log.info("layer service: restarted", extra={"answers": up})
         self._set_available(up is not False)
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            try:
-                await self.check_once()
-            except Exception:
-                log.exception("layer service check failed")
-
     def start(self) -> None:
         """Check every ``interval_s`` until :meth:`stop`."""
-        if self._task is None and self.supervised:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if self.supervised:
+            self._loop.start()
 
     async def stop(self) -> None:
         """Stop checking (the daemon's shutdown, before the layers are let go)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
 
 __all__ = ["LayerService"]

@@ -32,7 +32,6 @@ swap, reclaim).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -42,6 +41,7 @@ from typing import Any, Protocol
 from edged.backends.base import MemoryUsage
 from edged.errors import EdgedError
 from edged.node import hostmem
+from edged.periodic import Periodic
 
 log = logging.getLogger("edged.reclaim")
 
@@ -127,7 +127,8 @@ class Reclaimer:
         self.state: dict[str, SandboxReclaim] = {}
         self.budget = int(cfg.rate_bytes * cfg.interval_s)
         self._psi_total: tuple[float, int] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic(self.pass_once, lambda: self.cfg.interval_s, "reclaim pass",
+                              log)
         self._lock = asyncio.Lock()  # one reclaim at a time: it is CPU-bound (compression)
         self.passes = 0
 
@@ -279,26 +280,13 @@ class Reclaimer:
             res.bytes += moved
         return res
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.interval_s)
-            try:
-                await self.pass_once()
-            except Exception:
-                log.exception("reclaim pass failed")
-
     def start(self) -> None:
         """Run :meth:`pass_once` every ``interval_s`` until :meth:`stop`."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._loop.start()
 
     async def stop(self) -> None:
         """Stop the pass loop."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
     # -- reporting ------------------------------------------------------------------------
 

@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,10 +23,10 @@ from edged.backends.base import failure_text
 from edged.client import AsyncSandbox, BadRequestError, InvalidStateError, NotFoundError, Sandbox
 from edged.config import Config
 from edged.daemon import Server, ServerThread
+from tests.busybox import install_busybox
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
-BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 
 
 @dataclass
@@ -48,17 +47,9 @@ def layer_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     from layerfs.build import build_layer
     from layerfs.store import Store
 
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    root = tmp_path_factory.mktemp("bbroot")
-    for d in ("bin", "etc", "tmp", "work"):
+    root = install_busybox(tmp_path_factory.mktemp("bbroot"))
+    for d in ("etc", "tmp", "work"):
         (root / d).mkdir()
-    shutil.copy(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
-                             check=True).stdout.split()
-    for a in applets:
-        if a != "busybox":
-            os.symlink("busybox", root / "bin" / a)
     (root / "etc" / "passwd").write_text("root:x:0:0:sandbox root:/:/bin/sh\n")
     (root / "etc" / "marker").write_text("from the layer\n")
     store_dir = str(tmp_path_factory.mktemp("store"))

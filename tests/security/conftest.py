@@ -22,9 +22,9 @@ import pytest
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.security.ledger import Ledger, SecurityEvent
+from tests.busybox import install_busybox
 from tests.edged.backends.container.conftest import assert_left_clean
 
-BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 HERE = Path(__file__).resolve().parent
 ENV = {"PATH": "/usr/bin:/bin"}
 
@@ -47,16 +47,9 @@ def make_rootfs(root: Path, attack: Path) -> Path:
     """A rootfs: busybox in /bin (an applet symlink each, /bin/sh among them), the attack
     tool as /usr/bin/attack, /lib a symlink into /usr (merged-/usr style: protected by
     Landlock alone, since a symlink cannot be a read-only mount), /etc/passwd, /work."""
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    for d in ("bin", "usr/bin", "usr/lib", "etc", "work"):
+    install_busybox(root)
+    for d in ("usr/bin", "usr/lib", "etc", "work"):
         (root / d).mkdir(parents=True)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
-                             check=True).stdout.split()
-    for a in applets:
-        if a != "busybox":
-            (root / "bin" / a).symlink_to("busybox")
     shutil.copy2(attack, root / "usr" / "bin" / "attack")
     (root / "usr" / "lib" / "libc.so").write_text("a protected library\n")
     (root / "lib").symlink_to("usr/lib")

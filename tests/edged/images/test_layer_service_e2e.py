@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -21,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from edged.client import InvalidStateError, LayersUnavailableError, Sandbox
-from tests.edged.test_e2e_container import BUSYBOX, real_node  # noqa: F401 - fixture
+from tests.busybox import install_busybox
+from tests.edged.test_e2e_container import real_node  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
 
@@ -36,14 +36,9 @@ def layer_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     from layerfs.build import build_layer
     from layerfs.store import Store
 
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    root = tmp_path_factory.mktemp("svcroot")
-    for d in ("bin", "etc", "tmp", "data"):
+    root = install_busybox(tmp_path_factory.mktemp("svcroot"), ("sh", "md5sum", "cat"))
+    for d in ("etc", "tmp", "data"):
         (root / d).mkdir()
-    shutil.copy(BUSYBOX, root / "bin" / "busybox")
-    for a in ("sh", "md5sum", "cat"):
-        os.symlink("busybox", root / "bin" / a)
     for name in DATA:
         data = os.urandom(8 << 20)
         (root / "data" / name).write_bytes(data)

@@ -19,7 +19,8 @@ from collections.abc import Iterator
 import pytest
 
 from edged.client import Sandbox
-from tests.edged.test_e2e_container import BUSYBOX, real_node  # noqa: F401 - fixture
+from tests.busybox import install_busybox
+from tests.edged.test_e2e_container import real_node  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
 
@@ -34,14 +35,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
     from layerfs.build import build_layer
     from layerfs.store import Store
 
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    root = tmp_path_factory.mktemp("lazyroot")
-    for d in ("bin", "etc", "tmp", "data"):
+    root = install_busybox(tmp_path_factory.mktemp("lazyroot"), ("sh", "cat", "ls", "wc", "id"))
+    for d in ("etc", "tmp", "data"):
         (root / d).mkdir()
-    shutil.copy(BUSYBOX, root / "bin" / "busybox")
-    for a in ("sh", "cat", "ls", "wc", "id"):
-        os.symlink("busybox", root / "bin" / a)
     (root / "etc" / "marker").write_text("from the remote\n")
     (root / "data" / "blob").write_bytes(os.urandom(BLOB))
     local = Store(tmp_path_factory.mktemp("build-store"), chunk_size=256 << 10)

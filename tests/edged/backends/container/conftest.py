@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from edged.backends.container import ContainerBackend
-
-BUSYBOX = shutil.which("busybox") or "/bin/busybox"
+from tests.busybox import install_busybox
 
 
 def _is_static(path: str) -> bool:
@@ -25,16 +23,7 @@ def _is_static(path: str) -> bool:
 @pytest.fixture(scope="session")
 def busybox_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rootfs directory: /bin/busybox (static) and a symlink per applet."""
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    root = tmp_path_factory.mktemp("busybox-root")
-    (root / "bin").mkdir()
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
-                             check=True).stdout.split()
-    for a in applets:
-        if a != "busybox":
-            (root / "bin" / a).symlink_to("busybox")
+    root = install_busybox(tmp_path_factory.mktemp("busybox-root"))
     (root / "etc").mkdir()
     (root / "etc" / "hostname").write_text("layer\n")
     os.chmod(root, 0o755)

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +18,8 @@ from edged.backends.microvm.template import Templates
 from edged.backends.microvm.vmm import Machine
 from layerfs.sources.directory import load_directory
 from layerfs.writer import write_image
+from tests.busybox import install_busybox
 
-BUSYBOX = shutil.which("busybox") or "/bin/busybox"
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
 #: The user the tests' VMMs run as: unprivileged, below the container uid grid (1 << 30).
 VMM_UID = 900_000_000 + os.getpid() % 100_000
@@ -47,15 +45,7 @@ def initrd(kit: guestkit.GuestKit, vm_root: Path) -> Path:
 
 def make_layer(root: Path, out: Path, files: dict[str, str] | None = None) -> Path:
     """A busybox rootfs (+ ``files``: path -> text) written as an EROFS image by layerfs."""
-    if not os.path.exists(BUSYBOX):
-        pytest.skip("needs busybox-static")
-    (root / "bin").mkdir(parents=True)
-    shutil.copy2(BUSYBOX, root / "bin" / "busybox")
-    applets = subprocess.run([BUSYBOX, "--list"], capture_output=True, text=True,
-                             check=True).stdout.split()
-    for a in applets:
-        if a != "busybox":
-            (root / "bin" / a).symlink_to("busybox")
+    install_busybox(root)
     for d in ("etc", "tmp", "usr", "root"):
         (root / d).mkdir(exist_ok=True)
     for rel, text in (files or {}).items():
