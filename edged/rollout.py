@@ -288,8 +288,7 @@ async def prepare_task(task: Task, project: ProjectImage, socket: str) -> TaskIm
         digest = await sbx.snapshot(kind="workspace", exclude=list(SNAPSHOT_EXCLUDE),
                                     image=f"rollout/{task.name}:task")
     finally:
-        await sbx.kill()
-        await sbx.close()
+        await _destroy(sbx)
     return TaskImage(task, project, digest, f"rollout/{task.name}:task",
                      time.monotonic() - t0)
 
@@ -349,10 +348,26 @@ async def run_episode(ti: TaskImage, policy: str, ep_id: str, socket: str) -> Ep
         ep.error = f"{type(e).__name__}: {e}"
         log.warning("episode %s: %s", ep_id, ep.error)
     finally:
-        await sbx.kill()
-        await sbx.close()
+        gone = await _destroy(sbx)
+        if gone is not None:
+            ep.error = ep.error or gone
         ep.sandbox_s = ep.wall_s = time.monotonic() - t0
     return ep
+
+
+async def _destroy(sbx: Any) -> str | None:
+    """Kill ``sbx`` and close its client; what went wrong, in words, or None. A sandbox the
+    node could not destroy (a loaded node: "sbx-init did not exit after SIGKILL") is said and
+    logged, not raised: it would end every other episode of the rollout with it (the daemon
+    holds it as failed; the job's private daemon is torn down at the end)."""
+    try:
+        await sbx.kill()
+    except Exception as e:
+        log.warning("sandbox %s: destroy failed: %s: %s", sbx.id, type(e).__name__, e)
+        return f"destroy failed: {type(e).__name__}: {e}"
+    finally:
+        await sbx.close()
+    return None
 
 
 async def run_rollout(tasks: list[TaskImage], episodes: int, parallel: int,

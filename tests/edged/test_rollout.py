@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -108,3 +109,53 @@ def test_rollout_on_six(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert all(a["recorded"] for a in rep["cheating_attempts"])
     assert len(list((tmp_path / "out").glob("*.json"))) == 3
     assert str(tmp_path) not in Path("/proc/mounts").read_text()
+
+
+class _FailingSandbox:
+    """A sandbox of a loaded node: its session cannot start, and it cannot be destroyed."""
+
+    id = "rl-x-0"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def session(self) -> None:
+        from edged.client import BackendError
+
+        raise BackendError("freezer did not reach FROZEN", status=500)
+
+    async def kill(self) -> None:
+        from edged.client import BackendError
+
+        raise BackendError("sbx-init did not exit after SIGKILL", status=500)
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_an_episode_whose_sandbox_cannot_be_destroyed_is_reported_not_raised(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destroy that fails (seen at load average 80) is that episode's error: it had
+    escaped run_episode and ended the whole rollout with a traceback."""
+    import asyncio
+
+    from edged.client import AsyncSandbox
+
+    fake = _FailingSandbox()
+
+    async def create(*a: object, **kw: object) -> _FailingSandbox:
+        return fake
+
+    monkeypatch.setattr(AsyncSandbox, "create", create)
+    task = rollout.TASKS["six-b"]
+    project = SimpleNamespace(env={}, project_dir="/work/six", test_argv=("pytest",))
+    ti = rollout.TaskImage(task, project, "sha256:" + "0" * 64,  # type: ignore[arg-type]
+                           "rollout/six-b:task", 0.0)
+    ep = asyncio.run(rollout.run_episode(ti, "solver", "rl-x-0", "/nonexistent.sock"))
+    assert ep.error == "BackendError: freezer did not reach FROZEN", ep.error
+    assert not ep.as_expected and fake.closed
+    # a destroy that fails on its own is the episode's error too
+    fake.closed = False
+    got = asyncio.run(rollout._destroy(fake))
+    assert got == "destroy failed: BackendError: sbx-init did not exit after SIGKILL"
+    assert fake.closed
