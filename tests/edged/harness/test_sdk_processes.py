@@ -52,7 +52,11 @@ def test_pty_bytes_order_and_raising(deb_node, debian_layer) -> None:
         p = sbx.pty(["/bin/sh", "-c", "read x; stty size; read y; echo got:$y; stty size"],
                     rows=30, cols=100)
         p.write_stdin("first\n")
-        time.sleep(0.5)
+        seen = ""
+        for chunk in p.stdout:  # the first size printed before the resize (a loaded node
+            seen += chunk       # took longer than a fixed sleep)
+            if "30 100" in seen:
+                break
         p.resize(40, 120)
         p.write_stdin("hello\n")
         out = p.wait(10).stdout
