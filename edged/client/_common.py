@@ -129,9 +129,12 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
                 seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
                 qos: str | None = None,
                 auto_pause_after: float | None = None,
-                network: Any = None) -> dict[str, Any]:
+                network: Any = None,
+                backend: str | None = None) -> dict[str, Any]:
     """The ``POST /v1/sandboxes`` body."""
     body: dict[str, Any] = {}
+    if backend is not None:
+        body["backend"] = backend
     if image is not None:
         body["image"] = image
     if layers is not None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
@@ -58,25 +57,14 @@ class Files:
             body = chunks()
         else:
             body = data
-        t = self._sbx._t
         q = {"path": path, "mode": f"{mode:o}"}
-        conn, resp = t.open("PUT", path_for("sandboxes", self._sbx.id, "files", query=q), body,
-                            {"Content-Type": "application/octet-stream"})
-        try:
-            return int(json.loads(resp.read())["bytes"])
-        finally:
-            conn.close()
+        out = self._sbx._t.upload(path_for("sandboxes", self._sbx.id, "files", query=q), body)
+        return int(out["bytes"])
 
     def iter_bytes(self, path: str) -> Iterator[bytes]:
         """Stream the file at ``path`` in chunks."""
-        t = self._sbx._t
-        conn, resp = t.open("GET", path_for("sandboxes", self._sbx.id, "files",
-                                            query={"path": path}))
-        try:
-            while chunk := resp.read(FILE_CHUNK):
-                yield chunk
-        finally:
-            conn.close()
+        yield from self._sbx._t.download(path_for("sandboxes", self._sbx.id, "files",
+                                                  query={"path": path}), FILE_CHUNK)
 
     def read_bytes(self, path: str) -> bytes:
         """The whole file at ``path``."""
@@ -112,7 +100,8 @@ class Sandbox:
                task_profile: str | None = None,
                seccomp_profile: str | None = None, memory_request_bytes: int | None = None,
                qos: str | None = None, auto_pause_after: float | None = None,
-               network: Any = None) -> Sandbox:
+               network: Any = None,
+               backend: str | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
@@ -121,14 +110,16 @@ class Sandbox:
         (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
         many seconds (any request resumes it). ``network``: ``"none"`` (default), ``{"allow":
         ["pypi", "pypi.org:443", "203.0.113.0/24"]}``, a list of rules, or the DSec form
-        ``{"pypi": True, "npm": False}``."""
+        ``{"pypi": True, "npm": False}``. ``backend``: the node's backend to run it
+        (``GET /v1/node`` lists them; None: the node's default)."""
         t = Transport(socket)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
                            idle_timeout=idle_timeout, labels=labels,
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after, network=network)
+                           auto_pause_after=auto_pause_after, network=network,
+                           backend=backend)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod
