@@ -236,11 +236,20 @@ class NodeAgent:
     async def download(self, path: str) -> AsyncIterator[wire.Result]:
         """A byte body in ``("ok", chunk)`` items of up to :data:`DOWNLOAD_CHUNK` bytes; an
         error as one ``("err", {...})``."""
+        buf = bytearray()
         try:
-            async for chunk in self._t.download(_relayable(path), DOWNLOAD_CHUNK):
-                yield wire.ok(chunk)
+            # aiohttp hands over what has arrived: gathered into whole items, each of
+            # which is one Ray object
+            async for piece in self._t.download(_relayable(path), DOWNLOAD_CHUNK):
+                buf += piece
+                if len(buf) >= DOWNLOAD_CHUNK:
+                    yield wire.ok(bytes(buf[:DOWNLOAD_CHUNK]))
+                    del buf[:DOWNLOAD_CHUNK]
         except SandboxError as e:
             yield wire.err(e)
+            return
+        if buf:
+            yield wire.ok(bytes(buf))
 
     async def upload(self, path: str, data: bytes) -> wire.Result:
         """``PUT`` ``data`` whole."""

@@ -107,6 +107,18 @@ class LocalCluster:
                  f"node {name} {state} (now {self.states().get(name)})")
 
 
+def joined(rc: RayCluster, nodes: dict[str, EdgedNode]) -> LocalCluster:
+    """``nodes`` (their joins started) once the registry lists each of them up."""
+    def registry() -> Any:
+        with contextlib.suppress(ValueError):
+            return ray.get_actor("edged-registry", namespace="edged")
+        return None
+    tc = LocalCluster(rc, nodes, wait_for(registry, 60, "the registry", step=0.2))
+    for name in nodes:
+        tc.wait_state(name, "up", 60)
+    return tc
+
+
 @pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[RayCluster]:
     tmp = Path(tempfile.mkdtemp(prefix="edged-i16-", dir="/tmp"))
@@ -151,15 +163,7 @@ def cluster(ray_cluster: RayCluster) -> Iterator[LocalCluster]:
             nodes[name].start_daemon()
         for n in nodes.values():
             n.start_join()
-        tc = LocalCluster(ray_cluster, nodes, None)
-
-        def registry() -> Any:
-            with contextlib.suppress(ValueError):
-                return ray.get_actor("edged-registry", namespace="edged")
-            return None
-        tc.registry = wait_for(registry, 60, "the registry", step=0.2)
-        for name in nodes:
-            tc.wait_state(name, "up", 60)
+        tc = joined(ray_cluster, nodes)
         yield tc
     finally:
         for n in nodes.values():
