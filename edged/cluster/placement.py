@@ -125,14 +125,20 @@ class _Overlay:
 class Placer:
     """Power of ``k`` choices over :class:`NodeView` reports plus this client's in-flight
     placements (module docstring). ``rng``: the random source (tests seed it); ``clock``:
-    the client's monotonic clock, for ``overlay_ttl_s``."""
+    the client's monotonic clock, for ``overlay_ttl_s``.
+
+    ``k = 1`` is random placement among the nodes with room; ``k`` at least the number of
+    nodes is least-loaded placement; ``overlay = False`` decides on the reports alone, as a
+    client that keeps no count of its own placements would (both for comparison:
+    ``bench/bench_cluster.py``)."""
 
     def __init__(self, k: int = 2, *, rng: random.Random | None = None,
-                 overlay_ttl_s: float = 30.0,
+                 overlay_ttl_s: float = 30.0, overlay: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if k < 1:
             raise ValueError(f"k: must be >= 1, not {k}")
         self.k = k
+        self.overlay = overlay
         self.rng = rng or random.Random()
         self.overlay_ttl_s = overlay_ttl_s
         self.clock = clock
@@ -170,11 +176,11 @@ class Placer:
 
     def _in_flight(self, name: str) -> int:
         ov = self._overlay.get(name)
-        return 0 if ov is None else ov.pending + len(ov.placed)
+        return 0 if ov is None or not self.overlay else ov.pending + len(ov.placed)
 
     def _free(self, v: NodeView) -> int:
         ov = self._overlay.get(v.name)
-        if ov is not None and ov.refused_at is not None:
+        if ov is not None and ov.refused_at is not None and self.overlay:
             return 0
         return v.free - self._in_flight(v.name)
 

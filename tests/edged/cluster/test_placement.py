@@ -65,6 +65,16 @@ def test_without_overlay_a_burst_herds() -> None:
     assert got == {"c": 60}
 
 
+def test_k_1_is_random_and_no_overlay_decides_on_reports_alone() -> None:
+    p = Placer(k=3, overlay=False, rng=random.Random(1))
+    p.update(views({"a": 100, "b": 200, "c": 300}))
+    assert place_n(p, 60) == {"c": 60}  # least loaded by the report, 60 times
+    r = Placer(k=1, overlay=False, rng=random.Random(1))
+    r.update(views({"a": 100, "b": 200, "c": 300}))
+    got = place_n(r, 600)
+    assert all(150 < got[n] < 250 for n in "abc"), got  # uniform, whatever the sizes
+
+
 def test_load_is_the_fraction_in_use() -> None:
     """Nodes of equal size, unequally full: the emptier fraction wins, so placement follows
     free capacity."""
