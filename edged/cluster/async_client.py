@@ -185,7 +185,8 @@ class AsyncClusterClient:
                      labels: Mapping[str, str] | None = None,
                      task_profile: str | None = None, seccomp_profile: str | None = None,
                      memory_request_bytes: int | None = None, qos: str | None = None,
-                     auto_pause_after: float | None = None, backend: str | None = None,
+                     auto_pause_after: float | None = None, network: Any = None,
+                     backend: str | None = None,
                      node_labels: Mapping[str, str] | None = None,
                      node: str | None = None) -> AsyncClusterSandbox:
         """See :meth:`ClusterClient.create`."""
@@ -208,7 +209,8 @@ class AsyncClusterClient:
                                idle_timeout=idle_timeout, labels=labels,
                                task_profile=task_profile, seccomp_profile=seccomp_profile,
                                memory_request_bytes=memory_request_bytes, qos=qos,
-                               auto_pause_after=auto_pause_after, backend=backend)
+                               auto_pause_after=auto_pause_after, network=network,
+                               backend=backend)
             try:
                 route = await self._route(t.node)
                 info, e, at = await self._create_on(route, body)
