@@ -106,6 +106,15 @@ class LocalCluster:
         wait_for(lambda: self.states().get(name) == state, timeout,
                  f"node {name} {state} (now {self.states().get(name)})")
 
+    def wait_listed(self, *boxes: Any, timeout: float = 15.0) -> None:
+        """Until the registry lists each of ``boxes`` (cluster handles) on its node: a
+        report has carried it (a fixed sleep is too short on a loaded machine)."""
+        def listed() -> bool:
+            where = [ray.get(self.registry.locate.remote(b.id)) for b in boxes]
+            return all(w is not None and w["node"] == b.node and w["state"] != "lost"
+                       for w, b in zip(where, boxes, strict=True))
+        wait_for(listed, timeout, "the sandboxes listed in a report")
+
 
 def joined(rc: RayCluster, nodes: dict[str, EdgedNode]) -> LocalCluster:
     """``nodes`` (their joins started) once the registry lists each of them up."""

@@ -141,9 +141,9 @@ def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> No
     boxes = [client.create(layers=[LAYER], node_labels=AUX) for _ in range(5)]
     on_x = [b for b in boxes if b.node == "x"]
     assert on_x and len(on_x) < 5
-    time.sleep(3 * REPORT_S)  # listed in a report
+    aux.wait_listed(*boxes)
     x.kill_daemon()
-    aux.wait_state("x", "down", 5)
+    aux.wait_state("x", "down")
     lost = client.lost("x")
     assert set(lost) == {b.id for b in on_x}
     assert all("does not answer" in v["cause"] and v["state"] == "running"
@@ -174,7 +174,7 @@ def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> No
 def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluster,
                                                                 client) -> None:
     sbx = client.create(layers=[LAYER], node="y")
-    time.sleep(3 * REPORT_S)
+    aux.wait_listed(sbx)
     y = aux.nodes["y"]
     y.join.stop(sig=signal.SIGKILL)  # the join process gone: the detached relay goes on
     time.sleep(3 * REPORT_S)
@@ -196,7 +196,7 @@ def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluste
 
 def test_leave_on_sigterm(aux: LocalCluster, client) -> None:
     sbx = client.create(layers=[LAYER], node="x")
-    time.sleep(3 * REPORT_S)
+    aux.wait_listed(sbx)
     x = aux.nodes["x"]
     assert x.join.stop(sig=signal.SIGTERM) == 0
     assert "node x left" in x.join.text()

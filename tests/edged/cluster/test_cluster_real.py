@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,9 +116,9 @@ def test_kill_9_then_adopted_again(real: LocalCluster, client: ClusterClient,
     r1 = real.nodes["r1"]
     sbx = client.create(layers=[digest], env=ENV, node="r1")
     sbx.exec("echo kept > /tmp/state")
-    time.sleep(3 * REPORT_S)
+    real.wait_listed(sbx)
     r1.kill_daemon()
-    real.wait_state("r1", "down", 10)
+    real.wait_state("r1", "down")
     assert sbx.id in client.lost("r1")
     with pytest.raises(SandboxLostError):
         sbx.exec("true")
