@@ -10,7 +10,7 @@ The policy data stays in the top-level ``profiles/`` (its source of truth, fixed
 brief). A wheel gets a copy of it as ``edged/_profiles/``, which
 ``edged.security.profile.find_profiles_dir`` looks for first; an editable install keeps no
 copy and reads the checkout's ``profiles/`` itself, so edits there take effect at once. The
-systemd unit (``systemd/edged.service``) is copied into the wheel as ``edged/_systemd/``.
+systemd units (``systemd/*.service``) are copied into the wheel as ``edged/_systemd/``.
 """
 
 import importlib.util
@@ -36,10 +36,11 @@ class build_py_with_bins(build_py):
             profiles = pathlib.Path(self.build_lib) / "edged" / "_profiles"
             shutil.rmtree(profiles, ignore_errors=True)  # a stale build/ from an earlier run
             shutil.copytree(_HERE / "profiles", profiles)
-            # the unit too, so that a node installed from the wheel alone can install it
+            # the units too, so that a node installed from the wheel alone can install them
             unit = pathlib.Path(self.build_lib) / "edged" / "_systemd"
             unit.mkdir(exist_ok=True)
-            shutil.copy2(_HERE / "systemd" / "edged.service", unit / "edged.service")
+            for f in sorted((_HERE / "systemd").glob("*.service")):
+                shutil.copy2(f, unit / f.name)
         mod.build(out)
 
 

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_create import busybox_tree
 
-from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import QOS_CLASSES, ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.client import Sandbox
 from edged.config import Config
@@ -63,18 +63,18 @@ def busybox_layer(work: Path) -> tuple[str, str]:
     return store, build_layer(str(root), kind="base", store=Store(store)).digest
 
 
-def via_api(sock: str, digest: str, n: int, execs: int) -> dict[str, list[float]]:
-    Sandbox.create(layers=[digest], env=ENV, socket=sock).kill()  # warm-up
+def via_api(sock: str, digest: str, n: int, execs: int, qos: str) -> dict[str, list[float]]:
+    Sandbox.create(layers=[digest], env=ENV, socket=sock, qos=qos).kill()  # warm-up
     create: list[float] = []
     t_all = time.perf_counter()
     for _ in range(n):
         t0 = time.perf_counter()
-        s = Sandbox.create(layers=[digest], env=ENV, socket=sock)
+        s = Sandbox.create(layers=[digest], env=ENV, socket=sock, qos=qos)
         s.exec(["true"])
         create.append(time.perf_counter() - t0)
         s.kill()
     cycles = n / (time.perf_counter() - t_all)
-    s = Sandbox.create(layers=[digest], env=ENV, socket=sock)
+    s = Sandbox.create(layers=[digest], env=ENV, socket=sock, qos=qos)
     rt: list[float] = []
     for _ in range(execs):
         t0 = time.perf_counter()
@@ -84,7 +84,8 @@ def via_api(sock: str, digest: str, n: int, execs: int) -> dict[str, list[float]
     return {"create": create, "exec": rt, "cycles_per_s": [cycles]}
 
 
-async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list[float]]:
+async def direct(runtime: str, lower: str, n: int, execs: int,
+                 qos: str) -> dict[str, list[float]]:
     b = ContainerBackend(runtime, spawner_pool=Config().spawner_pool)
     await b.warm()
     spec = ExecSpec(argv=("true",), env=ENV)
@@ -97,7 +98,7 @@ async def direct(runtime: str, lower: str, n: int, execs: int) -> dict[str, list
 
     def sbx(i: int) -> SandboxSpec:
         return SandboxSpec(id=f"direct-{i}", lowers=(lower,), resources=Resources(), env=ENV,
-                           hostname=f"direct-{i}", task_profile="default")
+                           hostname=f"direct-{i}", task_profile="default", qos=qos)
 
     await b.create(sbx(-1))
     await b.destroy("direct--1")
@@ -175,6 +176,8 @@ def main() -> int:
     ap.add_argument("--execs", type=int, default=300, help="exec round trips per contender")
     ap.add_argument("--in-process", action="store_true",
                     help="run the daemon in a thread of this process (shares its GIL)")
+    ap.add_argument("--qos", choices=QOS_CLASSES, default=SandboxSpec.qos,
+                    help="the sandboxes' CPU class (default: the daemon's)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -190,12 +193,12 @@ def main() -> int:
                      default_ttl_s=0.0)
         stop = start_daemon(cfg, a.in_process)
         try:
-            api = summarize(via_api(cfg.socket, digest, a.n, a.execs))
+            api = summarize(via_api(cfg.socket, digest, a.n, a.execs, a.qos))
             # The baseline runs on the daemon's own layer mount, held by one sandbox.
             keep = Sandbox.create(layers=[digest], env=ENV, socket=cfg.socket)
             lower = str(Path(runtime, "layers", digest.split(":", 1)[1]))
             assert os.path.ismount(lower), lower
-            base = summarize(asyncio.run(direct(direct_rt, lower, a.n, a.execs)))
+            base = summarize(asyncio.run(direct(direct_rt, lower, a.n, a.execs, a.qos)))
             keep.kill()
         finally:
             stop()

@@ -39,7 +39,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
+from edged.backends.base import QOS_CLASSES, ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.config import Config
 
@@ -79,7 +79,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | None,
-                    pool: int, idle_s: float) -> dict[str, Any]:
+                    pool: int, idle_s: float, qos: str) -> dict[str, Any]:
     b = ContainerBackend(state, spawner_pool=pool)
     await b.warm()
     counter = 0
@@ -90,7 +90,7 @@ async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | N
         sid = f"b{counter}"
         t0 = time.perf_counter()
         await b.create(SandboxSpec(id=sid, lowers=(lower,), resources=Resources(), env=ENV,
-                                   hostname=sid, task_profile=profile))
+                                   hostname=sid, task_profile=profile, qos=qos))
         h = await b.exec(sid, ExecSpec(argv=("true",), env=ENV))
         async for ev in h.events():
             if isinstance(ev, ExecEnd):
@@ -201,10 +201,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results: dict[str, Any] = {}
             idle = args.idle_ms / 1e3
             results["edged"] = await run_edged(lower, tmp / "state", args.n, args.concurrency,
-                                               "default", args.spawner_pool, idle)
+                                               "default", args.spawner_pool, idle, args.qos)
             results["edged unconfined"] = await run_edged(lower, tmp / "state", args.n,
                                                           args.concurrency, None,
-                                                          args.spawner_pool, idle)
+                                                          args.spawner_pool, idle, args.qos)
             if shutil.which("bwrap"):
                 results["bwrap"] = await run_command(command_runner(bwrap_argv(lower)), args.n,
                                                      args.concurrency)
@@ -224,6 +224,10 @@ def main() -> int:
                     help="edged's pooled spawners (default: the daemon's)")
     ap.add_argument("--idle-ms", type=float, default=50.0,
                     help="idle time before each 'after idle' sample")
+    ap.add_argument("--qos", choices=QOS_CLASSES, default=SandboxSpec.qos,
+                    help="edged's sandboxes' CPU class (default: the daemon's); best_effort "
+                         "yields the CPU to every other process, so on a busy machine it "
+                         "measures the others' load")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:

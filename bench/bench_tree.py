@@ -3,7 +3,7 @@ exec round trips (`bench_create.py`, the container backend directly; `bench_api.
 the daemon and the SDK), each tree running its own copy of both benchmarks, in turns.
 
     .venv/bin/python bench/bench_tree.py --ref REV [--rounds 2] [--n 100] [--execs 300]
-                                         [--keep DIR] [--json]
+                                         [--qos latency_sensitive] [--keep DIR] [--json]
 
 Needs root. REV is cloned from this checkout into a temporary directory (``--keep DIR``:
 there, and kept, so that a second run skips the build) and installed by its own
@@ -11,7 +11,10 @@ there, and kept, so that a second run skips the build) and installed by its own
 REV's benchmarks and this tree's run one after the other (REV first in odd rounds, this tree
 first in even ones, so drift in the machine's load does not favour one). Printed per figure:
 the median over the rounds for each tree and this tree's over REV's (above 1: this tree is
-slower or, for rates, faster). Issue 10 asks for it with REV the commit before the
+slower or, for rates, faster). The sandboxes run ``latency_sensitive`` by default: the
+daemon's default class, ``best_effort``, yields the CPU to every other process (SCHED_IDLE),
+so on a shared machine it would measure the others' load against a tree from before the
+classes, whose sandboxes ran at normal weight. Issue 10 asks for it with REV the commit before the
 restructuring (`1440189`).
 """
 
@@ -59,10 +62,19 @@ def prepare(ref: str, keep: Path | None) -> Path:
     return tree
 
 
-def run(tree: Path, bench: str, args: list[str]) -> dict[str, Any]:
-    """One benchmark of ``tree``'s, run by ``tree``'s interpreter; its --json output."""
-    out = subprocess.run([str(tree / ".venv/bin/python"), f"bench/{bench}", *args, "--json"],
-                         cwd=tree, check=True, capture_output=True, text=True)
+def run(tree: Path, bench: str, args: list[str], qos: str | None) -> dict[str, Any]:
+    """One benchmark of ``tree``'s, run by ``tree``'s interpreter; its --json output.
+    ``qos`` goes to a benchmark that takes ``--qos`` (a tree from before the CPU classes
+    has none: its sandboxes ran at normal CPU weight, as ``latency_sensitive`` ones do)."""
+    py = str(tree / ".venv/bin/python")
+    if qos is not None and "--qos" in subprocess.run(
+            [py, f"bench/{bench}", "--help"], cwd=tree, capture_output=True, text=True).stdout:
+        args = [*args, "--qos", qos]
+    out = subprocess.run([py, f"bench/{bench}", *args, "--json"],
+                         cwd=tree, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"bench_tree: {tree}'s bench/{bench} {' '.join(args)} failed "
+                 f"({out.returncode}):\n{out.stderr[-4000:]}")
     return dict(json.loads(out.stdout))
 
 
@@ -80,10 +92,15 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=100, help="sandboxes per creates/s and API cycles")
     ap.add_argument("--execs", type=int, default=300, help="exec round trips (API)")
     ap.add_argument("--keep", type=Path, help="clone and build REV here, and keep it")
+    ap.add_argument("--qos", default="latency_sensitive",
+                    help="the sandboxes' CPU class where a tree has classes (default "
+                         "latency_sensitive: what every sandbox was before them; 'daemon': "
+                         "each benchmark's own default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("bench_tree: needs root")
+    qos = None if a.qos == "daemon" else a.qos
     old = prepare(a.ref, a.keep)
     trees = {"ref": old, "this": HERE}
     samples: dict[str, dict[str, list[float]]] = {t: {f[0]: [] for f in FIGURES} for t in trees}
@@ -91,9 +108,9 @@ def main() -> int:
     try:
         for r in range(a.rounds):
             for t in (("ref", "this") if r % 2 == 0 else ("this", "ref")):
-                got = {"create": run(trees[t], "bench_create.py", ["--n", str(a.n)]),
+                got = {"create": run(trees[t], "bench_create.py", ["--n", str(a.n)], qos),
                        "api": run(trees[t], "bench_api.py",
-                                  ["--n", str(a.n), "--execs", str(a.execs)])}
+                                  ["--n", str(a.n), "--execs", str(a.execs)], qos)}
                 for name, bench, path, _ in FIGURES:
                     samples[t][name].append(dig(got[bench], path))
                 loads.append(os.getloadavg()[0])
@@ -108,11 +125,12 @@ def main() -> int:
     for v in table.values():
         v["this_over_ref"] = v["this"] / v["ref"] if v["ref"] else float("nan")
     if a.json:
-        print(json.dumps({"ref": a.ref, "this": head, "rounds": a.rounds, "n": a.n,
+        print(json.dumps({"ref": a.ref, "this": head, "rounds": a.rounds, "n": a.n, "qos": a.qos,
                           "figures": table, "samples": samples, "loadavg_1min": loads},
                          indent=2))
         return 0
-    print(f"this tree ({head}) against {a.ref}, median of {a.rounds} rounds, n={a.n}")
+    print(f"this tree ({head}) against {a.ref}, median of {a.rounds} rounds, n={a.n}, "
+          f"qos {a.qos}")
     print(f"{'figure':<34}{a.ref[:12]:>12}{head[:12]:>12}{'this/ref':>10}")
     for name, v in table.items():
         print(f"{name:<34}{v['ref']:>12.2f}{v['this']:>12.2f}{v['this_over_ref']:>10.2f}")

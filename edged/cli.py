@@ -1,4 +1,4 @@
-"""The ``edged`` command: ``serve | ps | run | exec | rm | images | node``.
+"""The ``edged`` command: ``serve | ps | run | exec | rm | images | node | cluster``.
 
 Human tables by default, ``--json`` for machines. ``run`` and ``exec`` stream the command's
 output and exit with its status (128+N if killed by signal N, 124 on timeout, like
@@ -16,14 +16,7 @@ from typing import Any
 
 from edged.client import ExecResult, Sandbox, SandboxError
 from edged.client._http import Transport, path_for
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-    for r in rows:
-        lines.append("  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+from edged.tabular import table as _table
 
 
 def _bytes(n: float) -> str:
@@ -252,6 +245,9 @@ def parser() -> argparse.ArgumentParser:
                         help="a project's test suite in N sandboxes (layers built from PyPI)")
     sp.add_argument("args", nargs=argparse.REMAINDER)
     sp.set_defaults(fn=cmd_suite)
+    from edged.cluster.join import add_parser as add_cluster
+
+    add_cluster(sub)
 
     sp = sub.add_parser("rollout", add_help=False,
                         help="the main job: an RL rollout (tasks on real projects, "

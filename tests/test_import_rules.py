@@ -15,7 +15,9 @@
   particular backend, nor the node or the API;
 - ``edged/security/`` (policy) does not import the API (the transport);
 - ``edged/security/`` does not import ``layerfs`` (confinement has its own native module);
-- ``edged/client/`` (the SDK) imports nothing of the daemon, nor ``layerfs``.
+- ``edged/client/`` (the SDK) imports nothing of the daemon, nor ``layerfs``;
+- ``edged/cluster/`` imports nothing of the daemon either (it is a client of the nodes'
+  APIs), and only it imports Ray: the SDK and the CLI start without it.
 """
 
 from __future__ import annotations
@@ -161,7 +163,40 @@ def _under(prefix: str) -> list[str]:
      "confinement has its own native module (edged._native)"),
     ("edged.client", lambda t: not t.startswith("edged.client"),
      "the SDK speaks HTTP only: nothing of the daemon, nor layerfs"),
+    ("edged.cluster", lambda t: not t.startswith(("edged.cluster", "edged.client",
+                                                  "edged.tabular")),
+     "the cluster is clients of the nodes' APIs: the SDK, nothing of the daemon"),
 ])
 def test_import_rule(src: str, forbidden: object, why: str) -> None:
     broken = [w for m in _under(src) for w in _where(m, forbidden)]
     assert broken == [], why
+
+
+def _imports_ray(module: str) -> list[int]:
+    path = MODULES[module]
+    tree = ast.parse(path.read_text(), str(path))
+    lines = []
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "ray" or n.startswith("ray.") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_cluster_imports_ray() -> None:
+    users = {m: ls for m in MODULES if (ls := _imports_ray(m))}
+    assert "edged.cluster.actors" in users  # the check sees them
+    assert [m for m in users if not m.startswith("edged.cluster.")] == []
+
+
+def test_the_sdk_and_the_cli_load_without_ray() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, edged.client, edged.cli, edged.cluster; "
+            "edged.cli.parser(); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

@@ -17,7 +17,8 @@
  * place these defaults are (documented in protocol.h, the API spec and the
  * README):
  *   PATH           /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
- *   HOME           the uid's home in the sandbox's /etc/passwd, else /root
+ *   HOME           the uid's home in the sandbox's /etc/passwd, else /root for
+ *                  uid 0, else / (login(1)'s DEFAULT_HOME fallback)
  *   USER, LOGNAME  the uid's name there, else "root" for uid 0, else the uid
  *   SHELL          the uid's shell there, else /bin/sh
  *   LANG           C.UTF-8
@@ -209,7 +210,7 @@ static char **login_env(const struct child_args *a)
 
 	snprintf(uidname, sizeof(uidname), "%u", a->req->uid);
 	name = found && pw.name[0] ? pw.name : a->req->uid == 0 ? "root" : uidname;
-	home = found && pw.home[0] ? pw.home : "/root";
+	home = found && pw.home[0] ? pw.home : a->req->uid == 0 ? "/root" : "/";
 	shell = found && pw.shell[0] ? pw.shell : "/bin/sh";
 	for (e = a->envp; *e; e++)
 		out[n++] = *e;

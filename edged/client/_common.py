@@ -252,7 +252,8 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
                 auto_pause_after: float | None = None,
                 network: Any = None, template: str | None = None,
                 envs: Mapping[str, str] | None = None, cpu: float | None = None,
-                memory_mib: int | None = None) -> dict[str, Any]:
+                memory_mib: int | None = None,
+                backend: str | None = None) -> dict[str, Any]:
     """The ``POST /v1/sandboxes`` body. E2B's and Modal's names are taken too: ``template``
     (``image``), ``envs`` (merged with ``env``), ``cpu`` (``cpus``), ``memory_mib``
     (``memory_bytes`` in MiB); the edged name wins where both are given."""
@@ -262,6 +263,8 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
     if memory_mib is not None and memory_bytes is None:
         memory_bytes = memory_mib << 20
     body: dict[str, Any] = {}
+    if backend is not None:
+        body["backend"] = backend
     if image is not None:
         body["image"] = image
     if layers is not None:

@@ -143,3 +143,21 @@ class Transport:
                     yield json.loads(line)
         finally:
             conn.close()
+
+    def upload(self, path: str, body: bytes | Iterable[bytes]) -> Any:
+        """``PUT`` a byte body (whole, or streamed from an iterable of chunks); the JSON
+        answer."""
+        conn, resp = self.open("PUT", path, body, {"Content-Type": "application/octet-stream"})
+        try:
+            return json.loads(resp.read())
+        finally:
+            conn.close()
+
+    def download(self, path: str, chunk: int = 256 << 10) -> Iterator[bytes]:
+        """``GET`` a byte body, streamed in chunks of up to ``chunk`` bytes."""
+        conn, resp = self.open("GET", path)
+        try:
+            while data := resp.read(chunk):
+                yield data
+        finally:
+            conn.close()

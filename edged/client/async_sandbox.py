@@ -113,9 +113,31 @@ class AsyncTransport:
         return resp
 
     async def json(self, method: str, path: str, payload: Any = None) -> Any:
+        """A JSON request/response round trip."""
         resp = await self.request(method, path, **json_kw(payload))
         async with resp:
             return await resp.json()
+
+    async def ndjson(self, method: str, path: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
+        """The objects of an NDJSON response, as they arrive."""
+        resp = await self.request(method, path, **json_kw(payload))
+        async with resp:
+            async for line in resp.content:
+                if line.strip():
+                    yield json.loads(line)
+
+    async def upload(self, path: str, body: bytes | AsyncIterator[bytes]) -> Any:
+        """``PUT`` a byte body (whole, or streamed from an async iterator); the JSON answer."""
+        resp = await self.request("PUT", path, data=body)
+        async with resp:
+            return await resp.json()
+
+    async def download(self, path: str, chunk: int = FILE_CHUNK) -> AsyncIterator[bytes]:
+        """``GET`` a byte body, streamed in chunks of up to ``chunk`` bytes."""
+        resp = await self.request("GET", path)
+        async with resp:
+            async for data in resp.content.iter_chunked(chunk):
+                yield data
 
 
 def json_kw(payload: Any) -> dict[str, Any]:
@@ -152,20 +174,17 @@ class AsyncFiles:
                     mode: int = 0o644, *, parents: bool = True) -> int:
         """Write text (UTF-8), bytes or an async iterator of chunks to ``path``, making its
         missing parent directories unless ``parents`` is False; returns bytes written."""
-        body: Any = data.encode() if isinstance(data, str) else data
+        body = data.encode() if isinstance(data, str) else data
         q = {"path": path, "mode": f"{mode:o}", "parents": "1" if parents else "0"}
-        resp = await self._sbx._t.request(
-            "PUT", path_for("sandboxes", self._sbx.id, "files", query=q), data=body)
-        async with resp:
-            return int((await resp.json())["bytes"])
+        out = await self._sbx._t.upload(
+            path_for("sandboxes", self._sbx.id, "files", query=q), body)
+        return int(out["bytes"])
 
     async def iter_bytes(self, path: str) -> AsyncIterator[bytes]:
         """Stream the file at ``path`` in chunks."""
-        resp = await self._sbx._t.request(
-            "GET", path_for("sandboxes", self._sbx.id, "files", query={"path": path}))
-        async with resp:
-            async for chunk in resp.content.iter_chunked(FILE_CHUNK):
-                yield chunk
+        async for chunk in self._sbx._t.download(
+                path_for("sandboxes", self._sbx.id, "files", query={"path": path}), FILE_CHUNK):
+            yield chunk
 
     async def read_bytes(self, path: str) -> bytes:
         """The whole file at ``path``."""
@@ -279,8 +298,8 @@ class AsyncSandbox:
                      auto_pause_after: float | None = None,
                      network: Any = None, template: str | None = None,
                      envs: Mapping[str, str] | None = None, cpu: float | None = None,
-                     memory_mib: int | None = None,
-                     retry: RetryPolicy | None = None) -> AsyncSandbox:
+                     memory_mib: int | None = None, retry: RetryPolicy | None = None,
+                     backend: str | None = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
         t = AsyncTransport(socket, retry=retry)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
@@ -289,7 +308,8 @@ class AsyncSandbox:
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
                            auto_pause_after=auto_pause_after, network=network,
-                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib)
+                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib,
+                           backend=backend)
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:
@@ -326,12 +346,8 @@ class AsyncSandbox:
                          trusted=trusted,
                          kill_leftovers=kill_leftovers)
         col = ExecCollector(on_stdout, on_stderr)
-        resp = await self._t.request("POST", path_for("sandboxes", self.id, "exec"),
-                                     **json_kw(body))
-        async with resp:
-            async for line in resp.content:
-                if line.strip():
-                    col.feed(json.loads(line))
+        async for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
+            col.feed(ev)
         r = col.result()
         return r.check() if check else r
 

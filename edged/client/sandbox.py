@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, Literal, overload
 
@@ -67,25 +66,14 @@ class Files:
             body = chunks()
         else:
             body = data
-        t = self._sbx._t
         q = {"path": path, "mode": f"{mode:o}", "parents": "1" if parents else "0"}
-        conn, resp = t.open("PUT", path_for("sandboxes", self._sbx.id, "files", query=q), body,
-                            {"Content-Type": "application/octet-stream"})
-        try:
-            return int(json.loads(resp.read())["bytes"])
-        finally:
-            conn.close()
+        out = self._sbx._t.upload(path_for("sandboxes", self._sbx.id, "files", query=q), body)
+        return int(out["bytes"])
 
     def iter_bytes(self, path: str) -> Iterator[bytes]:
         """Stream the file at ``path`` in chunks."""
-        t = self._sbx._t
-        conn, resp = t.open("GET", path_for("sandboxes", self._sbx.id, "files",
-                                            query={"path": path}))
-        try:
-            while chunk := resp.read(FILE_CHUNK):
-                yield chunk
-        finally:
-            conn.close()
+        yield from self._sbx._t.download(path_for("sandboxes", self._sbx.id, "files",
+                                                  query={"path": path}), FILE_CHUNK)
 
     def read_bytes(self, path: str) -> bytes:
         """The whole file at ``path``."""
@@ -157,7 +145,8 @@ class Sandbox:
                qos: str | None = None, auto_pause_after: float | None = None,
                network: Any = None, template: str | None = None,
                envs: Mapping[str, str] | None = None, cpu: float | None = None,
-               memory_mib: int | None = None, retry: RetryPolicy | None = None) -> Sandbox:
+               memory_mib: int | None = None, retry: RetryPolicy | None = None,
+               backend: str | None = None) -> Sandbox:
         """Create a sandbox from ``image`` ("name:tag") or ``layers`` (digests, bottom first).
         ``timeout``: TTL in seconds (0: none); ``idle_timeout``: seconds without exec.
         ``task_profile`` / ``seccomp_profile``: confinement profile names (node default:
@@ -166,10 +155,11 @@ class Sandbox:
         (default) or ``"latency_sensitive"``. ``auto_pause_after``: pause it once idle this
         many seconds (any request resumes it). ``network``: ``"none"`` (default), ``{"allow":
         ["pypi", "pypi.org:443", "203.0.113.0/24"]}``, a list of rules, or the DSec form
-        ``{"pypi": True, "npm": False}``. E2B's and Modal's names work too: ``template``
-        (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib`` (``memory_bytes``
-        in MiB). ``retry``: how a full node's 503 is retried, by this sandbox's every request
-        (default :class:`~edged.client.RetryPolicy`: 3 times)."""
+        ``{"pypi": True, "npm": False}``. ``backend``: the node's backend to run it
+        (``GET /v1/node`` lists them; None: the node's default). E2B's and Modal's names work
+        too: ``template`` (``image``), ``envs`` (``env``), ``cpu`` (``cpus``), ``memory_mib``
+        (``memory_bytes`` in MiB). ``retry``: how a full node's 503 is retried, by this
+        sandbox's every request (default :class:`~edged.client.RetryPolicy`: 3 times)."""
         t = Transport(socket, retry=retry)
         body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
                            pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
@@ -177,7 +167,8 @@ class Sandbox:
                            task_profile=task_profile, seccomp_profile=seccomp_profile,
                            memory_request_bytes=memory_request_bytes, qos=qos,
                            auto_pause_after=auto_pause_after, network=network,
-                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib)
+                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib,
+                           backend=backend)
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod

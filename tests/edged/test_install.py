@@ -112,7 +112,8 @@ def _check_installed(venv: Path, work: Path, rootfs: Path) -> None:
     assert Path(where[2]) == Path(site) / "edged" / "_profiles"
     for f in ("edged/_bin/sbx-init", "edged/_bin/edged-spawner", "edged/api/openapi.json",
               "edged/_profiles/tasks/default.toml", "edged/_profiles/seccomp/default.json",
-              "edged/_profiles/apparmor/sandbox.profile.in", "edged/_systemd/edged.service"):
+              "edged/_profiles/apparmor/sandbox.profile.in", "edged/_systemd/edged.service",
+              "edged/_systemd/edged-cluster.service", "edged/_systemd/edged-ray.service"):
         assert (Path(site) / f).is_file(), f"{f} is not in the installed package"
     assert (Path(site) / "edged/_systemd/edged.service").read_text() == UNIT.read_text()
 

@@ -878,7 +878,8 @@ def test_exec_environment_is_a_login_shells(backend: ContainerBackend,
             assert await env() == {**login, "HOME": "/root", "USER": "root",
                                    "LOGNAME": "root", "SHELL": "/bin/sh"}
             assert (await env(pty=True))["TERM"] == "xterm-256color"
-            assert (await env(uid=7))["USER"] == "7"
+            got = await env(uid=7)
+            assert (got["USER"], got["HOME"]) == ("7", "/")  # not root's home
             # the sandbox's own /etc/passwd, as the workload left it
             await backend.put_file("sb1", "/etc/passwd", chunks(
                 b"root:x:0:0:root:/home/root:/bin/sh\nagent:x:1000:1000:An Agent:/home/agent:"
@@ -900,6 +901,8 @@ def test_exec_environment_is_a_login_shells(backend: ContainerBackend,
             assert (await env())["HOME"] == "/root"
         finally:
             await backend.destroy("sb1")
+
+    run(body)  # (lost in a7c7e98's rebase: the test had run nothing since)
 
 
 def test_qos_classes_take_their_cpu_parent(state_dir: Path, busybox_tree: Path) -> None:

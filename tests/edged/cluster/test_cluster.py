@@ -1,0 +1,325 @@
+"""The cluster end to end over a local Ray cluster: nodes joined by ``edged cluster join``,
+placement by free capacity, refusals, a node killed, left or dead, ids found by any client,
+the relay's exec streams and files, the direct path (fake-backend daemons: see
+tests/edged/cluster/conftest.py)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from edged.client import (
+    BadRequestError,
+    CapacityExhaustedError,
+    NotFoundError,
+    Sandbox,
+)
+from edged.cluster import AsyncClusterClient, ClusterClient, ClusterError, SandboxLostError
+from edged.cluster.transport import DirectTransport, RelayTransport
+from tests.edged.cluster.conftest import DEAD_S, REPORT_S, LocalCluster, ray
+from tests.edged.cluster.fakenode import LAYERS
+from tests.edged.cluster.procs import ROOT, VENV_BIN, wait_for
+
+LAYER = sorted(LAYERS)[0]
+MAIN = {"group": "main"}
+AUX = {"group": "aux"}
+
+
+@pytest.fixture
+def client(cluster: LocalCluster):
+    c = ClusterClient(refresh_s=REPORT_S / 2, direct=False)
+    yield c
+    c.close()
+
+
+def _counts(boxes) -> dict[str, int]:
+    return dict(collections.Counter(b.node for b in boxes))
+
+
+def test_joined_nodes_report_capacity_and_are_pinned(cluster: LocalCluster, client) -> None:
+    nodes = {n["name"]: n for n in client.nodes()}
+    assert set(nodes) >= {"a", "b", "c", "x", "y"}
+    for name, cap in (("a", 100), ("b", 200), ("c", 300), ("x", 4), ("y", 3)):
+        n = nodes[name]
+        assert (n["state"], n["free"], n["held"]) == ("up", cap, 0), n
+        assert n["backends"] == ["container"] and n["socket"] == cluster.nodes[name].socket
+    assert nodes["x"]["labels"] == AUX and nodes["a"]["labels"] == MAIN
+    # each relay runs on the Ray node its join process is on
+    by_ip = {r["NodeManagerAddress"]: r["NodeID"] for r in ray.nodes() if r["Alive"]}
+    for name, n in nodes.items():
+        if name in cluster.nodes:
+            assert n["ray_node_id"] == by_ip[cluster.nodes[name].ip], name
+            actor = ray.get_actor(f"edged-node:{name}", namespace="edged")
+            assert ray.get(actor.ping.remote())["ray_node_id"] == by_ip[cluster.nodes[name].ip]
+    # and the CLI lists them too
+    out = subprocess.run([str(VENV_BIN / "edged"), "cluster", "nodes", "--ray-address",
+                          cluster.ray.address, "--node-ip-address", "127.0.0.2", "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert {n["name"]: n["free"] for n in json.loads(out.stdout)}["c"] == 300
+
+
+def test_placement_proportional_to_free_capacity(cluster: LocalCluster, client) -> None:
+    boxes = [client.create(layers=[LAYER], node_labels=MAIN) for _ in range(60)]
+    counts = _counts(boxes)
+    # 60 of 600 slots: 10 / 20 / 30 if every node is equally loaded
+    for name, want in (("a", 10), ("b", 20), ("c", 30)):
+        assert abs(counts.get(name, 0) - want) <= 3, counts
+    assert all(b.id.startswith(b.node + ".") for b in boxes)
+    assert {b.node for b in boxes} <= {"a", "b", "c"}
+    for name, want in counts.items():
+        assert len(cluster.nodes[name].sandboxes()) == want
+
+
+def test_burst_of_500_spreads_with_the_capacity_ratio(cluster: LocalCluster, client) -> None:
+    """500 creates from one client at once (24 threads), with reports every 0.2 s: the
+    in-flight overlay spreads them in proportion to capacity (100:200:300), not onto
+    whichever node looked emptiest at the last report."""
+    with ThreadPoolExecutor(24) as pool:
+        boxes = list(pool.map(lambda _: client.create(layers=[LAYER], node_labels=MAIN),
+                              range(500)))
+    counts = _counts(boxes)
+    assert sum(counts.values()) == 500 and len({b.id for b in boxes}) == 500
+    for name, cap in (("a", 100), ("b", 200), ("c", 300)):
+        want = 500 * cap / 600
+        assert abs(counts[name] - want) <= 0.2 * want, (counts, name)
+        assert len(cluster.nodes[name].sandboxes()) == counts[name]
+    with ThreadPoolExecutor(24) as pool:
+        list(pool.map(lambda b: b.kill(), boxes))
+    assert all(not cluster.nodes[n].sandboxes() for n in ("a", "b", "c"))
+
+
+def test_refused_create_lands_elsewhere(aux: LocalCluster) -> None:
+    """x (4) looks emptiest to a client whose view is stale; x is full meanwhile (filled
+    through its own socket): x's admission refuses, the create lands on y, and x counts as
+    full for this client until a report taken after the refusal."""
+    client = ClusterClient(refresh_s=1e9, direct=False, k=2)
+    try:
+        for _ in range(4):
+            Sandbox.create(layers=[LAYER], socket=aux.nodes["x"].socket)
+        sbx = client.create(layers=[LAYER], node_labels=AUX)
+        assert sbx.node == "y"
+        assert client.placer.effective("x")[0] == 0  # marked full by the refusal
+        time.sleep(3 * REPORT_S)
+        client.refresh()
+        assert client.placer.effective("x")[0] == 0  # its report says so now
+        assert [s.id for s in aux.nodes["y"].sandboxes()] == [sbx.id]
+        # every node refuses: bounded, and the refusal is what the caller gets
+        for _ in range(2):
+            client.create(layers=[LAYER], node_labels=AUX)
+        with pytest.raises(CapacityExhaustedError) as ei:
+            client.create(layers=[LAYER], node_labels=AUX)
+        assert ei.value.retry_after is not None
+    finally:
+        client.close()
+
+
+def test_bad_request_is_not_retried_elsewhere(cluster: LocalCluster, client) -> None:
+    before = {n: len(cluster.nodes[n].sandboxes()) for n in ("a", "b", "c")}
+    with pytest.raises(BadRequestError):
+        client.create(layers=[LAYER], node_labels=MAIN, cpus=-1)
+    with pytest.raises(NotFoundError):
+        client.create(layers=["sha256:" + "e" * 64], node_labels=MAIN)
+    with pytest.raises(ClusterError):
+        client.create(layers=[LAYER], node_labels={"group": "none"})
+    with pytest.raises(ClusterError):
+        client.create(layers=[LAYER], backend="microvm")
+    assert client.placer.in_flight() == {}
+    assert before == {n: len(cluster.nodes[n].sandboxes()) for n in ("a", "b", "c")}
+
+
+def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> None:
+    x = aux.nodes["x"]
+    boxes = [client.create(layers=[LAYER], node_labels=AUX) for _ in range(5)]
+    on_x = [b for b in boxes if b.node == "x"]
+    assert on_x and len(on_x) < 5
+    aux.wait_listed(*boxes)
+    x.kill_daemon()
+    aux.wait_state("x", "down")
+    lost = client.lost("x")
+    assert set(lost) == {b.id for b in on_x}
+    assert all("does not answer" in v["cause"] and v["state"] == "running"
+               for v in lost.values())
+    with pytest.raises(SandboxLostError) as ei:
+        on_x[0].exec("true")
+    assert ei.value.node == "x"
+    with pytest.raises(SandboxLostError):
+        client.connect(on_x[0].id)
+    with pytest.raises(SandboxLostError):
+        on_x[0].kill()  # not silently "done"
+    listed = {s.id: s for s in client.list()}
+    assert {i for i, s in listed.items() if s.info["state"] == "lost"} >= {b.id for b in on_x}
+    # new creates go to the others (y had room for 3; it holds 5 - len(on_x))
+    room = 3 - (5 - len(on_x))
+    new = [client.create(layers=[LAYER], node_labels=AUX) for _ in range(room)]
+    assert {b.node for b in new} == {"y"}
+    # the daemon comes back without them (this backend keeps no sandbox across a restart):
+    # they stay lost, and it is said that they are gone
+    x.start_daemon()
+    aux.wait_state("x", "up")
+    wait_for(lambda: all(v["confirmed"] for v in client.lost("x").values()), 10,
+             "the loss confirmed")
+    assert set(client.lost("x")) == {b.id for b in on_x}
+    assert client.create(layers=[LAYER], node_labels=AUX, node="x").node == "x"
+
+
+def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluster,
+                                                                client) -> None:
+    sbx = client.create(layers=[LAYER], node="y")
+    aux.wait_listed(sbx)
+    y = aux.nodes["y"]
+    y.join.stop(sig=signal.SIGKILL)  # the join process gone: the detached relay goes on
+    time.sleep(3 * REPORT_S)
+    assert aux.states()["y"] == "up"
+    ray.kill(ray.get_actor("edged-node:y", namespace="edged"), no_restart=True)
+    t0 = time.monotonic()
+    aux.wait_state("y", "dead", DEAD_S + 5)
+    assert time.monotonic() - t0 >= DEAD_S - 3 * REPORT_S
+    assert sbx.id in client.lost("y")
+    assert "no report" in client.lost("y")[sbx.id]["cause"]
+    with pytest.raises(SandboxLostError):
+        sbx.exec("true")
+    # a new join takes it back: its sandbox is found again
+    y.start_join()
+    aux.wait_state("y", "up")
+    wait_for(lambda: sbx.id not in client.lost("y"), 10, "the sandbox found again")
+    assert client.connect(sbx.id).exec("echo back").stdout == "back\n"
+
+
+def test_leave_on_sigterm(aux: LocalCluster, client) -> None:
+    sbx = client.create(layers=[LAYER], node="x")
+    aux.wait_listed(sbx)
+    x = aux.nodes["x"]
+    assert x.join.stop(sig=signal.SIGTERM) == 0
+    assert "node x left" in x.join.text()
+    assert aux.states()["x"] == "left"
+    assert "left the cluster" in client.lost("x")[sbx.id]["cause"]
+    with pytest.raises(ValueError):
+        ray.get_actor("edged-node:x", namespace="edged")
+    for _ in range(3):
+        assert client.create(layers=[LAYER], node_labels=AUX).node == "y"
+
+
+def test_a_new_client_finds_a_sandbox_by_id(cluster: LocalCluster, client) -> None:
+    sbx = client.create(layers=[LAYER], node_labels=MAIN, labels={"job": "t"})
+    sbx.files.write("/note", "from the first client")
+    code = (
+        "import sys, json\n"
+        "from edged.cluster import ClusterClient\n"
+        f"c = ClusterClient({cluster.ray.address!r}, node_ip_address='127.0.0.2')\n"
+        "s = c.connect(sys.argv[1])\n"
+        "print(json.dumps([s.node, s.files.read('/note'), s.exec('echo ok').stdout,"
+        " sorted(x.id for x in c.list({'job': 't'}))]))\n"
+        "c.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, sbx.id], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    node, note, echoed, listed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (node, note, echoed, listed) == (sbx.node, "from the first client", "ok\n",
+                                             [sbx.id])
+    with pytest.raises(NotFoundError):
+        client.connect(f"{sbx.node}.nosuch")
+
+
+def test_relayed_exec_streams_files_and_states(cluster: LocalCluster, client) -> None:
+    sbx = client.create(layers=[LAYER], node="b")
+    assert isinstance(sbx._t, RelayTransport)
+    seen: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    r = sbx.exec("echo one; sleep 1; echo two >&2; exit 4",
+                 on_stdout=lambda s: seen.append((time.monotonic() - t0, s)))
+    assert (r.exit_code, r.stdout, r.stderr) == (4, "one\n", "two\n")
+    assert seen and seen[0][1] == "one\n" and seen[0][0] < r.duration  # before the end
+    data = bytes(range(256)) * (40 << 10)  # 10 MiB: several relayed chunks each way
+    assert sbx.files.write("/big.bin", data) == len(data)
+    assert sbx.files.read_bytes("/big.bin") == data
+    assert sbx.files.write("/parts", iter([b"a" * (3 << 20), b"b" * (3 << 20)])) == 6 << 20
+    with pytest.raises(NotFoundError):
+        sbx.files.read("/missing")
+    sbx.pause()
+    assert sbx.state == "paused"
+    sbx.resume()
+    assert sbx.stats()["pids"] >= 0 and sbx.commands.run("echo x").stdout == "x\n"
+    sbx.kill()
+    sbx.kill()  # idempotent
+    with pytest.raises(NotFoundError):
+        client.connect(sbx.id)
+
+
+def test_abandoned_relayed_exec_is_killed(cluster: LocalCluster, client) -> None:
+    sbx = client.create(layers=[LAYER], node="c")
+    stream = sbx._t.ndjson("POST", f"/v1/sandboxes/{sbx.id}/exec",
+                           {"cmd": "echo started; sleep 60"})
+    assert "start" in next(stream)
+    assert next(stream) == {"stdout": "started\n"}
+    stream.close()  # the client gives up: the relay's request is cancelled
+    wait_for(lambda: sbx.events(kind="exec_abandoned"), 10, "exec_abandoned")
+    assert sbx.exec("echo next").stdout == "next\n"
+
+
+def test_direct_path_on_the_same_ray_node(cluster: LocalCluster) -> None:
+    with ClusterClient(refresh_s=REPORT_S) as c:  # direct where it can be
+        assert c.local_node() == "a"
+        here = c.create(layers=[LAYER], node="local")
+        there = c.create(layers=[LAYER], node="b")
+        assert here.node == "a" and isinstance(here._t, DirectTransport)
+        assert isinstance(there._t, RelayTransport)
+        assert here.exec("echo d").stdout == "d\n" and there.exec("echo r").stdout == "r\n"
+        here.kill()
+        there.kill()
+
+
+def test_async_client(cluster: LocalCluster) -> None:
+    import asyncio
+
+    async def main() -> None:
+        async with AsyncClusterClient(refresh_s=REPORT_S / 2, direct=False) as c:
+            boxes = await asyncio.gather(*(c.create(layers=[LAYER], node_labels=MAIN)
+                                           for _ in range(30)))
+            counts = _counts(boxes)
+            assert sum(counts.values()) == 30 and counts.get("c", 0) >= counts.get("a", 0)
+            chunks: list[str] = []
+            r = await boxes[0].exec("echo a; echo b", on_stdout=chunks.append)
+            assert r.stdout == "a\nb\n" and "".join(chunks) == "a\nb\n"
+            assert await boxes[0].files.write("/f", b"z" * (5 << 20)) == 5 << 20
+            assert await boxes[0].files.read_bytes("/f") == b"z" * (5 << 20)
+            again = await c.connect(boxes[1].id)
+            assert again.node == boxes[1].node
+            assert {s.id for s in await c.list()} >= {b.id for b in boxes}
+            await asyncio.gather(*(b.kill() for b in boxes))
+            assert not {s.id for s in await c.list(lost=False)} & {b.id for b in boxes}
+
+    asyncio.run(main())
+
+
+def test_concurrent_threads_and_clients(cluster: LocalCluster) -> None:
+    """Two clients with their own overlays at once, no client's burst herding: every
+    node takes some."""
+    clients = [ClusterClient(refresh_s=REPORT_S, direct=False) for _ in range(2)]
+    boxes: list = []
+    lock = threading.Lock()
+
+    def burst(c: ClusterClient) -> None:
+        got = [c.create(layers=[LAYER], node_labels=MAIN) for _ in range(30)]
+        with lock:
+            boxes.extend(got)
+    try:
+        ts = [threading.Thread(target=burst, args=(c,)) for c in clients]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        counts = _counts(boxes)
+        assert len(boxes) == 60 and set(counts) == {"a", "b", "c"}
+        assert counts["c"] > counts["a"]
+    finally:
+        for c in clients:
+            c.close()
