@@ -187,6 +187,8 @@ class AsyncClusterClient:
                      memory_request_bytes: int | None = None, qos: str | None = None,
                      auto_pause_after: float | None = None, network: Any = None,
                      backend: str | None = None,
+                     template: str | None = None, envs: Mapping[str, str] | None = None,
+                     cpu: float | None = None, memory_mib: int | None = None,
                      node_labels: Mapping[str, str] | None = None,
                      node: str | None = None) -> AsyncClusterSandbox:
         """See :meth:`ClusterClient.create`."""
@@ -210,7 +212,8 @@ class AsyncClusterClient:
                                task_profile=task_profile, seccomp_profile=seccomp_profile,
                                memory_request_bytes=memory_request_bytes, qos=qos,
                                auto_pause_after=auto_pause_after, network=network,
-                               backend=backend)
+                               backend=backend, template=template, envs=envs, cpu=cpu,
+                               memory_mib=memory_mib)
             try:
                 route = await self._route(t.node)
                 info, e, at = await self._create_on(route, body)

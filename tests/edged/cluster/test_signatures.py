@@ -11,8 +11,9 @@ import pytest
 from edged.client import AsyncSandbox, Sandbox
 from edged.cluster import AsyncClusterClient, ClusterClient
 
-#: the SDK's arguments that name one node's daemon: the cluster picks the node instead
-NODE_ONLY = {"cls", "socket"}
+#: the SDK's arguments that name one node's daemon: the cluster picks the node instead (and a
+#: full node's 503 is retried on another node by the placement, not by the SDK's ``retry``)
+NODE_ONLY = {"cls", "socket", "retry"}
 PLACEMENT = {"self", "node", "node_labels"}
 
 
