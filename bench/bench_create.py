@@ -81,6 +81,17 @@ def pct(xs: list[float], p: float) -> float:
 async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | None,
                     pool: int, idle_s: float, qos: str) -> dict[str, Any]:
     b = ContainerBackend(state, spawner_pool=pool)
+    try:
+        return await _measure_edged(b, lower, n, conc, profile, idle_s, qos)
+    finally:  # a failure leaves no sandbox behind (one create failing left 154 at load 70)
+        for sid in await b.list_existing():
+            await b.destroy(sid)
+        await b.cleanup_leftovers(set())
+        await b.close()
+
+
+async def _measure_edged(b: ContainerBackend, lower: str, n: int, conc: int,
+                         profile: str | None, idle_s: float, qos: str) -> dict[str, Any]:
     await b.warm()
     counter = 0
 
@@ -123,8 +134,6 @@ async def run_edged(lower: str, state: Path, n: int, conc: int, profile: str | N
             idle_rt.append(time.perf_counter() - t0)
         await b.destroy(sid)
     rate = await throughput(one, n, conc, b.destroy)
-    await b.cleanup_leftovers(set())
-    await b.close()
     return {"latencies": lat, "creates_per_s": rate, "exec_roundtrips": exec_rt,
             "idle_latencies": idle_lat, "idle_exec_roundtrips": idle_rt}
 
@@ -140,11 +149,17 @@ async def throughput(one: Callable[[], Awaitable[tuple[str, float]]], n: int, co
             made.append(sid)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(task() for _ in range(n)))
+    # every create ends before any error is raised, so the finally below sees them all
+    done = await asyncio.gather(*(task() for _ in range(n)), return_exceptions=True)
     rate = n / (time.perf_counter() - t0)
-    if destroy is not None:
-        for sid in made:
-            await destroy(sid)
+    try:
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+    finally:
+        if destroy is not None:
+            for sid in made:
+                await destroy(sid)
     return rate
 
 
