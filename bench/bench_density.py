@@ -15,7 +15,7 @@ is what the node may call idle):
   idle tool server);
 - ``agent``: a Python process that builds ~50 MiB of heap once (records of random words,
   numbers and tags, like parsed tool outputs; seeded per sandbox, so no two are alike) and
-  idles.
+  idles; its exec ends once the heap is built (so at most ``--conc`` build at once).
 Phases:
 1. **reclaim saving**: ``--baseline-n`` python sandboxes with reclaim off
    (``--reclaim false --pause-reclaim false``), then the same with the defaults, each settled:
@@ -54,7 +54,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edged.client import AsyncSandbox, CapacityExhaustedError, RetryPolicy, Sandbox
+from edged.client import (
+    AsyncSandbox,
+    CapacityExhaustedError,
+    RetryPolicy,
+    Sandbox,
+    SandboxError,
+)
 from edged.client._http import Transport
 from edged.config import Config
 from edged.node import hostmem
@@ -76,6 +82,11 @@ while n < 50 << 20:
     state.append({"id": len(state), "score": rnd.random(), "n": rnd.getrandbits(30),
                   "text": text, "tags": rnd.choices(words, k=3)})
     n += len(text) + 400
+# built: the exec that started it ends here, and the state idles in a child (its pages
+# its own once the parent is gone)
+if os.fork():
+    os._exit(0)
+os.setsid()
 time.sleep(1e9)
 """
 WORKLOADS = {
@@ -175,6 +186,8 @@ class Wave:
     samples: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # n, av, kern
     wall: str | None = None
     ids: list[str] = dataclasses.field(default_factory=list)
+    failed: int = 0  # creates that failed (not refused): counted, the first one kept
+    failure: str | None = None
 
 
 async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
@@ -206,13 +219,26 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
                     return
                 await asyncio.sleep(max(0.2, getattr(e, "retry_after", 1.0) or 1.0))
                 continue
+            except SandboxError as e:  # a failed create is a result, not the end of the run
+                w.failed += 1
+                w.failure = w.failure or f"{type(e).__name__}: {e}"
+                return
             dt = time.perf_counter() - t0
             try:
                 if w.workload == "agent":
                     await s.files.write("/tmp/agent.py", AGENT)
-                r = await s.exec(f"{cmd} > /dev/null 2>&1 &")
+                # the agent builds its state in the foreground (the exec ends once it is
+                # built), the others start in the background
+                bg = "" if w.workload == "agent" else " &"
+                r = await s.exec(f"{cmd} > /dev/null 2>&1{bg}", timeout=900)
                 if r.exit_code != 0:
-                    raise RuntimeError(f"{sid}: start: {r.stderr}")
+                    raise SandboxError(f"{sid}: start: {r.reason} {r.exit_code} {r.stderr}")
+            except SandboxError as e:
+                w.failed += 1
+                w.failure = w.failure or f"{type(e).__name__}: {e}"
+                with contextlib.suppress(SandboxError):
+                    await s.kill()
+                return
             finally:
                 await s.close()
             async with lock:
@@ -312,6 +338,7 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
     n_ = max(1, w.created)
     out: dict[str, Any] = {
         "workload": workload, "target": n, "created": w.created, "wall": w.wall,
+        "failed": w.failed, "failure": w.failure,
         "fill_s": fill_s,
         "create_p50_ms": pct(w.create_s, 50) * 1e3, "create_p99_ms": pct(w.create_s, 99) * 1e3,
         "mem_available_gib": av1 / GiB,
@@ -458,6 +485,7 @@ def report(out: dict[str, Any]) -> None:
               f"{s['saving_pct']:.1f}% less (goal >= 30%)")
     rows = [
         ("sandboxes created / asked", lambda w: f"{w['created']}/{w['target']}"),
+        ("creates failed", lambda w: f"{w.get('failed', 0)}"),
         ("MemAvailable left, GiB (goal >= 4)", lambda w: f"{w['mem_available_gib']:.2f}"),
         ("host per sandbox, MiB", lambda w: f"{w['host_per_sandbox_mib']:.2f}"),
         ("  kernel per sandbox, MiB (goal <= 1)", lambda w: f"{w['kernel_per_sandbox_mib']:.2f}"),
@@ -496,6 +524,8 @@ def report(out: dict[str, Any]) -> None:
                 for w, c in zip(waves, cells, strict=True):
                     if c != "-":
                         print(f"wall of {w['workload']}: {c}")
+                    if w.get("failure"):
+                        print(f"first failed create of {w['workload']}: {w['failure']}")
                 continue
             print(f"{name:<40}" + "".join(f"{c:>16}" for c in cells))
     if "qos" in out:

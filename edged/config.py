@@ -86,10 +86,16 @@ class Config:
     # Swap for reclaimed pages (edged.node.swap): "auto" (the host's swap, else a zram device
     # of edged's own), "zram" (ours anyway) or "off"
     swap: str = "auto"
-    zram_bytes: int = 0  # uncompressed size of our zram device; 0 = 2 × capacity
+    zram_bytes: int = 0  # uncompressed size of our zram device; 0 = capacity
     zram_mem_limit_bytes: int = 0  # RAM its compressed pages may take; 0 = 3/4 of capacity
     zram_algorithm: str = "lzo-rle"
-    swap_file_bytes: int = 0  # a swap file behind the zram device (0 = none)
+    # Swap files on disk (in the state dir) behind the zram device, added a step at a time as
+    # swap fills, removed at stop: what does not fit in RAM even compressed (idle sandboxes
+    # with big heaps) goes there.
+    swap_files: bool = True
+    swap_file_bytes: int = 0  # most bytes of swap files in all; 0 = 2 × capacity
+    # free space kept on the state dir's filesystem; 0 = 10% of its size
+    swap_disk_reserve_bytes: int = 0
     sandbox_swap_share: float = 1.0  # cgroup v2: swap a sandbox may hold / its memory limit
     default_ttl_s: float = 3600.0  # 0 = no TTL
     default_idle_timeout_s: float = 0.0  # 0 = none
@@ -183,8 +189,8 @@ class Config:
                      "memory_reserve_bytes", "memory_pressure_limit", "cpu_pressure_limit",
                      "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
-                     "swap_file_bytes", "sandbox_swap_share", "fncall_recycle_after",
-                     "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
+                     "swap_file_bytes", "swap_disk_reserve_bytes", "sandbox_swap_share",
+                     "fncall_recycle_after", "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
                      "network_prepare_ahead"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
@@ -285,10 +291,13 @@ _HELP = {
     "pause_reclaim": "a pause also pages the sandbox out to swap",
     "default_auto_pause_after_s": "pause sandboxes idle this long (0 = never); per create too",
     "swap": "'auto': the host's swap, else a zram device of ours; 'zram'; 'off'",
-    "zram_bytes": "uncompressed size of our zram device (0 = 2 x capacity)",
+    "zram_bytes": "uncompressed size of our zram device (0 = capacity)",
     "zram_mem_limit_bytes": "RAM our zram device may take (0 = 3/4 of capacity)",
     "zram_algorithm": "zram compression (one the kernel offers: lzo-rle, lz4, ...)",
-    "swap_file_bytes": "size of a swap file behind the zram device (0 = none)",
+    "swap_files": "add swap files on disk behind the zram device as swap fills",
+    "swap_file_bytes": "most bytes of those swap files in all (0 = 2 x capacity)",
+    "swap_disk_reserve_bytes": "free space swap files leave on their filesystem "
+                               "(0 = 10%% of its size)",
     "sandbox_swap_share": "cgroup v2: swap a sandbox may hold, share of its memory limit",
     "max_sandboxes": "sandboxes at most at once",
     "retry_after_s": "Retry-After seconds of a capacity_exhausted refusal",

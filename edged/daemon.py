@@ -118,10 +118,15 @@ class Server:
         sandboxes' memory together (capacity less the host's reserve)."""
         cfg = self.config
         cap = cfg.capacity_memory()
+        # zram: its slots run out (at 1.33:1 or better) before its RAM limit, so what does
+        # not fit goes on to the swap files (edged.node.swap)
         swap = SwapManager(Path(cfg.state_dir), mode=cfg.swap,
-                           zram_bytes=cfg.zram_bytes or 2 * cap,
+                           zram_bytes=cfg.zram_bytes or cap,
                            zram_mem_limit_bytes=cfg.zram_mem_limit_bytes or cap * 3 // 4,
-                           algorithm=cfg.zram_algorithm, file_bytes=cfg.swap_file_bytes)
+                           algorithm=cfg.zram_algorithm,
+                           file_bytes=(cfg.swap_file_bytes or 2 * cap) if cfg.swap_files else 0,
+                           file_step_bytes=max(256 << 20, min(4 << 30, cap // 8)),
+                           disk_reserve=float(cfg.swap_disk_reserve_bytes or 0.1))
         swap.start()
         for b in backends:
             try:

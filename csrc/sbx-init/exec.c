@@ -892,7 +892,14 @@ void exec_check_deadlines(struct sbx *s, uint64_t now)
 	}
 }
 
-/* epoll_wait's timeout: the next deadline or drain, or -1 (none). */
+/* epoll_wait's timeout: the next deadline or drain, or -1 (none).  An exec
+ * cgroup still busy when its exec ended (a background process in it) is no
+ * reason to wake: it can only empty when its last process exits, and that
+ * process's exit is a SIGCHLD here (sbx-init is the parent of every exec's
+ * child and the reaper of every orphan: no process of the sandbox can leave
+ * its exec cgroup), which retries the removal (on_sigchld).  An idle sandbox
+ * must not run at all: each wake costs CPU times the sandboxes on the node,
+ * and faults back in pages its reclaim put in swap. */
 int exec_next_timeout_ms(const struct sbx *s, uint64_t now)
 {
 	uint64_t next = UINT64_MAX;
@@ -909,7 +916,7 @@ int exec_next_timeout_ms(const struct sbx *s, uint64_t now)
 			next = e->drain_deadline;
 	}
 	if (next == UINT64_MAX)
-		return s->cg.n_pending_rm ? 1000 : -1;
+		return -1;
 	if (next <= now)
 		return 0;
 	next = (next - now + 999999) / 1000000;

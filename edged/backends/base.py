@@ -76,7 +76,9 @@ class MemoryUsage:
     ``resident_bytes``: charged now (anon + page cache + shmem + kernel objects charged);
     ``anon_bytes``, ``file_bytes`` (page cache, shmem excluded), ``shmem_bytes`` (tmpfs: the
     upper and /dev/shm) of it; ``swap_bytes``: pages of it in swap; ``major_faults``: page
-    faults that had to read (from swap, or from a layer); ``cpu_usage_ns``: CPU time used.
+    faults that had to read (from swap, or from a layer); ``cpu_usage_ns``: CPU time used;
+    ``cpu_wait_ns``: time its tasks were runnable but waited for a CPU (a CPU-starved
+    sandbox uses little CPU and is still busy; 0 where unknown).
     """
 
     resident_bytes: int = 0
@@ -86,6 +88,7 @@ class MemoryUsage:
     swap_bytes: int = 0
     major_faults: int = 0
     cpu_usage_ns: int = 0
+    cpu_wait_ns: int = 0
 
 
 @dataclass(frozen=True)

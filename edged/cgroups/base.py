@@ -84,9 +84,10 @@ class SandboxCgroup(abc.ABC):
 
     def reclaim(self, nbytes: int) -> bool:
         """Proactive reclaim of ``nbytes`` through the cgroup (v2 ``memory.reclaim``: the
-        kernel reclaims that much, anon to swap as ``memory.swap.max`` allows; less being
-        reclaimable is no error). False where the cgroup cannot (v1, or a kernel without
-        ``memory.reclaim``): page out per process then. Raises BackendError."""
+        kernel reclaims that much, anon to swap as ``memory.swap.max`` allows; v1
+        ``memory.force_empty``: all it can; less being reclaimable is no error). False where
+        the cgroup cannot (no memory cgroup, or a kernel without either file): page out per
+        process then. Raises BackendError."""
         return False
 
     def memory_join(self) -> Path | None:
@@ -221,8 +222,10 @@ class Hierarchy(abc.ABC):
             "cgroup": self.version,
             "cgroup_parents": {k: str(v) for k, v in self.parents.items()},
             "swap_accounting": self.swap_accounting,
-            # v2's proactive reclaim (Linux >= 5.19); v1 pages out through process_madvise
-            "memory_reclaim": bool(mem and (mem.parent / "memory.reclaim").exists()),
+            # v2's proactive reclaim (Linux >= 5.19), v1's memory.force_empty; without
+            # either, reclaim pages out per process (process_madvise)
+            "memory_reclaim": bool(mem and any((mem.parent / f).exists() for f in (
+                "memory.reclaim", "memory.force_empty"))),
             "cpu_idle": bool(cpu and (cpu.parent / "cpu.idle").exists()),
         }
 

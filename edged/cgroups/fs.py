@@ -90,6 +90,19 @@ def live(pids: set[int]) -> set[int]:
     return out
 
 
+def run_delay_ns(tasks_file: Path) -> int:
+    """Nanoseconds the threads listed in ``tasks_file`` (a v1 ``tasks`` file) have waited on a
+    run queue, runnable but not running, over their lives (``/proc/<tid>/schedstat``, 2nd
+    field; Documentation/scheduler/sched-stats.rst). Threads gone meanwhile are left out, so
+    the sum can go down. 0 if unreadable."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in read(tasks_file).split():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(read(Path(f"/proc/{tid}/schedstat")).split()[1])
+    return total
+
+
 def kill_procs(d: Path) -> None:
     """SIGKILL every task in ``d`` and beneath it."""
     for pid in procs(d):

@@ -68,7 +68,9 @@ class V1Cgroup(SandboxCgroup):
         return out
 
     def memory_usage(self) -> MemoryUsage:
-        """``memory.usage_in_bytes`` and ``memory.stat``'s hierarchical ``total_*``."""
+        """``memory.usage_in_bytes`` and ``memory.stat``'s hierarchical ``total_*``; the CPU
+        wait is its threads' run-queue delay (v1 has no per-cgroup PSI; every thread of the
+        sandbox is in its cpuacct cgroup itself, exec cgroups being freezer-only)."""
         try:
             m = self.dirs["memory"]
             st = fs.flat_keyed(m / "memory.stat")
@@ -80,9 +82,32 @@ class V1Cgroup(SandboxCgroup):
                 shmem_bytes=shmem,
                 swap_bytes=st.get("total_swap", 0),
                 major_faults=st.get("total_pgmajfault", 0),
-                cpu_usage_ns=int(fs.read(self.dirs["cpuacct"] / "cpuacct.usage")))
+                cpu_usage_ns=int(fs.read(self.dirs["cpuacct"] / "cpuacct.usage")),
+                cpu_wait_ns=fs.run_delay_ns(self.dirs["cpuacct"] / "tasks"))
         except (OSError, ValueError, KeyError):
             return MemoryUsage()
+
+    def reclaim(self, nbytes: int) -> bool:
+        """v1 has no ``memory.reclaim``; ``memory.force_empty`` is its whole-cgroup form: the
+        kernel reclaims the cgroup's pages until none is left or 16 passes free nothing
+        (mm/memcontrol-v1.c, mem_cgroup_force_empty: try_to_free_mem_cgroup_pages with
+        MEMCG_RECLAIM_MAY_SWAP; tasks may stay in the cgroup, a frozen one too): anonymous
+        and tmpfs pages (the upper) to swap, page cache dropped, and, through the memcg-aware
+        shrinkers, the dentries and inodes charged to it. Unlike ``process_madvise`` it
+        reaches pages shared copy-on-write between processes (sbx-init and its spare), which
+        MADV_PAGEOUT skips, and the tmpfs pages no process maps. ``nbytes`` is no bound here:
+        everything goes. False without the file (the caller pages out per process).
+        Raises BackendError."""
+        f = self.dirs["memory"] / "memory.force_empty"
+        if not f.exists():
+            return False
+        if nbytes <= 0:
+            return True
+        try:
+            fs.write(f, "0")
+        except OSError as exc:
+            raise BackendError(f"cgroup {f.parent}: memory.force_empty: {exc.strerror}") from exc
+        return True
 
     def set_qos(self, qos: str) -> None:
         """Best-effort sandboxes are idle by their parent (see the module), each one

@@ -24,6 +24,7 @@ from edged.cgroups.base import (
     swap_allowance,
 )
 from edged.errors import BackendError
+from edged.node import hostmem
 
 
 class V2Cgroup(SandboxCgroup):
@@ -66,12 +67,18 @@ class V2Cgroup(SandboxCgroup):
         return out
 
     def memory_usage(self) -> MemoryUsage:
-        """``memory.current``, ``memory.stat``, ``memory.swap.current``."""
+        """``memory.current``, ``memory.stat``, ``memory.swap.current``; the CPU wait from
+        ``cpu.pressure`` (``some`` total: wall time at least one of its tasks was runnable
+        and not running; Documentation/accounting/psi.rst)."""
         try:
             st = fs.flat_keyed(self.dir / "memory.stat")
             swap = 0
             with contextlib.suppress(OSError, ValueError):
                 swap = int(fs.read(self.dir / "memory.swap.current"))
+            wait = 0
+            psi = hostmem.read_psi(str(self.dir / "cpu.pressure"))
+            if psi is not None:
+                wait = psi.some.total_us * 1000
             shmem = st.get("shmem", 0)
             return MemoryUsage(
                 resident_bytes=int(fs.read(self.dir / "memory.current")),
@@ -80,7 +87,8 @@ class V2Cgroup(SandboxCgroup):
                 shmem_bytes=shmem,
                 swap_bytes=swap,
                 major_faults=st.get("pgmajfault", 0),
-                cpu_usage_ns=fs.key(self.dir / "cpu.stat", "usage_usec") * 1000)
+                cpu_usage_ns=fs.key(self.dir / "cpu.stat", "usage_usec") * 1000,
+                cpu_wait_ns=wait)
         except (OSError, ValueError):
             return MemoryUsage()
 

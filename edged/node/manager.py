@@ -102,7 +102,7 @@ class SandboxManager:
                           rate_bytes=config.reclaim_rate_bytes,
                           psi_target=config.reclaim_psi_target,
                           low_bytes=2 * config.memory_reserve()),
-            _ByRecord(self), self._running_records, on_reclaimed=self._reclaimed,
+            _ByRecord(self), self._live_records, on_reclaimed=self._reclaimed,
             ensure_swap=self._ensure_swap)
         self.admission = Admission(
             self.capacity, reserve_bytes=config.memory_reserve(),
@@ -196,8 +196,9 @@ class SandboxManager:
         while self._bg:
             await asyncio.gather(*list(self._bg), return_exceptions=True)
 
-    def _running_records(self) -> list[SandboxRecord]:
-        return [r for r in self._sandboxes.values() if r.state is State.RUNNING]
+    def _live_records(self) -> list[SandboxRecord]:
+        return [r for r in self._sandboxes.values()
+                if r.state in (State.RUNNING, State.PAUSED)]
 
     def _ensure_swap(self) -> bool:
         return self.swap.ensure() if self.swap is not None else False
@@ -217,26 +218,27 @@ class SandboxManager:
                      zram=z["mem_used_bytes"] if z else 0)
 
     def _swap_ratio(self) -> float:
-        """Observed compression of what is in our zram device (2.5 before anything is; 1.0
-        for the host's swap, which may be disk)."""
+        """Observed compression of what is in our zram device (2.5 before it holds 64 MiB,
+        and for a zram device of the host's, whose figures are not ours to read)."""
         z = self.swap.zram_stats() if self.swap is not None else None
-        if z is None:
-            return 2.5 if self.swap is not None and self.swap.zram is not None else 1.0
-        if z["orig_bytes"] < (64 << 20) or z["mem_used_bytes"] <= 0:
+        if z is None or z["orig_bytes"] < (64 << 20) or z["mem_used_bytes"] <= 0:
             return 2.5
-        return z["orig_bytes"] / z["mem_used_bytes"]
+        return max(1.0, z["orig_bytes"] / z["mem_used_bytes"])
 
     def _reclaimable(self) -> int:
-        """What reclaim can free now, bounded by the swap left to page into."""
+        """What reclaim can free now: the idle sandboxes' swappable memory, the part that
+        goes to zram saving all but its compressed size, the part that goes to disk all of
+        it, within the room swap has (:meth:`SwapManager.room`)."""
         if not self.config.reclaim or self.swap is None:
             return 0
-        use = self.swap.usage()
-        room = use["total_bytes"] - use["used_bytes"]
-        z_limit, z_used = use.get("zram_mem_limit_bytes", 0), use.get("zram_mem_used_bytes", 0)
+        idle = self.reclaimer.idle_bytes()
+        if idle <= 0:
+            return 0
         ratio = self._swap_ratio()
-        if z_limit:
-            room = min(room, int((z_limit - z_used) * ratio))
-        return max(0, min(self.reclaimer.reclaimable(ratio), int(room * (1 - 1 / ratio))))
+        compressed, plain = self.swap.room(ratio)
+        to_zram = min(idle, compressed)
+        to_disk = min(idle - to_zram, plain)
+        return max(0, int(to_zram * (1 - 1 / ratio)) + to_disk)
 
     def _forget(self, rec: SandboxRecord, cause: str) -> None:
         self.sessions.forget(rec.id)

@@ -1,8 +1,10 @@
 """Idle detection and cold-page reclaim for the node's sandboxes.
 
 A sandbox is **idle** when it runs no exec, nothing touched it through the API for
-``idle_after_s``, and it used less than ``idle_cpu`` of a core over a window of
-``idle_after_s`` measured from its cgroup (a daemonized loop inside keeps it awake). An
+``idle_after_s``, and its CPU demand was less than ``idle_cpu`` of a core over a window of
+``idle_after_s`` measured from its cgroup: the CPU it used plus the time its tasks waited
+for one (a daemonized loop inside keeps it awake, also when the node's CPU is so busy that
+the loop gets almost none). An
 idle sandbox has its cold pages reclaimed into the node's swap (the zram device of
 :mod:`edged.node.swap`, or the host's swap) by the backend: cgroup v2 ``memory.reclaim``,
 v1 ``process_madvise(MADV_PAGEOUT)``. Its first request afterwards wakes it: its pages come
@@ -56,6 +58,9 @@ class _Record(Protocol):
     last_active: float
     active_execs: int
 
+    @property
+    def paused(self) -> bool: ...
+
 
 @dataclass
 class ReclaimConfig:
@@ -78,7 +83,7 @@ class SandboxReclaim:
 
     last: MemoryUsage = field(default_factory=MemoryUsage)
     read_at: float = 0.0  # wall clock of ``last``
-    cpu_mark: tuple[float, int] | None = None  # (wall time, cpu ns) the idle window began
+    cpu_mark: tuple[float, int] | None = None  # (wall time, cpu + wait ns) the window began
     next_check: float = 0.0
     reclaimed: bool = False
     reclaimed_at: float = 0.0
@@ -104,7 +109,8 @@ class PassResult:
 class Reclaimer:
     """Runs idle detection and reclaim passes over the sandboxes ``records()`` yields, through
     ``backend`` (its ``memory``/``reclaim``; one whose ``can_reclaim`` is false is never
-    reclaimed); ``records()`` yields the records of running sandboxes. ``psi_path``
+    reclaimed); ``records()`` yields the records of running and paused sandboxes (a paused
+    one is paged out by its pause, never here, and its counters are kept). ``psi_path``
     and ``meminfo_path`` are the host's files (tests give their own); ``clock`` is wall time
     in seconds. ``ensure_swap`` is called before each reclaim (the swap is set up at the first).
     Errors of one sandbox are logged and never stop a pass."""
@@ -235,6 +241,8 @@ class Reclaimer:
         due: list[tuple[int, str, SandboxReclaim]] = []
         for sid, rec in live.items():
             st = self._st(sid)
+            if rec.paused:
+                continue
             if rec.active_execs > 0:
                 st.cpu_mark = None
                 continue
@@ -246,14 +254,17 @@ class Reclaimer:
             except EdgedError:
                 continue
             st.last, st.read_at = use, now
+            # CPU demand: what it ran and what it waited to run (starved of CPU, as a
+            # best-effort sandbox on a busy node is, it uses little and is not idle)
+            demand = use.cpu_usage_ns + use.cpu_wait_ns
             if st.cpu_mark is None or st.cpu_mark[0] < quiet_since:
                 # the CPU window starts now; judged once it is idle_after_s long
-                st.cpu_mark = (now, use.cpu_usage_ns)
+                st.cpu_mark = (now, demand)
                 st.next_check = now + self.cfg.idle_after_s
                 continue
             t0, c0 = st.cpu_mark
-            busy = (use.cpu_usage_ns - c0) / 1e9 / max(1e-6, now - t0)
-            st.cpu_mark = (now, use.cpu_usage_ns)
+            busy = max(0, demand - c0) / 1e9 / max(1e-6, now - t0)
+            st.cpu_mark = (now, demand)
             if busy > self.cfg.idle_cpu:
                 st.reclaimed = False  # active in the background: look again later
                 st.next_check = now + self.cfg.idle_after_s
@@ -290,16 +301,14 @@ class Reclaimer:
 
     # -- reporting ------------------------------------------------------------------------
 
-    def reclaimable(self, ratio: float) -> int:
-        """Bytes idle sandboxes would give back if reclaimed now: the anonymous memory of
-        those idle but not yet reclaimed, less what it would take compressed (``ratio``: the
-        swap's observed compression, 1.0 for disk)."""
-        keep = 1.0 / ratio if ratio > 0 else 1.0
+    def idle_bytes(self) -> int:
+        """Bytes reclaim would move to swap if it reclaimed the idle sandboxes not reclaimed
+        yet now: their anonymous and tmpfs memory (last read, at most 10 minutes ago)."""
         now = self.clock()
         total = 0
         for st in self.state.values():
             if not st.reclaimed and st.cpu_mark is not None and now - st.read_at < 600:
-                total += int(st.last.anon_bytes * (1.0 - keep))
+                total += st.last.anon_bytes + st.last.shmem_bytes
         return total
 
     def refault_rate(self, now: float | None = None) -> float | None:

@@ -82,6 +82,11 @@ class SandboxRecord:
     qos: str = "best_effort"
     auto_pause_after_s: float = 0.0
 
+    @property
+    def paused(self) -> bool:
+        """Whether it is paused (frozen; its memory paged out at the pause)."""
+        return self.state is State.PAUSED
+
     def transition(self, new: State) -> None:
         """Move to ``new``; :class:`InvalidState` if the edge does not exist."""
         if new not in TRANSITIONS[self.state]:

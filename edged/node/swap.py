@@ -1,13 +1,19 @@
 """The node's swap, where reclaimed sandbox pages go: a compressed zram device that edged sets
-up itself when the host has no swap, and optionally a swap file on disk behind it.
+up itself when the host has no swap, and swap files on disk behind it, added as it fills.
 
 Setting swap up is host-wide, so edged owns exactly what it made and nothing else:
 - a zram device of its own, hot-added (``/sys/class/zram-control/hot_add``; ``zram0`` and any
   other device belong to the host or to someone else and are never touched), labelled in its
   swap header with ``edged-<hash of the state dir>`` so that it is recognised after a crash;
-- optionally a swap file in the state dir (``swap_file_bytes``), at a lower priority than the
-  zram device, for what does not fit in RAM even compressed;
-- a record of both in ``<state_dir>/swap.json``, written before the device is configured.
+- swap files in the state dir (``swapfile.N``), at a lower priority than the zram device, for
+  what does not fit in RAM even compressed: the kernel fills the zram device first and then
+  the files (swap areas are used by priority, the next once the higher is full), and a file
+  is added, ``file_step_bytes`` at a time, whenever the free swap left falls below half a
+  step, up to ``file_bytes`` in all and never leaving less than ``disk_reserve`` of their
+  filesystem free (like swapspace(8): disk is taken only as far as reclaim needs it). The
+  zram device is sized so that its slots run out before its RAM limit does (at 1.33:1
+  compression or better), so what does not fit goes on to the files rather than failing;
+- a record of all of it in ``<state_dir>/swap.json``, written before each is configured.
 At start a record left by a crashed daemon is honoured: a device of ours still in use as swap
 is adopted (sandboxes kept across the restart may have pages in it), one that never reached
 ``swapon`` is removed. At stop everything is switched off and removed (swapoff reads back
@@ -15,8 +21,9 @@ whatever is still swapped, so the daemon stops its sandboxes first), unless sand
 running for the next daemon, which then adopts the device.
 
 ``mode``: ``"auto"`` (default): the host's own swap if it has any (zswap in front of it where
-the host enabled it), else a zram device of ours; ``"zram"``: a zram device of ours whatever
-the host has; ``"off"``: none (reclaim then only drops file pages).
+the host enabled it; another edged daemon's devices, known by their label, are not the
+host's: they go when that daemon stops), else a zram device of ours and swap files;
+``"zram"``: those whatever the host has; ``"off"``: none (reclaim then only drops file pages).
 
 Sources: Documentation/admin-guide/blockdev/zram.rst (hot_add/hot_remove, comp_algorithm,
 disksize, mem_limit, reset, mm_stat columns), include/linux/swap.h (``union swap_header``:
@@ -128,8 +135,10 @@ class SwapManager:
     table costs 16 bytes of RAM per 4 KiB page up front). ``zram_mem_limit_bytes``: the most
     RAM its compressed pages may take (0: no limit). ``algorithm``: one the kernel offers
     (``/sys/block/zramN/comp_algorithm``; on the dev VM ``lzo-rle`` compressed idle Python
-    heaps 2.7:1, ``lz4`` 2.5:1). ``file_bytes``: a swap file of this size behind the zram
-    device (0: none). ``sys``/``dev``/``proc_swaps``: the filesystems read and written.
+    heaps 2.7:1, ``lz4`` 2.5:1). ``file_bytes``: the most bytes of swap files behind it (0:
+    none), added ``file_step_bytes`` at a time as swap fills (see the module), keeping
+    ``disk_reserve`` (bytes, or a share of the filesystem's size if below 1) of their
+    filesystem free. ``sys``/``dev``/``proc_swaps``: the filesystems read and written.
     Errors: BackendError naming the step (the half-made device removed first).
     """
 
@@ -139,17 +148,20 @@ class SwapManager:
     zram_mem_limit_bytes: int = 0
     algorithm: str = "lzo-rle"
     file_bytes: int = 0
+    file_step_bytes: int = 1 << 30
+    disk_reserve: float = 0.1
     sys: Path = Path("/sys")
     dev: Path = Path("/dev")
     proc_swaps: str = "/proc/swaps"
     zram: int | None = None  # our device number
-    file: Path | None = None  # our swap file
+    files: list[Path] = field(default_factory=list)  # our swap files, oldest first
     host: list[SwapArea] = field(default_factory=list)
     adopted: bool = False
 
     def __post_init__(self) -> None:
         self._setup_lock = threading.Lock()
         self._tried = False
+        self._labels: dict[tuple[str, int, int], str | None] = {}  # see _another_daemons
         if self.mode not in MODES:
             raise ValueError(f"swap mode {self.mode!r}: not one of {', '.join(MODES)}")
         digest = hashlib.sha256(str(Path(self.state_dir).resolve()).encode()).hexdigest()
@@ -162,8 +174,7 @@ class SwapManager:
         return Path(self.state_dir) / "swap.json"
 
     def _save(self) -> None:
-        rec = {"label": self.label, "zram": self.zram,
-               "file": str(self.file) if self.file else None}
+        rec = {"label": self.label, "zram": self.zram, "files": [str(f) for f in self.files]}
         tmp = self._record.with_name(".swap.json.tmp")
         Path(self.state_dir).mkdir(parents=True, exist_ok=True)
         with open(tmp, "w") as f:
@@ -190,12 +201,32 @@ class SwapManager:
     def _zdev(self, n: int) -> str:
         return str(self.dev / f"zram{n}")
 
-    def _is_ours(self, path: str) -> bool:
+    def _label(self, path: str) -> str | None:
         try:
             with open(path, "rb") as f:
-                return header_label(f.read(os.sysconf("SC_PAGE_SIZE"))) == self.label
+                return header_label(f.read(os.sysconf("SC_PAGE_SIZE")))
+        except OSError:
+            return None
+
+    def _is_ours(self, path: str) -> bool:
+        return self._label(path) == self.label
+
+    def _another_daemons(self, path: str) -> bool:
+        """Whether swap area ``path`` is another edged daemon's (its label): that daemon
+        removes it when it stops, so it is not the host's swap to rely on. Each device or
+        file is read once (known by its inode and device number, which a hot-added device
+        or a new file does not share with an earlier one under the same name): an open
+        device makes its owner's zram ``reset`` and ``hot_remove`` fail with EBUSY, so the
+        daemon opens another's device as rarely as it can."""
+        try:
+            st = os.stat(path)
         except OSError:
             return False
+        key = (os.path.realpath(path), st.st_ino, st.st_rdev)
+        if key not in self._labels:
+            self._labels[key] = self._label(path)
+        label = self._labels[key]
+        return label is not None and label.startswith("edged-") and label != self.label
 
     def _active(self, path: str) -> SwapArea | None:
         real = os.path.realpath(path)
@@ -253,27 +284,72 @@ class SwapManager:
             raise BackendError(f"zram{n}: set up: {e}") from e
         return n
 
-    def _add_file(self) -> Path:
-        path = Path(self.state_dir) / "swapfile"
-        self.file = path
+    def _file_room(self) -> int:
+        """Bytes more of swap files we may add now: within ``file_bytes`` and the disk
+        reserve of the state dir's filesystem."""
+        have = sum(self._file_size(f) for f in self.files)
+        left = self.file_bytes - have
+        if left <= 0:
+            return 0
+        try:
+            st = os.statvfs(self.state_dir)
+        except OSError:
+            return 0
+        size = st.f_blocks * st.f_frsize
+        reserve = int(self.disk_reserve * size) if self.disk_reserve < 1 else int(
+            self.disk_reserve)
+        return max(0, min(left, st.f_bavail * st.f_frsize - reserve))
+
+    @staticmethod
+    def _file_size(path: Path) -> int:
+        try:
+            return path.stat().st_size
+        except OSError:
+            return 0
+
+    def _add_file(self, nbytes: int) -> Path:
+        """A swap file of ``nbytes`` (whole pages) in the state dir, active; recorded before
+        it is made. Raises BackendError (nothing left of it)."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        nbytes -= nbytes % page
+        n = 0
+        while (Path(self.state_dir) / f"swapfile.{n}") in self.files or (
+                Path(self.state_dir) / f"swapfile.{n}").exists():
+            n += 1
+        path = Path(self.state_dir) / f"swapfile.{n}"
+        self.files.append(path)
         self._save()
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                os.posix_fallocate(fd, 0, self.file_bytes)
-                os.pwrite(fd, swap_header(self.file_bytes, self.label), 0)
+                os.posix_fallocate(fd, 0, nbytes)  # no holes: swapon refuses them
+                os.pwrite(fd, swap_header(nbytes, self.label), 0)
                 os.fsync(fd)
             finally:
                 os.close(fd)
             _syscall_path("swapon", str(path),
                           SWAP_FLAG_PREFER | (FILE_PRIORITY & SWAP_FLAG_PRIO_MASK))
-        except OSError as e:
+        except (OSError, ValueError) as e:
             with contextlib.suppress(OSError):
                 path.unlink()
-            self.file = None
+            self.files.remove(path)
             self._save()
             raise BackendError(f"swap file {path}: set up: {e}") from e
+        log.info("swap: added %s (%d MiB)", path, nbytes >> 20)
         return path
+
+    def _grow(self) -> None:
+        """Add a swap file if the free swap left is below half a step (see the module)."""
+        if self.file_bytes <= 0:
+            return
+        areas = self.areas()
+        free = sum(a.size_bytes - a.used_bytes for a in areas)
+        if free >= self.file_step_bytes // 2 and (self.zram is not None or self.files):
+            return
+        room = self._file_room()
+        if room < min(self.file_step_bytes // 2, 64 << 20):  # too little to be worth it
+            return
+        self._add_file(min(self.file_step_bytes, room))
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -285,7 +361,8 @@ class SwapManager:
         half-made is left)."""
         rec = self._load()
         self.host = [a for a in active_swaps(self.proc_swaps)]
-        z, f = rec.get("zram"), rec.get("file")
+        z = rec.get("zram")
+        files = [f for f in [rec.get("file"), *rec.get("files", [])] if isinstance(f, str)]
         if isinstance(z, int) and self._zdir(z).exists():
             path = self._zdev(z)
             if self._is_ours(path) and self._active(path) is not None:
@@ -294,17 +371,22 @@ class SwapManager:
             elif self._is_ours(path) or self._disksize(z) == 0:
                 log.info("swap: removing zram%d left half-made by an earlier daemon", z)
                 self._remove_zram(z)
-        if isinstance(f, str) and Path(f).exists():
+        for f in files:
+            # ours only: a file of our state dir the record names (made O_EXCL)
+            if Path(f).parent != Path(self.state_dir) or not Path(f).is_file():
+                continue
             if self._is_ours(f) and self._active(f) is not None:
-                self.file, self.adopted = Path(f), True
-            elif self._is_ours(f) or Path(f).stat().st_size == 0:
+                self.files.append(Path(f))
+                self.adopted = True
+            elif self._is_ours(f) or self._label(f) is None:  # half-made (no header yet)
                 with contextlib.suppress(OSError):
                     if self._active(f) is not None:
                         _syscall_path("swapoff", f)
                 Path(f).unlink(missing_ok=True)
         ours = {os.path.realpath(p) for p in self._our_paths()}
-        self.host = [a for a in self.host if os.path.realpath(a.path) not in ours]
-        if self.zram is None and self.file is None:
+        self.host = [a for a in self.host if os.path.realpath(a.path) not in ours
+                     and not self._another_daemons(a.path)]
+        if self.zram is None and not self.files:
             with contextlib.suppress(FileNotFoundError):
                 self._record.unlink()
         else:
@@ -321,19 +403,24 @@ class SwapManager:
 
     def ensure(self) -> bool:
         """Set up our devices if the mode wants them and they are not there yet (at most
-        once: a failure is logged and not retried). Returns whether any swap is active for
-        reclaim to page into. Thread-safe."""
+        once: a failure is logged and not retried), and add a swap file if swap runs short
+        (a failure is logged; tried again at the next call). Returns whether any swap is
+        active for reclaim to page into. Thread-safe; cheap when there is nothing to do
+        (reads ``/proc/swaps``): reclaim calls it before each sandbox."""
         with self._setup_lock:
             if self.wanted and not self._tried:
                 self._tried = True
                 try:
                     if self.zram is None and self.zram_bytes > 0:
                         self._add_zram()
-                    if self.file is None and self.file_bytes > 0:
-                        self._add_file()
                     log.info("swap set up", extra=self.features())
                 except BackendError as e:
                     log.error("swap: %s (reclaim goes on without swap of ours)", e)
+            if self.wanted:
+                try:
+                    self._grow()
+                except BackendError as e:
+                    log.error("swap: %s", e)
         return bool(self.areas())
 
     def _disksize(self, n: int) -> int:
@@ -346,8 +433,7 @@ class SwapManager:
         out = []
         if self.zram is not None:
             out.append(self._zdev(self.zram))
-        if self.file is not None:
-            out.append(str(self.file))
+        out += [str(f) for f in self.files]
         return out
 
     def stop(self, keep: bool = False) -> None:
@@ -363,15 +449,15 @@ class SwapManager:
                 self.zram = None
             except OSError as e:
                 log.error("swap: cannot remove zram%d: %s", self.zram, e)
-        if self.file is not None:
+        for f in list(self.files):
             try:
-                if self._active(str(self.file)) is not None:
-                    _syscall_path("swapoff", str(self.file))
-                self.file.unlink(missing_ok=True)
-                self.file = None
+                if self._active(str(f)) is not None:
+                    _syscall_path("swapoff", str(f))
+                f.unlink(missing_ok=True)
+                self.files.remove(f)
             except OSError as e:
-                log.error("swap: cannot remove %s: %s", self.file, e)
-        if self.zram is None and self.file is None:
+                log.error("swap: cannot remove %s: %s", f, e)
+        if self.zram is None and not self.files:
             with contextlib.suppress(FileNotFoundError):
                 self._record.unlink()
         else:
@@ -393,6 +479,30 @@ class SwapManager:
         return {"orig_bytes": int(f[0]), "compr_bytes": int(f[1]), "mem_used_bytes": int(f[2]),
                 "mem_limit_bytes": int(f[3]), "same_pages": int(f[5])}
 
+    def room(self, ratio: float) -> tuple[int, int]:
+        """Bytes of pages swap can take now: ``(compressed, uncompressed)``, i.e. what goes
+        into a zram device (ours: within its slots and its RAM limit at compression
+        ``ratio``; the host's ``/dev/zram*``: its slots) and what goes to disk (the host's
+        other swap, our swap files and what they may still grow by)."""
+        z = self.zram_stats()
+        zdev = os.path.realpath(self._zdev(self.zram)) if self.zram is not None else None
+        compressed = plain = 0
+        for a in self.areas():
+            free = max(0, a.size_bytes - a.used_bytes)
+            real = os.path.realpath(a.path)
+            if real == zdev:
+                if z is not None and z["mem_limit_bytes"] > 0:
+                    free = min(free, int(max(0, z["mem_limit_bytes"] - z["mem_used_bytes"])
+                                         * ratio))
+                compressed += free
+            elif os.path.basename(real).startswith("zram"):
+                compressed += free
+            else:
+                plain += free
+        if self.wanted and self.file_bytes > 0:
+            plain += self._file_room()
+        return compressed, plain
+
     def areas(self) -> list[SwapArea]:
         """Every active swap area reclaim may use (ours and the host's)."""
         return active_swaps(self.proc_swaps)
@@ -405,19 +515,25 @@ class SwapManager:
             "mode": self.mode,
             "zram_device": None if self.zram is None else f"zram{self.zram}",
             "zram_algorithm": self.algorithm if self.zram is not None else None,
-            "swap_file": str(self.file) if self.file else None,
-            "host_swap": [a.path for a in areas if os.path.realpath(a.path) not in ours],
+            "swap_files": [str(f) for f in self.files],
+            "host_swap": [a.path for a in areas if os.path.realpath(a.path) not in ours
+                          and not self._another_daemons(a.path)],
             "zswap": zswap_enabled(self.sys / "module/zswap/parameters"),
             "adopted": self.adopted,
             "total_bytes": sum(a.size_bytes for a in areas),
         }
 
     def usage(self) -> dict[str, int]:
-        """``total_bytes``/``used_bytes`` of every active swap area, and what our zram device
-        holds (``zram_*``, see :meth:`zram_stats`)."""
+        """``total_bytes``/``used_bytes`` of every active swap area, ``files_bytes``/
+        ``files_used_bytes`` of our swap files, and what our zram device holds (``zram_*``,
+        see :meth:`zram_stats`)."""
         areas = self.areas()
+        files = {os.path.realpath(f) for f in self.files}
+        mine = [a for a in areas if os.path.realpath(a.path) in files]
         out = {"total_bytes": sum(a.size_bytes for a in areas),
-               "used_bytes": sum(a.used_bytes for a in areas)}
+               "used_bytes": sum(a.used_bytes for a in areas),
+               "files_bytes": sum(a.size_bytes for a in mine),
+               "files_used_bytes": sum(a.used_bytes for a in mine)}
         z = self.zram_stats()
         if z is not None:
             out.update({f"zram_{k}": v for k, v in z.items()})

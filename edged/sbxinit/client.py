@@ -313,8 +313,9 @@ class SbxClient:
             version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
                                                              timeout_s)
         except (TimeoutError, OSError) as exc:
+            why = f"timed out after {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
             raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init: "
-                               f"{exc or 'timed out'}") from exc
+                               f"{why}") from exc
         if version != P.VERSION:
             raise BackendError(f"sandbox {self.sandbox_id}: sbx-init speaks protocol "
                                f"{version}, not {P.VERSION}")

@@ -68,7 +68,9 @@ _T = TypeVar("_T")
 
 ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
-CONNECT_TIMEOUT_S = 5.0
+# sbx-init's first answer: a best-effort sandbox starts as SCHED_IDLE, so on a node whose
+# CPUs are busy with normal work its start-up gets only what that work leaves
+CONNECT_TIMEOUT_S = 30.0
 EXIT_TIMEOUT_S = 5.0
 _NETNS_FD = 4  # where a networked sandbox's namespace fd is handed to the spawner
 
@@ -745,10 +747,10 @@ class ContainerBackend:
     async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
         """Page the sandbox's cold memory out to swap; returns the bytes its resident
         memory went down by. cgroup v2: ``memory.reclaim`` of ``nbytes`` (None: all it
-        holds); v1, which has no such file: ``process_madvise(MADV_PAGEOUT)`` over the
-        private mappings of each of its processes (``nbytes`` is not a bound there: every
-        page not in use goes). Works on a frozen sandbox too. Raises NotFound,
-        BackendError."""
+        holds); v1: ``memory.force_empty`` (all of it: ``nbytes`` is no bound there), or,
+        without a memory cgroup that can, ``process_madvise(MADV_PAGEOUT)`` over the
+        private mappings of each of its processes (which leaves its tmpfs and the pages its
+        processes share). Works on a frozen sandbox too. Raises NotFound, BackendError."""
         sbx = self._get(sandbox_id)
         return await asyncio.to_thread(self._reclaim, sbx, nbytes)
 

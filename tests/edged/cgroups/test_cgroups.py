@@ -163,3 +163,71 @@ def test_v2_readers_on_a_fake_tree(tmp_path: Path) -> None:
     assert (d / "cgroup.freeze").read_text() == "1" and time.monotonic() - t0 < 1
     cg.kill_all()
     assert (d / "cgroup.kill").read_text() == "1" and (d / "cgroup.freeze").read_text() == "0"
+
+
+def test_v2_memory_side_on_a_fake_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cgroup v2 path of density, checked on a v1 host with a fake cgroupfs (writes
+    create their file, as mkdir makes them in a real one): a sandbox's memory.max,
+    memory.swap.max (its share of swap), cpu.idle by class; the cap on all sandboxes; reclaim
+    through memory.reclaim; usage with the CPU wait from the cgroup's cpu.pressure. Facts
+    from Documentation/admin-guide/cgroup-v2.rst and accounting/psi.rst."""
+    from edged.cgroups.v2 import V2Hierarchy
+
+    def write(path: Path, value: str) -> None:
+        path.write_text(value)
+
+    chowned: list[Path] = []
+    monkeypatch.setattr(fs, "write", write)
+    monkeypatch.setattr(os, "chown", lambda p, uid, gid: chowned.append(Path(p)))
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "cgroup.procs").write_text("")
+    (base / "memory.reclaim").write_text("")
+    h = V2Hierarchy(base / "edged", swap_share=0.5)
+    res = Resources(cpus=0.5, memory_bytes=256 << 20, swap_bytes=0, pids=64)
+    cg = h.create("s1", res, os.getuid(), qos="best_effort")
+    d = base / "edged" / "s1"
+    assert (base / "daemon").is_dir()  # "no internal processes": the daemon in a leaf
+    assert (base / "cgroup.subtree_control").read_text() == "+cpu +memory +pids"
+    got = {f: (d / f).read_text() for f in ("cpu.max", "memory.max", "memory.swap.max",
+                                            "pids.max", "cpu.idle")}
+    assert got == {"cpu.max": "50000 100000", "memory.max": str(256 << 20),
+                   "memory.swap.max": str(128 << 20), "pids.max": "64", "cpu.idle": "1"}
+    assert cg.join == [d / "init"]
+    assert {p.relative_to(d) for p in chowned} == {  # delegated to sandbox root
+        Path("."), Path("cgroup.procs"), Path("cgroup.subtree_control"), Path("cgroup.threads"),
+        Path("init"), Path("init/cgroup.procs")}
+    h.create("s2", res, os.getuid(), qos="latency_sensitive")
+    assert (base / "edged" / "s2" / "cpu.idle").read_text() == "0"
+    h.set_memory_limit(1 << 30)
+    assert (base / "edged" / "memory.max").read_text() == str(1 << 30)
+    h.set_memory_limit(0)
+    assert (base / "edged" / "memory.max").read_text() == "max"
+    assert h.features()["memory_reclaim"] is True
+    # reclaim: the kernel's memory.reclaim, nbytes as asked
+    (base / "edged" / "memory.reclaim").write_text("")
+    assert cg.reclaim(12 << 20) is True
+    assert (d / "memory.reclaim").read_text() == str(12 << 20)
+    for name, text in {"memory.current": f"{20 << 20}\n", "memory.swap.current": f"{9 << 20}\n",
+                       "memory.stat": f"anon {8 << 20}\nfile {6 << 20}\nshmem {2 << 20}\n"
+                                      "pgmajfault 17\n",
+                       "cpu.stat": "usage_usec 5000\n",
+                       "cpu.pressure": "some avg10=1.00 avg60=0.50 avg300=0.10 total=7000\n"
+                                       "full avg10=0.00 avg60=0.00 avg300=0.00 total=10\n"}.items():
+        (d / name).write_text(text)
+    use = cg.memory_usage()
+    assert (use.resident_bytes, use.anon_bytes, use.file_bytes, use.shmem_bytes,
+            use.swap_bytes, use.major_faults, use.cpu_usage_ns, use.cpu_wait_ns) == (
+        20 << 20, 8 << 20, 4 << 20, 2 << 20, 9 << 20, 17, 5_000_000, 7_000_000)
+
+
+def test_v1_cpu_wait_is_the_threads_run_delay(tmp_path: Path) -> None:
+    """v1 has no per-cgroup PSI: the CPU wait is the sum of the listed threads' run-queue
+    delay (/proc/<tid>/schedstat); threads gone are left out."""
+    tasks = tmp_path / "tasks"
+    me = os.getpid()
+    tasks.write_text(f"{me}\n999999999\n")
+    want = int(Path(f"/proc/{me}/schedstat").read_text().split()[1])
+    got = fs.run_delay_ns(tasks)
+    assert want <= got <= want + 10**9
+    assert fs.run_delay_ns(tmp_path / "missing") == 0

@@ -22,6 +22,7 @@ class Rec:
     id: str
     last_active: float = 0.0
     active_execs: int = 0
+    paused: bool = False
 
 
 class Mem:
@@ -32,6 +33,7 @@ class Mem:
     def __init__(self) -> None:
         self.use: dict[str, MemoryUsage] = {}
         self.cpu_rate: dict[str, float] = {}  # cores in use
+        self.wait_rate: dict[str, float] = {}  # cores' worth of time runnable, not running
         self.reclaims: list[str] = []
         self.fail: set[str] = set()
 
@@ -40,8 +42,9 @@ class Mem:
 
     def tick(self, dt: float) -> None:
         for sid, u in self.use.items():
-            self.use[sid] = replace(u, cpu_usage_ns=u.cpu_usage_ns +
-                                    int(self.cpu_rate.get(sid, 0.0) * dt * 1e9))
+            self.use[sid] = replace(
+                u, cpu_usage_ns=u.cpu_usage_ns + int(self.cpu_rate.get(sid, 0.0) * dt * 1e9),
+                cpu_wait_ns=u.cpu_wait_ns + int(self.wait_rate.get(sid, 0.0) * dt * 1e9))
 
     async def memory(self, sid: str) -> MemoryUsage:
         return self.use[sid]
@@ -104,6 +107,22 @@ def test_idle_sandbox_reclaimed_once_after_cpu_window(tmp_path: Path) -> None:
     assert r.totals()["reclaimed_bytes"] == 24 * MiB
 
 
+def test_a_cpu_starved_sandbox_is_not_idle(tmp_path: Path) -> None:
+    """A best-effort sandbox on a busy node runs little (0.4% of a core, below idle_cpu)
+    but waits to run all the time: it is busy, and reclaiming it would page out a heap it
+    is still building."""
+    recs = [Rec("starved", last_active=1000.0), Rec("idle", last_active=1000.0)]
+    r, mem, clock = make(tmp_path, recs)
+    for rec in recs:
+        mem.add(rec.id, 12 * MiB)
+    mem.cpu_rate["starved"] = 0.004
+    mem.wait_rate["starved"] = 0.9
+    assert run(r, mem, clock, 200) == ["idle"]
+    mem.wait_rate["starved"] = 0.0  # its work done: idle now
+    mem.cpu_rate["starved"] = 0.0
+    assert run(r, mem, clock, 80) == ["starved"]
+
+
 def test_regrowth_is_reclaimed_again_and_wake_resets(tmp_path: Path) -> None:
     recs = [Rec("a", last_active=1000.0)]
     r, mem, clock = make(tmp_path, recs)
@@ -158,9 +177,9 @@ def test_refault_rate_and_reclaimable(tmp_path: Path) -> None:
     mem.add("a", 100 * MiB)
     mem.add("b", 40 * MiB)
     run(r, mem, clock, 30)
-    assert r.reclaimable(2.0) == 70 * MiB  # idle, not reclaimed yet: half of the anon
+    assert r.idle_bytes() == 140 * MiB  # idle, not reclaimed yet: their anon
     assert run(r, mem, clock, 2) == ["a"]
-    assert r.reclaimable(2.0) == 20 * MiB
+    assert r.idle_bytes() == 40 * MiB
     assert r.refault_rate() is None  # reclaimed less than a minute ago
     ws = r.state["a"].working_set
     assert ws == 101 * MiB
@@ -182,3 +201,16 @@ def test_reclaim_now_and_unsupported_backend(tmp_path: Path) -> None:
     plain = Reclaimer(ReclaimConfig(), types.SimpleNamespace(can_reclaim=False), lambda: [])
     assert not plain.supported and asyncio.run(plain.reclaim_now("x")) == 0
     assert asyncio.run(plain.pass_once()).reclaimed == []
+
+
+def test_a_paused_sandbox_keeps_its_reclaim_state(tmp_path: Path) -> None:
+    """A pause pages the sandbox out (reclaim_now); the passes that follow neither reclaim
+    it again nor forget it (they had: its resume then counted no wake)."""
+    recs = [Rec("p", last_active=0.0, paused=True)]
+    r, mem, clock = make(tmp_path, recs)
+    mem.add("p", 8 * MiB)
+    assert asyncio.run(r.reclaim_now("p")) == 8 * MiB
+    assert run(r, mem, clock, 300) == []
+    assert r.state["p"].reclaimed and mem.reclaims == ["p"]
+    recs[0].paused = False
+    assert r.woke("p") is True and r.state["p"].wakes == 1

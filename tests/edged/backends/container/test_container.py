@@ -799,6 +799,84 @@ def test_kernel_objects_per_sandbox(backend: ContainerBackend, busybox_tree: Pat
     run(body)
 
 
+def _runs(pid: int) -> int:
+    """How many times the scheduler ran ``pid`` so far (``/proc/<pid>/schedstat``, 3rd
+    field: timeslices)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[2])
+
+
+def test_an_idle_sandbox_never_runs(backend: ContainerBackend, busybox_tree: Path) -> None:
+    """With no exec running, sbx-init and its spare stay asleep, also while an exec's
+    cgroup is kept busy by a background process (sbx-init had woken every second to no
+    purpose: CPU times the sandboxes on a node, and refaults of what reclaim paged out)."""
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            out, _, end = await sh(backend, "sb1", "sleep 60 > /dev/null 2>&1 & echo started")
+            assert out == b"started\n" and end.reason == "exited"
+            sbx = backend._sandboxes["sb1"]
+            await asyncio.sleep(0.5)  # the exec's end settled
+            procs = [p for p in sbx.cg.procs()
+                     if Path(f"/proc/{p}/comm").read_text().strip() == "sbx-init"]
+            assert sbx.pid in procs and len(procs) == 2, procs  # sbx-init and the spare
+            before = {p: _runs(p) for p in procs}
+            await asyncio.sleep(3.5)
+            assert {p: _runs(p) for p in procs} == before
+            # and it still answers, and removes the exec cgroup once the sleep is gone
+            out, _, _ = await sh(backend, "sb1", "pkill sleep; echo ok")
+            assert out == b"ok\n"
+            deadline = time.monotonic() + 5
+            while len([d for d, _, _ in os.walk(sbx.cg.dirs.get("freezer") or
+                                                 sbx.cg.dirs["v2"])]) > 2:
+                assert time.monotonic() < deadline, "the exec cgroup was not removed"
+                await asyncio.sleep(0.05)
+        finally:
+            await backend.destroy("sb1")
+
+    run(body)
+
+
+@pytest.mark.skipif(not Path("/sys/class/zram-control").exists(), reason="needs zram")
+def test_reclaim_takes_the_upper_and_shared_pages_too(backend: ContainerBackend,
+                                                      busybox_tree: Path,
+                                                      tmp_path: Path) -> None:
+    """Reclaim of an idle sandbox leaves next to nothing resident: its processes' pages,
+    also those sbx-init and its spare share copy-on-write (process_madvise's MADV_PAGEOUT
+    skips pages mapped twice), and its tmpfs upper, which no process maps (a 4 MiB file
+    written there stayed in RAM); all of it reads back intact."""
+    from edged.node.swap import SwapManager
+
+    swap = SwapManager(tmp_path / "swap", mode="zram", zram_bytes=256 << 20)
+    swap.start()
+    assert swap.ensure()
+
+    async def body() -> None:
+        await backend.create(spec((str(busybox_tree),)))
+        try:
+            out, _, _ = await sh(backend, "sb1", "head -c 4194304 /dev/urandom > /tmp/blob; "
+                                 "md5sum < /tmp/blob")
+            use = await backend.memory("sb1")
+            assert use.shmem_bytes >= 4 << 20, use
+            moved = await backend.reclaim("sb1")
+            after = await backend.memory("sb1")
+            assert moved >= 4 << 20 and after.shmem_bytes < 512 << 10, after
+            assert after.resident_bytes < 2 << 20, after  # kernel objects, mostly
+            sbx = backend._sandboxes["sb1"]
+            for pid in (sbx.pid, *sbx.cg.procs()):  # sbx-init and the spare
+                rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+                anon = int(rollup.split("Anonymous:")[1].split()[0])
+                assert anon <= 64, (pid, rollup)  # KiB
+            again, _, _ = await sh(backend, "sb1", "md5sum < /tmp/blob")
+            assert again == out
+        finally:
+            await backend.destroy("sb1")
+
+    try:
+        run(body)
+    finally:
+        swap.stop()
+
+
 def test_sysfs_only_when_the_task_profile_asks(backend: ContainerBackend, busybox_tree: Path,
                                                tmp_path: Path) -> None:
     prof = tmp_path / "withsys.toml"
