@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -132,6 +133,10 @@ class Daemon:
                 "--runtime-dir", self.runtime, "--store-dir", store, "--log-level", "warning"]
         for k, v in extra.items():
             argv += ["--" + k.replace("_", "-"), str(v).lower() if isinstance(v, bool) else str(v)]
+        self.argv = argv
+        self._start(argv)
+
+    def _start(self, argv: list[str]) -> None:
         self.proc = subprocess.Popen(argv, cwd=str(Path(__file__).resolve().parents[1]))
         deadline = time.monotonic() + 60
         while True:
@@ -153,13 +158,42 @@ class Daemon:
         f = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
-    def stop(self) -> None:
+    def _term(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(600)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+    def left(self) -> bool:
+        """Whether the stopped daemon left something: sandboxes its stop could not end in
+        time (their cgroups, named by the state dir's hash) or the zram device it kept for
+        their pages (its record)."""
+        if Path(self.cfg.state_dir, "swap.json").exists():
+            return True
+        tag = "edged-" + hashlib.sha256(
+            str(Path(self.cfg.state_dir).resolve()).encode()).hexdigest()[:10]
+        own = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text()
+                    .splitlines() if ln.split(":")[1] == "pids"), "/")
+        d = Path("/sys/fs/cgroup/pids", own.lstrip("/"), tag)
+        return d.is_dir() and any(p.is_dir() for p in d.iterdir())
+
+    def stop(self) -> None:
+        """Stop the daemon and make sure nothing of it is left: on a host whose CPUs other
+        work keeps busy, killed best-effort sandboxes can take longer to die than the stop
+        waits, and the stop then keeps them (and the zram device holding their pages). A
+        daemon started again on the same directories with ``on_start = destroy`` removes
+        them, its stop the device; tried until nothing is left (or 10 times)."""
+        self._term()
+        for _ in range(10):
+            if not self.left():
+                break
+            print("bench_density: the daemon left sandboxes or swap; cleaning up",
+                  file=sys.stderr)
+            time.sleep(5)
+            self._start([*self.argv, "--on-start", "destroy"])
+            self._term()
         shutil.rmtree(self.runtime, ignore_errors=True)
 
 
@@ -191,8 +225,11 @@ class Wave:
 
 
 async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
-               setup: bool = False) -> None:
-    """Create ``w.target`` sandboxes running ``w.workload`` (or stop at the wall)."""
+               setup: bool = False, fill_s: float = 0.0) -> None:
+    """Create ``w.target`` sandboxes running ``w.workload`` (or stop at the wall, or after
+    ``fill_s`` seconds if > 0: a wave the host's CPU load slows to a crawl ends with what
+    it has, its wall saying so)."""
+    t_end = time.monotonic() + fill_s if fill_s > 0 else float("inf")
     sock = d.cfg.socket
     cmd = WORKLOADS[w.workload]
     marks = {100, 200, w.target}
@@ -205,6 +242,10 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
         sid = f"{w.workload}-{i}"
         refused_since: float | None = None
         while not stop.is_set():
+            if time.monotonic() > t_end:
+                w.wall = w.wall or f"time: --fill-s {fill_s:g} s passed"
+                stop.set()
+                return
             t0 = time.perf_counter()
             try:
                 # its own loop sees each refusal (no SDK retry inside the create it times)
@@ -318,7 +359,7 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
              reclaim: bool = True) -> dict[str, Any]:
     w = Wave(workload, n)
     t0 = time.monotonic()
-    asyncio.run(fill(d, digest, w, a.wall_s))
+    asyncio.run(fill(d, digest, w, a.wall_s, fill_s=a.fill_s))
     fill_s = time.monotonic() - t0
     info = settle(d, w.created, a.settle_s if reclaim else 20.0, reclaim)
     av0, k0 = w.samples[0][1], w.samples[0][2]
@@ -409,6 +450,12 @@ async def qos(d: Daemon, digest: str, k: int) -> dict[str, Any]:
     }
 
 
+def partial(what: str, figures: dict[str, Any]) -> None:
+    """A phase's figures as one JSON line on stderr as soon as it is done (a run stopped
+    later keeps them)."""
+    print(json.dumps({"partial": what, **figures}, default=str), file=sys.stderr, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=3200, help="sandboxes of sleep and python")
@@ -423,6 +470,8 @@ def main() -> int:
                     help="idle time after reclaim before the refault rate is read")
     ap.add_argument("--wall-s", type=float, default=60.0,
                     help="a wave stops when creates are refused this long")
+    ap.add_argument("--fill-s", type=float, default=0.0,
+                    help="a wave stops creating after this many seconds (0: never)")
     ap.add_argument("--wake-k", type=int, default=200, help="sandboxes woken per wave")
     ap.add_argument("--qos-k", type=int, default=200, help="exec round trips per QoS case")
     ap.add_argument("--no-qos", action="store_true")
@@ -454,14 +503,17 @@ def main() -> int:
                 "reclaim_host_mib": on["host_per_sandbox_mib"],
                 "saving_pct": (1 - on["host_per_sandbox_mib"] / off["host_per_sandbox_mib"])
                 * 100, "no_reclaim": off, "reclaim": on}
+            partial("saving", out["saving"])
         d = Daemon(work, store, "main")
         try:
             out["features"] = d.node().get("features")
             for wl in [x for x in a.workloads.split(",") if x]:
                 out["waves"].append(run_wave(d, digest, wl, a.agent_n if wl == "agent"
                                              else a.n, a))
+                partial("wave", out["waves"][-1])
             if not a.no_qos:
                 out["qos"] = asyncio.run(qos(d, digest, a.qos_k))
+                partial("qos", out["qos"])
         finally:
             d.stop()
     finally:
