@@ -168,16 +168,23 @@ class Daemon:
 
     def left(self) -> bool:
         """Whether the stopped daemon left something: sandboxes its stop could not end in
-        time (their cgroups, named by the state dir's hash) or the zram device it kept for
-        their pages (its record)."""
-        if Path(self.cfg.state_dir, "swap.json").exists():
+        time (their cgroups, named by the state dir's hash, beneath this process's own in
+        any v1 hierarchy), the zram device it kept for their pages (its record) or its
+        layer mounts (in its state dir)."""
+        state = str(Path(self.cfg.state_dir).resolve())
+        if Path(state, "swap.json").exists():
             return True
-        tag = "edged-" + hashlib.sha256(
-            str(Path(self.cfg.state_dir).resolve()).encode()).hexdigest()[:10]
-        own = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text()
-                    .splitlines() if ln.split(":")[1] == "pids"), "/")
-        d = Path("/sys/fs/cgroup/pids", own.lstrip("/"), tag)
-        return d.is_dir() and any(p.is_dir() for p in d.iterdir())
+        if any(f" {state}/" in ln for ln in Path("/proc/mounts").read_text().splitlines()):
+            return True
+        tag = "edged-" + hashlib.sha256(state.encode()).hexdigest()[:10]
+        for ln in Path("/proc/self/cgroup").read_text().splitlines():
+            _, ctrl, own = ln.split(":", 2)
+            for d in (Path("/sys/fs/cgroup", ctrl, own.lstrip("/"), tag),
+                      Path("/sys/fs/cgroup", ctrl, own.lstrip("/"), tag + "-idle")):
+                with contextlib.suppress(OSError):
+                    if ctrl and any(p.is_dir() for p in d.iterdir()):
+                        return True
+        return False
 
     def stop(self) -> None:
         """Stop the daemon and make sure nothing of it is left: on a host whose CPUs other
