@@ -103,6 +103,21 @@ def run_delay_ns(tasks_file: Path) -> int:
     return total
 
 
+def psi_some_total_us(path: Path) -> int | None:
+    """The ``some`` line's ``total`` of a PSI file (``cpu.pressure``, ``memory.pressure``):
+    microseconds at least one task waited, over the cgroup's life
+    (Documentation/accounting/psi.rst). None if unreadable."""
+    try:
+        for line in read(path).splitlines():
+            if line.startswith("some "):
+                for field in line.split()[1:]:
+                    if field.startswith("total="):
+                        return int(field.removeprefix("total="))
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def kill_procs(d: Path) -> None:
     """SIGKILL every task in ``d`` and beneath it."""
     for pid in procs(d):

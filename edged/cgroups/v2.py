@@ -24,7 +24,6 @@ from edged.cgroups.base import (
     swap_allowance,
 )
 from edged.errors import BackendError
-from edged.node import hostmem
 
 
 class V2Cgroup(SandboxCgroup):
@@ -75,10 +74,7 @@ class V2Cgroup(SandboxCgroup):
             swap = 0
             with contextlib.suppress(OSError, ValueError):
                 swap = int(fs.read(self.dir / "memory.swap.current"))
-            wait = 0
-            psi = hostmem.read_psi(str(self.dir / "cpu.pressure"))
-            if psi is not None:
-                wait = psi.some.total_us * 1000
+            wait = (fs.psi_some_total_us(self.dir / "cpu.pressure") or 0) * 1000
             shmem = st.get("shmem", 0)
             return MemoryUsage(
                 resident_bytes=int(fs.read(self.dir / "memory.current")),
