@@ -897,7 +897,8 @@ void exec_check_deadlines(struct sbx *s, uint64_t now)
  * reason to wake: it can only empty when its last process exits, and that
  * process's exit is a SIGCHLD here (sbx-init is the parent of every exec's
  * child and the reaper of every orphan: no process of the sandbox can leave
- * its exec cgroup), which retries the removal (on_sigchld).  An idle sandbox
+ * its exec cgroup), which retries the removal (on_sigchld), as does any other
+ * wake (the main loop).  An idle sandbox
  * must not run at all: each wake costs CPU times the sandboxes on the node,
  * and faults back in pages its reclaim put in swap. */
 int exec_next_timeout_ms(const struct sbx *s, uint64_t now)

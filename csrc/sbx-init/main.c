@@ -442,6 +442,11 @@ int main(int argc, char **argv)
 		for (k = 0; k < n; k++)
 			dispatch(s, &evs[k]);
 		exec_check_deadlines(s, now_ns());
+		/* An exec cgroup still busy at its exec's end goes at a child's exit
+		 * (on_sigchld); any other wake tries again too, and no timer does:
+		 * an idle sandbox never runs. */
+		if (s->cg.n_pending_rm)
+			cg_retry_pending(&s->cg);
 		if (ctl_pending(s))
 			ctl_flush(s);
 		ctl_drop_if_broken(s);
