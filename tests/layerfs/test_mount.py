@@ -1,15 +1,22 @@
 """layerfs.mount helpers that the EROFS and overlay tests do not cover: the size-limited
-tmpfs that holds a sandbox's upper and work directories."""
+tmpfs that holds a sandbox's upper and work directories; EROFS mounted through a loop device
+where the kernel has no file-backed mounts (6.1 LTS) or refuses the file (on tmpfs or
+overlayfs), the loop device gone with the mount."""
 
 from __future__ import annotations
 
 import errno
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from layerfs.mount import mount_tmpfs, umount
+from layerfs import mount
+from layerfs.mount import mount_erofs, mount_tmpfs, umount
+from layerfs.sources.directory import load_directory
+from layerfs.writer import write_image
 
 
 def test_tmpfs_refuses_bad_arguments(tmp_path: Path) -> None:
@@ -41,3 +48,102 @@ def test_tmpfs_size_limit_and_mode(tmp_path: Path) -> None:
     with pytest.raises(OSError) as ei2:
         mount_tmpfs(tmp_path / "absent", size=1 << 20)
     assert ei2.value.errno == errno.ENOENT
+
+
+def _source(mp: Path) -> str:
+    """The mount source of ``mp`` (mountinfo's field after the ``-`` separator's fstype)."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == str(mp):
+            return fields[fields.index("-") + 2]
+    raise AssertionError(f"{mp} is not mounted")
+
+
+def _loops_backed_by(path: Path) -> list[str]:
+    """Loop devices whose backing file is ``path``."""
+    out = []
+    for d in Path("/sys/block").glob("loop*"):
+        try:
+            if (d / "loop" / "backing_file").read_text().strip() == str(path):
+                out.append(d.name)
+        except OSError:
+            pass
+    return out
+
+
+@pytest.fixture
+def image_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
+    """An EROFS image (one file, ``hello``) on a disk filesystem (/var/tmp) and a copy on
+    tmpfs (/dev/shm), and a mountpoint."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "hello").write_text("from the layer\n")
+    disk = Path(tempfile.mkdtemp(prefix="layerfs-test-", dir="/var/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="layerfs-test-", dir="/dev/shm"))
+    write_image(load_directory(src), disk / "l.erofs")
+    (shm / "l.erofs").write_bytes((disk / "l.erofs").read_bytes())
+    (tmp_path / "mnt").mkdir()
+    yield {"disk": disk / "l.erofs", "shm": shm / "l.erofs", "mnt": tmp_path / "mnt"}
+    for d in (disk, shm):
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_erofs_mounts_file_backed_where_the_probe_says(image_dirs: dict[str, Path]) -> None:
+    img, mp = image_dirs["disk"], image_dirs["mnt"]
+    mount_erofs(img, mp)
+    try:
+        assert (mp / "hello").read_text() == "from the layer\n"
+        if mount.erofs_file_backed():
+            assert _source(mp) == str(img)
+            assert not _loops_backed_by(img)
+        else:  # e.g. the 6.1 LTS kernel of the node VM (scripts/node-vm.sh)
+            assert _source(mp).startswith("/dev/loop"), _source(mp)
+    finally:
+        umount(mp)
+    assert not _loops_backed_by(img)
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_without_file_backed_mounts_a_loop_device_is_used_and_goes_with_the_mount(
+        image_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    img, mp = image_dirs["disk"], image_dirs["mnt"]
+    monkeypatch.setattr(mount, "_file_backed", False)  # as on a kernel before 6.12
+    mount_erofs(img, mp)
+    try:
+        dev = _source(mp)
+        assert dev.startswith("/dev/loop"), dev
+        name = dev.removeprefix("/dev/")
+        assert _loops_backed_by(img) == [name]
+        assert Path(f"/sys/block/{name}/ro").read_text().strip() == "1"
+        assert Path(f"/sys/block/{name}/loop/autoclear").read_text().strip() == "1"
+        assert (mp / "hello").read_text() == "from the layer\n"
+    finally:
+        umount(mp, lazy=True)  # a lazy unmount too lets the kernel detach it
+    assert not _loops_backed_by(img)
+    # a mount that fails (no EROFS superblock) leaves no loop device either
+    bad = img.with_name("zeros.erofs")
+    bad.write_bytes(bytes(8192))
+    with pytest.raises(OSError) as ei:
+        mount_erofs(bad, mp)
+    assert ei.value.errno in (errno.EINVAL, errno.EUCLEAN), ei.value
+    assert "loop" in str(ei.value)
+    assert not _loops_backed_by(bad)
+
+
+@pytest.mark.root
+@pytest.mark.mount
+def test_an_image_on_tmpfs_mounts_through_a_loop_device(image_dirs: dict[str, Path]) -> None:
+    """A file on tmpfs is refused file-backed (ENOTBLK, also on 6.18): it was an error."""
+    img, mp = image_dirs["shm"], image_dirs["mnt"]
+    mount_erofs(img, mp)
+    try:
+        assert (mp / "hello").read_text() == "from the layer\n"
+        assert _source(mp).startswith("/dev/loop")
+    finally:
+        umount(mp)
+    assert not _loops_backed_by(img)
