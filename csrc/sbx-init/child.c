@@ -81,24 +81,25 @@ static int send_listener(int sock, int fd)
 	return sendmsg(sock, &m, MSG_NOSIGNAL) == 1 ? 0 : -1;
 }
 
-/* Landlock, then seccomp: the last steps before execve (the filter would
- * otherwise also judge our own set-up calls). */
-static void confine_child(const struct sbx_policy *pol, int errpipe_w)
+/* AppArmor, Landlock, then seccomp: the last steps before execve (the filter
+ * would otherwise also judge our own set-up calls).  A grader exec gets the
+ * grader's AppArmor profile. */
+static void confine_child(const struct sbx_policy *pol, int grader, int errpipe_w)
 {
 	struct lfs_error err = {0};
+	const char *aa = grader && pol->aa_grader ? pol->aa_grader : pol->aa_profile;
 	int l;
 
-	if (pol->aa_profile) {
+	if (aa) {
 		/* the AppArmor onexec protocol: the profile applies from the execve on */
 		char cmd[128];
-		int n = snprintf(cmd, sizeof(cmd), "exec %s", pol->aa_profile);
+		int n = snprintf(cmd, sizeof(cmd), "exec %s", aa);
 		int fd = open("/proc/self/attr/apparmor/exec", O_WRONLY | O_CLOEXEC);
 
 		if (fd < 0)
 			fd = open("/proc/self/attr/exec", O_WRONLY | O_CLOEXEC);
 		if (fd < 0 || n <= 0 || n >= (int)sizeof(cmd) || write(fd, cmd, (size_t)n) != n)
-			child_fail(errpipe_w, errno ? errno : EINVAL, "apparmor change_onexec",
-				   pol->aa_profile);
+			child_fail(errpipe_w, errno ? errno : EINVAL, "apparmor change_onexec", aa);
 		close(fd);
 	}
 	if (pol->ll_ruleset >= 0 && lfs_landlock_enforce(pol->ll_ruleset, pol->ll_flags, &err) < 0)
@@ -298,7 +299,7 @@ void child_run(const struct sbx_policy *pol, struct child_args *a)
 		child_fail(a->errpipe_w, errno, "setuid", "uid");
 	if (chdir(a->cwd) < 0)
 		child_fail(a->errpipe_w, errno, "chdir", a->cwd);
-	confine_child(pol, a->errpipe_w);
+	confine_child(pol, (a->req->flags & SBX_EXEC_GRADER) != 0, a->errpipe_w);
 	environ = envp;
 	/* "reached execve": an EOF without it is a child that died before (a
 	 * spare killed with the workload, say), never a program that ran */

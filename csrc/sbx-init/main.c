@@ -27,8 +27,10 @@
  *                  still exactly what the layers hold;
  *   SECCOMP_FD     a file holding a classic-BPF seccomp program whose denials
  *                  are user notifications;
- *   PROFILE        an AppArmor profile (loaded by the daemon) each exec changes
- *                  to at execve (aa_change_onexec), on kernels with AppArmor;
+ *   PROFILE        AppArmor profiles (loaded by the daemon), WORKLOAD[,GRADER]:
+ *                  each exec changes to WORKLOAD at execve (aa_change_onexec), a
+ *                  grader exec to GRADER (WORKLOAD when none is given), on
+ *                  kernels with AppArmor;
  *   SCRATCH_FD     the sandbox's scratch directory (upper/ and work/ of the
  *                  overlay, dev/ and shm/, empty/): kept open, so the daemon
  *                  can inspect the upper through /proc/<pid>/fd before a
@@ -339,7 +341,17 @@ int main(int argc, char **argv)
 		case 'L': ll_fd = parse_fd(optarg); break;
 		case 'S': sc_fd = parse_fd(optarg); break;
 		case 'U': s->pol.scratch_fd = parse_fd(optarg); break;
-		case 'A': s->pol.aa_profile = optarg; break;
+		case 'A': {
+			char *comma = strchr(optarg, ',');
+
+			s->pol.aa_profile = optarg;
+			s->pol.aa_grader = optarg;
+			if (comma) {
+				*comma = '\0';
+				s->pol.aa_grader = comma + 1;
+			}
+			break;
+		}
 		case 'P':
 			if (parse_lowers(optarg, &s->pol) < 0) {
 				logmsg("sbx-init: -P `%s`: FD[:FD...], at most %d", optarg,

@@ -6,6 +6,13 @@ interface of the LSM) and ``apparmor_parser`` is installed. Where it is absent (
 machine), :func:`load` logs a notice and returns False; Landlock and seccomp still apply. On
 production hosts the spawner/sbx-init applies the loaded profile at exec
 (``/proc/self/attr/apparmor/exec`` = ``exec <name>``, the aa_change_onexec protocol).
+
+Each sandbox has two profiles, rendered from one template into one file (loaded and removed
+together): ``edged-sbx-<id>`` for the workload's execs and ``edged-grader-<id>`` for grader
+execs (the same rules, but the task profile's hidden paths readable, and a label of its own,
+so the workload's processes can neither signal nor trace a grader). The prefixes differ, so
+no sandbox id can name another sandbox's profile. Denials of either reach the ledger as
+``apparmor_denied`` events through the kernel's audit messages (:mod:`.audit`).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ log = logging.getLogger("edged.security.apparmor")
 
 SECURITYFS = "/sys/kernel/security/apparmor"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+WORKLOAD_PREFIX = "edged-sbx-"
+GRADER_PREFIX = "edged-grader-"
 # AppArmor path globs treat these as special; protected paths must be plain.
 _PLAIN_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]*$")
 
@@ -36,35 +45,67 @@ def probe() -> dict[str, object]:
     return {"kernel": os.path.isdir(SECURITYFS), "parser": shutil.which("apparmor_parser")}
 
 
+def profile_names(sandbox_id: str) -> tuple[str, str]:
+    """(workload profile, grader profile) of a sandbox."""
+    return f"{WORKLOAD_PREFIX}{sandbox_id}", f"{GRADER_PREFIX}{sandbox_id}"
+
+
+def sandbox_of(label: str) -> str | None:
+    """The sandbox id whose profile ``label`` is (``edged-sbx-<id>`` or
+    ``edged-grader-<id>``, also with a ``//...`` child part), or None for another label."""
+    name = label.split("//", 1)[0].removesuffix(" (enforce)")
+    for prefix in (WORKLOAD_PREFIX, GRADER_PREFIX):
+        if name.startswith(prefix) and _NAME.match(name[len(prefix):]):
+            return name[len(prefix):]
+    return None
+
+
+def _path_rules(paths: Iterable[str], what: str, perms: str) -> list[str]:
+    rules = []
+    for p in sorted(set(paths)):
+        if not _PLAIN_PATH.match(p) or ".." in p.split("/"):
+            raise ProfileError(f"apparmor: {what} path {p!r} must be plain and absolute")
+        p = p.rstrip("/") or "/"
+        rules.append(f"  deny {p} {perms},")
+        rules.append(f"  deny {p}/** {perms},")
+    return rules
+
+
 def render(
     sandbox_id: str,
     protected: Iterable[str],
     *,
+    hidden: Iterable[str] = (),
     template: str = "sandbox",
     init_profile: str = "edged-sbx-init",
 ) -> str:
-    """The profile text for one sandbox: profile name ``edged-sbx-<id>``; every protected
-    path (and everything beneath it) read/map/execute-only.
+    """The profile text for one sandbox: the workload's profile (``edged-sbx-<id>``: every
+    protected path, and everything beneath it, read/map/execute-only; every ``hidden`` path
+    not accessible at all) and the grader's (``edged-grader-<id>``: the same but the hidden
+    paths), in one text to load at once.
 
-    Raises :class:`ProfileError` for a bad sandbox id, a protected path with glob or quote
-    characters, or a missing template."""
+    Raises :class:`ProfileError` for a bad sandbox id, a protected or hidden path with glob
+    or quote characters, or a missing or bad template."""
     if not _NAME.match(sandbox_id):
         raise ProfileError(f"apparmor: sandbox id {sandbox_id!r} is not a valid profile name")
-    rules = []
-    for p in sorted(set(protected)):
-        if not _PLAIN_PATH.match(p) or ".." in p.split("/"):
-            raise ProfileError(f"apparmor: protected path {p!r} must be plain and absolute")
-        p = p.rstrip("/") or "/"
-        rules.append(f"  deny {p} wl,")
-        rules.append(f"  deny {p}/** wl,")
+    protected_rules = "\n".join(_path_rules(protected, "protected", "wl"))
+    hidden_rules = "\n".join(_path_rules(hidden, "hidden", "rwlkmx"))
     path = PROFILES_DIR / "apparmor" / f"{template}.profile.in"
     try:
-        tpl = string.Template(path.read_text())
+        text = path.read_text()
     except OSError as e:
         raise ProfileError(f"apparmor template {path}: {e}") from e
+    m = re.search(r"^profile ", text, re.MULTILINE)
+    if m is None:
+        raise ProfileError(f"apparmor template {path}: no 'profile' block")
+    workload, grader = profile_names(sandbox_id)
     try:
-        return tpl.substitute(name=f"edged-sbx-{sandbox_id}", init_profile=init_profile,
-                              protected_rules="\n".join(rules))
+        return (string.Template(text).substitute(
+                    name=workload, init_profile=init_profile,
+                    protected_rules=protected_rules, hidden_rules=hidden_rules)
+                + "\n" + string.Template(text[m.start():]).substitute(
+                    name=grader, init_profile=init_profile,
+                    protected_rules=protected_rules, hidden_rules=""))
     except (KeyError, ValueError) as e:
         raise ProfileError(f"apparmor template {path}: bad placeholder {e}") from e
 
@@ -107,14 +148,15 @@ def load(text: str) -> bool:
 
 def unload(name: str) -> None:
     """Remove profile ``name`` from the kernel (``.remove`` in securityfs); a no-op where the
-    kernel has no AppArmor or the profile is not loaded."""
-    if not _NAME.match(name.removeprefix("edged-sbx-")):
+    kernel has no AppArmor or the profile is not loaded. Raises ProfileError for a name
+    that is not one of ours (``edged-sbx-<id>``, ``edged-grader-<id>``)."""
+    if sandbox_of(name) is None or "//" in name:
         raise ProfileError(f"apparmor: {name!r} is not a profile name of ours")
     try:
         with open(os.path.join(SECURITYFS, ".remove"), "w") as f:
             f.write(name)
-    except FileNotFoundError:
-        pass
+    except (FileNotFoundError, ProcessLookupError):
+        pass  # no AppArmor, or not loaded (ENOENT)
     except OSError as e:
         log.warning("apparmor: remove profile %s: %s", name, e)
 

@@ -62,6 +62,37 @@ def abi() -> int:
     return int(lib.lfs_landlock_abi())
 
 
+#: What each Landlock ABI adds, and what edged does on a kernel without it (kernels before
+#: the version, e.g. the 6.1 LTS with ABI 2). Documentation/userspace-api/landlock.rst.
+ABI_FEATURES: dict[int, tuple[str, str]] = {
+    1: ("filesystem rights (Linux 5.13)",
+        "protected paths rest on read-only mounts, seccomp and AppArmor"),
+    2: ("linking and renaming across directories, REFER (5.19)",
+        "renames into protected trees are refused by their read-only mounts"),
+    3: ("truncate(2) of files, TRUNCATE (6.2)",
+        "protected files are read-only mounts (EROFS) and AppArmor-denied; others may be "
+        "truncated"),
+    4: ("TCP bind and connect rules (6.7)",
+        "a task profile with tcp_bind/tcp_connect is refused at create"),
+    5: ("ioctl on device files, IOCTL_DEV (6.10)",
+        "the sandbox's /dev holds only null, zero, full, random, urandom, tty, pts; seccomp "
+        "filters ioctl numbers"),
+    6: ("scoping of signals and abstract unix sockets (6.12)",
+        "signals to sbx-init and between profiles are AppArmor's (where loaded); abstract "
+        "sockets are per network namespace, and each sandbox has its own"),
+    7: ("audit logging of denials (6.15)", "Landlock denials are not recorded"),
+}
+
+
+def features() -> dict[str, object]:
+    """The feature probe's Landlock part: ``abi``, ``lacks`` (for each ABI version above the
+    kernel's: what it would add and what edged does instead)."""
+    n = abi()
+    return {"abi": n, "lacks": {str(v): {"feature": what, "instead": instead}
+                                for v, (what, instead) in sorted(ABI_FEATURES.items())
+                                if v > n}}
+
+
 @dataclass(frozen=True)
 class PathRule:
     """Grant ``access`` beneath ``path`` (absolute, inside the sandbox's root). ``optional``:

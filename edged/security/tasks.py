@@ -10,7 +10,9 @@ empty: each sysfs is a superblock, and every superblock on the host grows the ke
 of every memory cgroup, so it costs the node in proportion to its sandboxes), ``writable``
 (absolute paths that exist when the sandbox starts: when given, the workload may change
 nothing else, see :func:`edged.security.landlock.writable_ruleset`; absent, everything but
-the protected paths is writable).
+the protected paths is writable), ``hidden`` (absolute paths the workload may not read or
+change at all, e.g. a task's answer files, while grader execs may: enforced by AppArmor, so a
+sandbox whose profile hides paths is refused where the kernel has no AppArmor).
 Unknown keys are an error, so a typo cannot silently weaken a policy.
 """
 
@@ -45,6 +47,7 @@ class TaskProfile:
     grader_view: tuple[str, ...] = DEFAULT_GRADER_VIEW
     sysfs: bool = False
     writable: tuple[str, ...] | None = None
+    hidden: tuple[str, ...] = ()
 
     def all_protected(self) -> tuple[str, ...]:
         """``protected`` plus the grader's programs, sorted, without duplicates."""
@@ -90,7 +93,7 @@ def load(name: str = "default") -> TaskProfile:
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ProfileError(f"task profile {name!r}: {profile_problem(e)}") from e
     unknown = set(doc) - {"seccomp", "protected", "grader", "grader_view", "tcp_bind",
-                          "tcp_connect", "sysfs", "writable"}
+                          "tcp_connect", "sysfs", "writable", "hidden"}
     if unknown:
         raise ProfileError(f"task profile {name}: unknown keys {sorted(unknown)}")
     sc = doc.get("seccomp", "default")
@@ -112,6 +115,8 @@ def load(name: str = "default") -> TaskProfile:
         sysfs=sysfs,
         writable=(None if "writable" not in doc else
                   _paths(doc["writable"], f"task profile {name}: writable")),
+        hidden=tuple(sorted(set(_paths(doc.get("hidden", []),
+                                       f"task profile {name}: hidden")))),
     )
 
 

@@ -61,7 +61,8 @@ from edged.cgroups import POOL_PREFIX, SandboxCgroup
 from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
-from edged.security import apparmor, landlock
+from edged.security import apparmor, audit, landlock
+from layerfs.mount import erofs_file_backed
 
 log = logging.getLogger("edged.container")
 _T = TypeVar("_T")
@@ -175,8 +176,28 @@ class ContainerBackend:
         self._reaping: dict[int, tuple[int, Callable[[], None] | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # of the pool's readers
         self._closed = False
+        #: AppArmor denials of our sandboxes' profiles, from the kernel's audit messages
+        #: (started with the first sandbox that has a profile)
+        self._audit: audit.AuditReader | None = None
 
     # ---- helpers ------------------------------------------------------
+
+    def _watch_apparmor(self) -> None:
+        """Start reading AppArmor denials (once, in the running loop), where the kernel has
+        AppArmor."""
+        if self._audit is None and apparmor.probe()["kernel"]:
+            self._audit = audit.AuditReader(self._on_apparmor_denial)
+            if not self._audit.start():
+                self._audit = None
+
+    def _on_apparmor_denial(self, d: audit.AppArmorDenial) -> None:
+        """An ``apparmor_denied`` event for the sandbox whose profile was denied (denials of
+        other profiles, and of sandboxes another backend runs, are not ours)."""
+        sid = apparmor.sandbox_of(d.profile)
+        if sid is None or sid not in self._sandboxes or self.on_event is None:
+            return
+        self.on_event(sid, "apparmor_denied", pid=d.pid, process=d.comm, path=d.name,
+                      detail=d.detail())
 
     def _get(self, sandbox_id: str) -> _Sandbox:
         sbx = self._sandboxes.get(sandbox_id)
@@ -524,8 +545,12 @@ class ContainerBackend:
             "sbx_init": (self.bin_dir / "sbx-init").exists(),
             "tree_kill": self.cgroups.tree_kill,
             "landlock_abi": landlock.abi(),
+            "landlock": landlock.features(),
             "seccomp_notify": True,
             "apparmor": apparmor.probe(),
+            # EROFS layers mounted from their image files, or else through loop devices
+            # (kernels before 6.12: layerfs.mount)
+            "erofs_file_backed": erofs_file_backed(),
         }
 
     async def create(self, spec: SandboxSpec) -> None:
@@ -554,6 +579,8 @@ class ContainerBackend:
             (d / "root").mkdir()
             self._write_meta(d, meta)
             policy = confinement.prepare(spec)
+            if policy is not None and policy.apparmor_profile is not None:
+                self._watch_apparmor()
             if pooled is not None and pooled.cg is not None:
                 cg = self.cgroups.claim(pooled.cg, sid, spec.resources, qos=spec.qos,
                                         bpf=spec.netns_fd is not None)
@@ -886,6 +913,7 @@ class ContainerBackend:
                        int(meta["uid_base"]), int(meta["slot"]), cg,
                        limits=confinement.LimitWatch(cg), starttime=meta.get("starttime"))
         sbx.paused = cg.frozen()
+        self._watch_apparmor()
         if sbx.paused:
             await asyncio.to_thread(cg.freeze, False)  # sbx-init must answer the hello
         try:
@@ -954,6 +982,9 @@ class ContainerBackend:
                 await sbx.conn.close()
             os.close(sbx.pidfd)
         self._sandboxes.clear()
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
         if not self._metas() and not self._busy:
             self.cgroups.prune()
         self._closed = False

@@ -8,14 +8,20 @@ Who applies what (see also ``csrc/spawner/spawner.c`` and ``csrc/sbx-init/child.
   WORKLOAD_CAPS` (bounding set too) and ``no_new_privs``. Without CAP_SYS_ADMIN the sandbox
   cannot remount or unmount those mounts, and in any user namespace it creates they are
   locked by the kernel;
-- sbx-init, for EACH exec just before execve: Landlock (the ruleset prepared once at
-  start-up from the pristine rootfs; a fresh domain per exec), then the seccomp program with
-  a notification listener that sbx-init itself serves (EPERM at once) and reports as
-  ``SBX_EVENT`` frames, recorded as ``seccomp_denied`` (:mod:`edged.sbxinit.events`).
+- sbx-init, for EACH exec just before execve: the AppArmor profile where the kernel has
+  AppArmor (the workload's, or the grader's for a grader exec: both loaded here at create),
+  Landlock (the ruleset prepared once at start-up from the pristine rootfs; a fresh domain
+  per exec), then the seccomp program with a notification listener that sbx-init itself
+  serves (EPERM at once) and reports as ``SBX_EVENT`` frames, recorded as
+  ``seccomp_denied`` (:mod:`edged.sbxinit.events`).
 
-Not observable here: Landlock denials (the kernel reports them only through the audit
-subsystem, absent from this daemon's reach), so an attack stopped by Landlock alone leaves
-its trace only in the workload's own EACCES/EPERM.
+A sandbox never gets less than its task profile asks for: a profile that restricts TCP
+ports (Landlock ABI 4, Linux 6.7) or hides paths (AppArmor) is refused at create where the
+kernel cannot enforce that, naming what is missing. AppArmor denials are recorded
+(``apparmor_denied``, read from the kernel's audit messages by the backend); Landlock
+denials are not (Linux reports them through audit only from ABI 7, and nothing ties such a
+record to a sandbox yet), so an attack stopped by Landlock alone leaves its trace only in
+the workload's own EACCES/EPERM.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from edged.backends.base import EventSink, SandboxSpec
 from edged.cgroups import SandboxCgroup
 from edged.security import apparmor, landlock, seccomp, tasks
 from edged.security.confine import WORKLOAD_CAPS
-from edged.security.profile import profile_path
+from edged.security.profile import ProfileError, profile_path
 
 log = logging.getLogger("edged.container")
 
@@ -93,6 +99,7 @@ def _build(spec: SandboxSpec) -> Policy:
     if hit is not None and hit[0] == _stamp(hit[1].task, hit[1].seccomp_name, key[2]):
         return hit[1]
     task = tasks.load(spec.task_profile)
+    _check_enforceable(task)
     sc_name = spec.seccomp_profile or task.seccomp
     stamp = _stamp(task, sc_name, key[2])  # before reading: a change in between misses next
     prog = seccomp.load(sc_name).compile("notify")
@@ -109,6 +116,25 @@ def _build(spec: SandboxSpec) -> Policy:
     return policy
 
 
+#: The Landlock ABI that has TCP bind/connect rules (Linux 6.7).
+TCP_RULES_ABI = 4
+
+
+def _check_enforceable(task: tasks.TaskProfile) -> None:
+    """Refuse (ProfileError, a BadRequest) a task profile this kernel cannot enforce whole:
+    TCP port rules need Landlock ABI 4, hidden paths need AppArmor."""
+    abi = landlock.abi()
+    if (task.tcp_bind is not None or task.tcp_connect is not None) and abi < TCP_RULES_ABI:
+        raise ProfileError(
+            f"task profile {task.name}: tcp_bind/tcp_connect need Landlock ABI "
+            f"{TCP_RULES_ABI} (Linux 6.7); this kernel has ABI {abi}: refused rather than "
+            "run without them")
+    if task.hidden and not apparmor.probe()["kernel"]:
+        raise ProfileError(
+            f"task profile {task.name}: hidden paths need AppArmor, which this kernel does "
+            "not have: refused rather than run with them readable")
+
+
 def prepare(spec: SandboxSpec) -> Policy | None:
     """Load and compile the policy ``spec`` names (None when it asks for none); where the
     kernel has AppArmor, render and load the sandbox's profile (``edged-sbx-<id>``, applied
@@ -123,9 +149,9 @@ def prepare(spec: SandboxSpec) -> Policy | None:
     task = base.task
     aa = None
     if apparmor.probe()["kernel"]:
-        text = apparmor.render(spec.id, task.all_protected())
+        text = apparmor.render(spec.id, task.all_protected(), hidden=task.hidden)
         if apparmor.load(text):
-            aa = f"edged-sbx-{spec.id}"
+            aa = ",".join(apparmor.profile_names(spec.id))  # sbx-init's -A WORKLOAD,GRADER
     else:
         _notice_once("no AppArmor in this kernel: sandboxes run without an AppArmor profile "
                      "(Landlock, seccomp and read-only mounts still apply)")
@@ -135,9 +161,10 @@ def prepare(spec: SandboxSpec) -> Policy | None:
 
 
 def release(sandbox_id: str) -> None:
-    """Undo what :func:`prepare` left in the kernel (the AppArmor profile, if any)."""
+    """Undo what :func:`prepare` left in the kernel (the AppArmor profiles, if any)."""
     if apparmor.probe()["kernel"]:
-        apparmor.unload(f"edged-sbx-{sandbox_id}")
+        for name in apparmor.profile_names(sandbox_id):
+            apparmor.unload(name)
 
 
 _noticed: set[str] = set()

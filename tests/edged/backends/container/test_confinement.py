@@ -20,6 +20,7 @@ def test_spawner_args_write_policy_files(tmp_path: Path, busybox_tree: Path) -> 
     spec = SandboxSpec(id="p1", lowers=(str(busybox_tree),), resources=Resources(), env={},
                        hostname="h")
     pol = confinement.prepare(spec)
+    confinement.release("p1")  # (where the kernel has AppArmor, prepare loaded its profiles)
     assert pol is not None
     args = confinement.spawner_args(dataclasses.replace(pol, apparmor_profile="edged-sbx-p1"),
                                     tmp_path / "policies")
@@ -41,15 +42,15 @@ def test_spawner_args_write_policy_files(tmp_path: Path, busybox_tree: Path) -> 
 @pytest.mark.mount
 def test_exec_fails_closed_when_apparmor_cannot_apply(
         backend: ContainerBackend, busybox_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sandbox told to use an AppArmor profile never runs an exec without it: here, with no
-    AppArmor in the kernel, sbx-init cannot set it and the exec is refused."""
-    if Path("/sys/kernel/security/apparmor").exists():
-        pytest.skip("the kernel has AppArmor: the profile would apply")
+    """A sandbox told to use an AppArmor profile never runs an exec without it: with no
+    AppArmor in the kernel sbx-init cannot set it, and with AppArmor a profile that is not
+    loaded cannot be changed to; either way the exec is refused."""
     real = confinement.prepare
 
     def with_aa(spec: SandboxSpec) -> Any:
         pol = real(spec)
-        return dataclasses.replace(pol, apparmor_profile="edged-sbx-aa") if pol else None
+        return (dataclasses.replace(pol, apparmor_profile="edged-sbx-never-loaded")
+                if pol else None)
 
     monkeypatch.setattr(confinement, "prepare", with_aa)
     spec = SandboxSpec(id="aa", lowers=(str(busybox_tree),), resources=Resources(),
@@ -64,6 +65,31 @@ def test_exec_fails_closed_when_apparmor_cannot_apply(
             await backend.destroy("aa")
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def test_a_profile_the_kernel_cannot_enforce_is_refused(
+        tmp_path: Path, busybox_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TCP port rules without Landlock ABI 4 (Linux 6.1 has ABI 2), hidden paths without
+    AppArmor: refused at create, naming what is missing (they were dropped silently)."""
+    from edged.security import apparmor, landlock
+    from edged.security.profile import PROFILES_DIR, ProfileError
+
+    default = (PROFILES_DIR / "tasks" / "default.toml").read_text()
+    tcp = tmp_path / "tcp.toml"
+    tcp.write_text(default + "\ntcp_connect = [443]\n")
+    hidden = tmp_path / "hidden.toml"
+    hidden.write_text(default + '\nhidden = ["/answers"]\n')
+    spec = SandboxSpec(id="nope", lowers=(str(busybox_tree),), resources=Resources(), env={},
+                       hostname="h")
+    monkeypatch.setattr(landlock, "abi", lambda: 2)
+    with pytest.raises(ProfileError, match=r"need Landlock ABI 4 .* this kernel has ABI 2"):
+        confinement.prepare(dataclasses.replace(spec, task_profile=str(tcp)))
+    monkeypatch.setattr(apparmor, "probe", lambda: {"kernel": False, "parser": None})
+    with pytest.raises(ProfileError, match="hidden paths need AppArmor"):
+        confinement.prepare(dataclasses.replace(spec, task_profile=str(hidden)))
+    monkeypatch.setattr(landlock, "abi", lambda: 4)
+    pol = confinement.prepare(dataclasses.replace(spec, task_profile=str(tcp)))
+    assert pol is not None and pol.task.tcp_connect == (443,)
 
 
 def test_prepare_cache_follows_profile_and_layers(tmp_path: Path) -> None:
