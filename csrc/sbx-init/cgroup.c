@@ -13,9 +13,13 @@
  * its peak memory is its main process's peak RSS (wait4). */
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/sched.h>
+#include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "lfs_cleanup.h"
@@ -59,6 +63,65 @@ void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2])
 	join[0] = join[1] = -1;
 	cg->ops->remove(cg, name);
 	name[0] = 0;
+}
+
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+
+/* fork() for an exec's child (or the spare) whose cgroup cg_make made as
+ * `name`: on v2 the child is cloned straight into it (clone3 with
+ * CLONE_INTO_CGROUP, Linux 5.7), so it has nothing to join (its join[] are
+ * closed and set to -1 in the child) and no cgroup move is made at all: a
+ * move write-locks the kernel's cgroup_threadgroup_rwsem, which waits for an
+ * RCU grace period when none passed lately (v1's single-threaded move through
+ * "tasks" skips that lock; v2 has no such path).  Where clone3 or the flag is
+ * refused (ENOSYS, EINVAL, E2BIG: an older kernel or a seccomp filter), it
+ * says so once and forks, the child joining by writing join[] as on v1.  The
+ * child of a raw clone3 must not use libc's cached thread id (raise, pthread):
+ * it sets up and execs, as a forked child does. */
+pid_t cg_fork(struct sbx_cg *cg, const char *name, int join[2])
+{
+	if (cg->mode == SBX_CGROUP_V2 && name[0] && cg->clone_into >= 0) {
+		int dfd = openat(cg->v2, name, O_PATH | O_DIRECTORY | O_CLOEXEC);
+
+		if (dfd >= 0) {
+			struct clone_args args;
+			long pid;
+			int saved;
+
+			memset(&args, 0, sizeof(args));
+			args.flags = CLONE_INTO_CGROUP;
+			args.exit_signal = SIGCHLD;
+			args.cgroup = (uint64_t)dfd;
+			pid = syscall(SYS_clone3, &args, sizeof(args));
+			saved = errno;
+			close(dfd);
+			if (pid == 0) {
+				for (int i = 0; i < 2; i++)
+					if (join[i] >= 0) {
+						close(join[i]);
+						join[i] = -1;
+					}
+				return 0;
+			}
+			if (pid > 0) {
+				if (!cg->clone_into)
+					logmsg("sbx-init: execs are cloned into their cgroups "
+					       "(CLONE_INTO_CGROUP)");
+				cg->clone_into = 1;
+				return (pid_t)pid;
+			}
+			if (saved != ENOSYS && saved != EINVAL && saved != E2BIG) {
+				errno = saved; /* EAGAIN at the pids limit, ENOMEM: as fork's */
+				return -1;
+			}
+			logmsg("sbx-init: clone3 into a cgroup refused (%s): execs join theirs",
+			       strerror(saved));
+			cg->clone_into = -1;
+		}
+	}
+	return fork();
 }
 
 /* An exec's cgroup may still hold background processes when the exec ends;

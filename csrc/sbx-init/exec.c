@@ -347,7 +347,7 @@ void exec_start(struct sbx *s, uint32_t id, uint8_t *payload, uint32_t len)
 	pid = spare_take(s, e, &a, payload, len);
 	if (pid < 0) {
 		cg_make(&s->cg, e->cg, a.join);
-		pid = fork();
+		pid = cg_fork(&s->cg, e->cg, a.join);
 		if (pid == 0)
 			child_run(&s->pol, &a);
 	}

@@ -98,6 +98,7 @@ struct sbx_cg {
 	uint64_t counter;            /* names e1, e2, ... */
 	char pending_rm[MAX_PENDING_RM][CG_NAME_MAX]; /* still busy when their exec ended */
 	int n_pending_rm;
+	int clone_into;              /* v2: 1 clone3 into the cgroup works, -1 refused, 0 untried */
 };
 
 /* How each exec is confined (child.c, grader.c): read at start-up. */
@@ -107,6 +108,7 @@ struct sbx_policy {
 	uint8_t *sc_prog;         /* seccomp program, NULL: none */
 	size_t sc_len;
 	const char *aa_profile;   /* AppArmor profile for execs, NULL: none */
+	const char *aa_grader;    /* ... for grader execs (SBX_EXEC_GRADER) */
 	int lowers[SBX_MAX_LOWERS]; /* the layers for grader views (detached, bottom first) */
 	int n_lowers;             /* 0: no grader views in this sandbox */
 	int scratch_fd;           /* the scratch dir (upper/, work/, empty/), -1: none */
@@ -263,6 +265,7 @@ pid_t spare_take(struct sbx *s, struct exec *e, const struct child_args *a,
 /* cgroup.c */
 void cg_init(struct sbx_cg *cg);
 void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2]);
+pid_t cg_fork(struct sbx_cg *cg, const char *name, int join[2]);
 void cg_release(struct sbx_cg *cg, char name[CG_NAME_MAX]);
 void cg_retry_pending(struct sbx_cg *cg);
 int cg_kill(struct sbx_cg *cg, const char *name);

@@ -127,7 +127,7 @@ void spare_make(struct sbx *s)
 	if (!cg[0])
 		return;
 	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) == 0) {
-		pid = fork();
+		pid = cg_fork(&s->cg, cg, join);
 		if (pid == 0) {
 			close(sv[0]);
 			spare_main(&s->pol, sv[1], join);
