@@ -239,6 +239,9 @@ class Server:
         if lost_at_start:
             self.manager.layers_lost(lost_at_start)
         log.info("recovered", extra={k: len(v) for k, v in self.recovered.items()})
+        # the feature probe, said once at start (also GET /v1/node): what this kernel has and
+        # what each backend does where it lacks something
+        log.info("features", extra={"backends": self.manager.features})
         self.manager.start_reaper()
         service.start()
         app = make_app(self.manager)

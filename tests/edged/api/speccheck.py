@@ -16,7 +16,10 @@ from urllib.parse import urlsplit
 import jsonschema
 from referencing import Registry, Resource
 
-SPEC_PATH = Path(__file__).resolve().parents[3] / "edged" / "api" / "openapi.json"
+import edged.api
+
+# The spec of the edged under test (a checkout's, or an installed wheel's package data).
+SPEC_PATH = Path(edged.api.__file__).resolve().parent / "openapi.json"
 SPEC: dict[str, Any] = json.loads(SPEC_PATH.read_text())
 _REGISTRY = Registry().with_resource("urn:edged", Resource.from_contents(
     {**SPEC, "$schema": "https://json-schema.org/draft/2020-12/schema"}))

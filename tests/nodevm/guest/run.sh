@@ -1,0 +1,96 @@
+#!/bin/bash
+# The node VM's run (on the payload disk, made from the checkout for every run; started by
+# nodevm.service after boot): record what this node is, install edged from its wheel the
+# way README "Install as software" says, enable and start edged.service, run the selected
+# tests, write everything to the results disk and power off. Lines starting "nodevm:" on
+# the console are what the host (tests/nodevm/driver.py) waits for.
+set -u
+P=/mnt/payload
+R=/var/tmp/nodevm-results
+RESULTS_DEV=/dev/disk/by-id/virtio-results
+mkdir -p "$R"
+say() { echo "nodevm: $*"; }
+finish() {
+  # Whatever happened: the results out, then power off (the host waits for QEMU to end).
+  say "collecting results"
+  journalctl -b --no-pager -o short-monotonic > "$R/journal.txt" 2>&1
+  journalctl -b --no-pager -u edged > "$R/edged.journal.txt" 2>&1
+  dmesg > "$R/dmesg.txt" 2>&1
+  cp /proc/loadavg "$R/loadavg.txt"
+  echo "${1:-0}" > "$R/run-status"
+  tar -C "$R" -cf "$RESULTS_DEV" . && sync
+  say "done $1"
+  systemctl --no-block poweroff
+  exit 0
+}
+say "started $(uname -r) $(cut -d' ' -f1 /proc/uptime)s after boot"
+
+# ---- what this node is --------------------------------------------------------------
+{
+  echo "kernel=$(uname -r)"
+  echo "cgroup_fs=$(stat -fc %T /sys/fs/cgroup)"
+  echo "cgroup_controllers=$(cat /sys/fs/cgroup/cgroup.controllers 2>/dev/null)"
+  echo "apparmor_enabled=$(cat /sys/module/apparmor/parameters/enabled 2>/dev/null)"
+  echo "apparmor_mode=$(cat /sys/module/apparmor/parameters/mode 2>/dev/null)"
+  echo "lsm=$(cat /sys/kernel/security/lsm 2>/dev/null)"
+  echo "apparmor_profiles=$(wc -l < /sys/kernel/security/apparmor/profiles 2>/dev/null)"
+  echo "nproc=$(nproc)"
+  echo "memory_kib=$(awk '/MemTotal/ {print $2}' /proc/meminfo)"
+  echo "systemd=$(systemctl --version | head -1)"
+} > "$R/node.txt"
+cat "$R/node.txt"
+# What this kernel's AppArmor mediates (the parser downgrades rules it cannot enforce).
+for f in $(find /sys/kernel/security/apparmor/features -type f | sort); do
+  echo "$f: $(tr '\n' ' ' < "$f")"
+done > "$R/apparmor-features.txt" 2>&1
+
+# ---- install edged as a user would ----------------------------------------------------
+# (The virtualenv /opt/edged already holds edged's dependencies: the guest has no network.)
+t0=$(date +%s)
+set -o pipefail
+if ! /opt/edged/bin/pip install --no-index "$P"/dist/edged-*.whl > "$R/install.txt" 2>&1; then
+  say "pip install of the wheel failed"; cat "$R/install.txt"; finish 2
+fi
+getent group edged > /dev/null || groupadd --system edged
+install -m 0644 /opt/edged/lib/python3*/site-packages/edged/_systemd/edged.service \
+  /etc/systemd/system/edged.service
+systemctl daemon-reload
+if ! systemctl enable --now edged >> "$R/install.txt" 2>&1; then
+  say "systemctl enable --now edged failed"; finish 3
+fi
+for _ in $(seq 1 300); do
+  [ -S /run/edged/edged.sock ] && break
+  sleep 0.2
+done
+systemctl status --no-pager edged > "$R/edged.status.txt" 2>&1 || true
+if ! /opt/edged/bin/edged node --json > "$R/edged-node.json" 2>> "$R/install.txt"; then
+  say "edged.service does not answer on /run/edged/edged.sock"; finish 4
+fi
+say "installed and started edged.service in $(( $(date +%s) - t0 )) s"
+
+# ---- the tests ------------------------------------------------------------------------
+rm -rf /root/suite && cp -a "$P/suite" /root/suite
+mkdir -p /var/cache/edged-test
+cp "$P"/cache/*.tar /var/cache/edged-test/ 2>/dev/null || true
+cd /root/suite
+mapfile -t SELECTION < "$P/selection"   # one argument a line
+say "pytest ${SELECTION[*]}"
+t0=$(date +%s)
+# The edged under test is the wheel's (site-packages of /opt/edged), not a checkout: the
+# suite directory holds only tests/ and pyproject.toml (pytest's configuration).
+NODEVM_GUEST=1 /opt/edged/bin/python -m pytest -p no:cacheprovider -o console_output_style=count \
+  --junitxml="$R/junit.xml" "${SELECTION[@]}" 2>&1 | tee "$R/pytest.txt"
+rc=${PIPESTATUS[0]}
+say "pytest exit $rc after $(( $(date +%s) - t0 )) s"
+echo "$rc" > "$R/pytest-status"
+
+# ---- the daemon ends cleanly, leaving nothing -----------------------------------------
+systemctl stop edged
+systemctl show edged -p Result -p ExecMainStatus > "$R/edged.stop.txt" 2>&1
+{
+  echo "## mounts"; grep -E 'erofs|overlay|fuse' /proc/mounts
+  echo "## loop devices"; losetup -a
+  echo "## processes"; pgrep -af 'sbx-init|edged|layerfs|qemu'
+  echo "## cgroups under edged.service"; find /sys/fs/cgroup/system.slice/edged.service -mindepth 1 -type d 2>/dev/null
+} > "$R/leftovers.txt" 2>&1
+finish 0
