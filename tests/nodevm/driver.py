@@ -66,6 +66,7 @@ SELECTION = (
     "tests/edged/test_nofile_e2e.py",
     "tests/layerfs/test_mount.py",
     "tests/layerfs/test_overlay_stack.py",
+    "tests/edged/net",
 )
 #: Not inside: long and benchmark tests, VMs in the VM, and anything needing the network.
 MARKERS = "not slow and not bench and not vm and not network"
@@ -342,6 +343,29 @@ async def run(ns: argparse.Namespace) -> int:
     return 0 if not why_not else 1
 
 
+def cannot_boot(memory_mib: int, vcpus: int) -> str | None:
+    """Why this machine cannot run the node VM now (None: it can): root, the tools (QEMU,
+    mmdebstrap, mkfs.ext4, qemu-img), the guest kit's kernel package (scripts/install.sh),
+    the CPUs and the free memory the guest is given. ``.ci/run`` runs the node VM only where
+    this is None, and says why not otherwise."""
+    if os.geteuid() != 0:
+        return "needs root (mmdebstrap, QEMU disks)"
+    for tool in ("qemu-system-x86_64", "qemu-img", "mmdebstrap", "mkfs.ext4"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (scripts/install.sh)"
+    try:
+        guestkit.load()
+    except (guestkit.GuestKitError, OSError) as e:
+        return f"no guest kernel kit ({e})"
+    if (os.cpu_count() or 1) < vcpus:
+        return f"{vcpus} vCPUs wanted, the machine has {os.cpu_count()}"
+    avail_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                     .splitlines() if line.startswith("MemAvailable:"))
+    if avail_kib < (memory_mib + 1024) * 1024:
+        return f"{memory_mib} MiB for the guest (+1 GiB) wanted, {avail_kib >> 10} MiB available"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/node-vm.sh", description=__doc__.split("\n")[0])
     ap.add_argument("--memory-mib", type=int, default=int(os.environ.get("NODEVM_MEMORY_MIB",
@@ -355,12 +379,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="results directory (default build/nodevm/TS)")
     ap.add_argument("--work-root", default=None, help="where the run's disks go (default /tmp)")
     ap.add_argument("--keep", action="store_true", help="keep the run's disks")
+    ap.add_argument("--can-boot", action="store_true",
+                    help="only say whether this machine can run the node VM (exit 0: it can)")
     ap.add_argument("pytest", nargs="*", help="pytest arguments instead of the selection")
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="node-vm: %(message)s", stream=sys.stderr)
-    if os.geteuid() != 0:
-        print("node-vm: needs root (mmdebstrap, QEMU disks)", file=sys.stderr)
-        return 2
+    why = cannot_boot(ns.memory_mib, ns.vcpus)
+    if why is not None or ns.can_boot:
+        print(f"node-vm: cannot run here: {why}" if why else "node-vm: can run here",
+              file=sys.stderr)
+        return 2 if why else 0
     loop = asyncio.new_event_loop()
     task = loop.create_task(run(ns))
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):

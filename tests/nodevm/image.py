@@ -50,6 +50,7 @@ APT_PACKAGES = (
     "libseccomp2",            # edged._native links libseccomp
     "libbpf1",                # cgroup BPF programs (loaded through cffi)
     "util-linux", "mount", "e2fsprogs", "procps", "iproute2",  # losetup, mount, ip
+    "nftables",               # NAT of networked sandboxes (edged/net)
     "busybox-static",         # the tests' busybox rootfs
     "gcc", "libc6-dev",       # the red-team suite builds its static attack tool
     "erofs-utils",            # fsck.erofs: the tests' cross-check of every image

@@ -44,6 +44,11 @@ for f in $(find /sys/kernel/security/apparmor/features -type f | sort); do
   echo "$f: $(tr '\n' ' ' < "$f")"
 done > "$R/apparmor-features.txt" 2>&1
 
+# ---- what a node's administrator prepares ----------------------------------------------
+# zram for edged's swap (edged/node/swap.py hot-adds devices of its own; num_devices=0: no
+# zram0), as /etc/modules-load.d would on a node; loop and erofs load on demand.
+modprobe zram num_devices=0 || say "no zram module"
+
 # ---- install edged as a user would ----------------------------------------------------
 # (The virtualenv /opt/edged already holds edged's dependencies: the guest has no network.)
 t0=$(date +%s)
