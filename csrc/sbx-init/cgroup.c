@@ -76,8 +76,9 @@ void cg_make(struct sbx_cg *cg, char name[CG_NAME_MAX], int join[2])
  * move write-locks the kernel's cgroup_threadgroup_rwsem, which waits for an
  * RCU grace period when none passed lately (v1's single-threaded move through
  * "tasks" skips that lock; v2 has no such path).  Where clone3 or the flag is
- * refused (ENOSYS, EINVAL, E2BIG: an older kernel or a seccomp filter), it
- * says so once and forks, the child joining by writing join[] as on v1.  The
+ * refused (ENOSYS, EINVAL, E2BIG: an older kernel or a seccomp filter; ENOENT
+ * on 6.1 beneath a cgroup namespace), it says so once and forks, the child
+ * joining by writing join[] as on v1; EAGAIN and ENOMEM are fork's own.  The
  * child of a raw clone3 must not use libc's cached thread id (raise, pthread):
  * it sets up and execs, as a forked child does. */
 pid_t cg_fork(struct sbx_cg *cg, const char *name, int join[2])
@@ -112,8 +113,8 @@ pid_t cg_fork(struct sbx_cg *cg, const char *name, int join[2])
 				cg->clone_into = 1;
 				return (pid_t)pid;
 			}
-			if (saved != ENOSYS && saved != EINVAL && saved != E2BIG) {
-				errno = saved; /* EAGAIN at the pids limit, ENOMEM: as fork's */
+			if (saved == EAGAIN || saved == ENOMEM) {
+				errno = saved; /* at the pids limit, out of memory: as fork's */
 				return -1;
 			}
 			logmsg("sbx-init: clone3 into a cgroup refused (%s): execs join theirs",

@@ -760,6 +760,108 @@ static int scratch_clone(int scratch, const char *name, uint64_t attr_set, struc
 	return fd;
 }
 
+#define DEV_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV)
+#define SHM_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+#define STAGE "/tmp"
+
+static int staged_wanted(void)
+{
+	const char *v = getenv("EDGED_SPAWNER_STAGED");
+
+	return v && strcmp(v, "1") == 0;
+}
+
+/* Replace *fd, a mount attached at `path`, by a detached clone of it. */
+static int detach_clone(int *fd, const char *path, struct lfs_error *e)
+{
+	int t = open_tree(AT_FDCWD, path, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+
+	if (t < 0)
+		return lfs_error_set(e, errno, "staged rootfs: clone `%s`", path);
+	close(*fd);
+	*fd = t;
+	return 0;
+}
+
+/* The rootfs overlay for kernels before 6.15 (returned; build_rootfs's
+ * detached-mount way needs open_tree to clone from a detached mount, 6.15, and
+ * overlayfs's "lowerdir+" taking an fd, 6.8; the 6.1 LTS has neither): in a
+ * mount namespace of this process's own ("/" made private, so nothing reaches
+ * the host's), the scratch and each id-mapped lower are attached beneath a
+ * tmpfs on STAGE, the overlay made from their paths (overlayfs clones its
+ * layers, which must be in the caller's namespace), and detached clones of the
+ * scratch, its dev/ and shm/ and of each lower taken from there to replace
+ * *scratch and lowers[] as build_rootfs hands them on; then the staging is
+ * detached.  This process only reports and exits afterwards. */
+static int staged_rootfs(int n_lowers, int lowers[], int *scratch, int *dev, int *shm,
+			 struct lfs_error *e)
+{
+	char lowerdir[MAX_LOWERS * 16], path[32];
+	cleanup_close int ovl = -1;
+	size_t len = 0;
+	int i, mnt;
+
+	if (unshare(CLONE_NEWNS) < 0)
+		return lfs_error_set(e, errno, "staged rootfs: unshare the mount namespace");
+	if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+		return lfs_error_set(e, errno, "staged rootfs: make `/` private");
+	if (mount("edged-stage", STAGE, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0700") < 0)
+		return lfs_error_set(e, errno, "staged rootfs: tmpfs on `%s`", STAGE);
+	if (mkdir(STAGE "/s", 0700) < 0 ||
+	    move_mount(*scratch, "", AT_FDCWD, STAGE "/s", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return lfs_error_set(e, errno, "staged rootfs: attach the scratch dir");
+	/* lowerdir lists the top layer first; lowers[] is bottom first */
+	lowerdir[0] = 0;
+	for (i = n_lowers - 1; i >= 0; i--) {
+		snprintf(path, sizeof(path), STAGE "/l%d", i);
+		if (mkdir(path, 0700) < 0 ||
+		    move_mount(lowers[i], "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+			return lfs_error_set(e, errno, "staged rootfs: attach lower %d", i);
+		len += (size_t)snprintf(lowerdir + len, sizeof(lowerdir) - len, "%s%s",
+					len ? ":" : "", path);
+	}
+	ovl = fsopen("overlay", FSOPEN_CLOEXEC);
+	if (ovl < 0)
+		return lfs_error_set(e, errno, "fsopen overlay");
+	/* strings: overlayfs before 6.5 takes only legacy mount data */
+	if (fsconfig(ovl, FSCONFIG_SET_STRING, "lowerdir", lowerdir, 0) < 0 ||
+	    fsconfig(ovl, FSCONFIG_SET_STRING, "upperdir", STAGE "/s/upper", 0) < 0 ||
+	    fsconfig(ovl, FSCONFIG_SET_STRING, "workdir", STAGE "/s/work", 0) < 0 ||
+	    fsconfig(ovl, FSCONFIG_SET_FLAG, "volatile", NULL, 0) < 0 ||
+	    fsconfig(ovl, FSCONFIG_CMD_CREATE, NULL, NULL, 0) < 0)
+		return fs_fail(e, ovl, errno, "overlay (staged)");
+	mnt = fsmount(ovl, FSMOUNT_CLOEXEC, MOUNT_ATTR_NODEV);
+	if (mnt < 0)
+		return lfs_error_set(e, errno, "fsmount overlay (staged)");
+	*dev = open_tree(AT_FDCWD, STAGE "/s/dev", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+	*shm = open_tree(AT_FDCWD, STAGE "/s/shm", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC);
+	{
+		struct mount_attr dattr = {.attr_set = DEV_ATTRS}, sattr = {.attr_set = SHM_ATTRS};
+
+		if (*dev < 0 || *shm < 0 ||
+		    mount_setattr(*dev, "", AT_EMPTY_PATH, &dattr, sizeof(dattr)) < 0 ||
+		    mount_setattr(*shm, "", AT_EMPTY_PATH, &sattr, sizeof(sattr)) < 0) {
+			lfs_error_set(e, errno, "staged rootfs: clone scratch dev/shm");
+			goto fail;
+		}
+	}
+	if (detach_clone(scratch, STAGE "/s", e) < 0)
+		goto fail;
+	for (i = 0; i < n_lowers; i++) {
+		snprintf(path, sizeof(path), STAGE "/l%d", i);
+		if (detach_clone(&lowers[i], path, e) < 0)
+			goto fail;
+	}
+	if (umount2(STAGE, MNT_DETACH) < 0) {
+		lfs_error_set(e, errno, "staged rootfs: detach `%s`", STAGE);
+		goto fail;
+	}
+	return mnt;
+fail:
+	close(mnt);
+	return -1;
+}
+
 /* The rootfs overlay (returned), the scratch mount (upper/, work/, dev/,
  * shm/, empty/; in *scratch_out), clones of its dev/ and shm/ (dev_out[2]) and,
  * when a grader view is wanted, the id-mapped lowers (lowers_out, bottom
@@ -828,8 +930,17 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		lfs_error_set(e, errno, "scratch upper/work/dev/shm");
 		goto out;
 	}
-	dev = scratch_clone(tmpmnt, "dev", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV, e);
-	shm = dev < 0 ? -1 : scratch_clone(tmpmnt, "shm", MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, e);
+	/* EDGED_SPAWNER_STAGED=1 takes the staged way on any kernel (its tests) */
+	dev = staged_wanted() ? -1 : scratch_clone(tmpmnt, "dev", DEV_ATTRS, e);
+	if (dev < 0 && (staged_wanted() || e->code == EINVAL)) {
+		/* no clones of detached mounts: before 6.15 */
+		memset(e, 0, sizeof(*e));
+		mnt = staged_rootfs(o->n_lowers, lowers, &tmpmnt, &dev, &shm, e);
+		if (mnt < 0)
+			goto out;
+		goto done;
+	}
+	shm = dev < 0 ? -1 : scratch_clone(tmpmnt, "shm", SHM_ATTRS, e);
 	if (shm < 0)
 		goto out;
 	upper = openat(tmpmnt, "upper", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -863,6 +974,7 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		lfs_error_set(e, errno, "fsmount overlay");
 		goto out;
 	}
+done:
 	*scratch_out = steal_fd(&tmpmnt);
 	dev_out[0] = steal_fd(&dev);
 	dev_out[1] = steal_fd(&shm);

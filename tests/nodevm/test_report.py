@@ -58,8 +58,8 @@ def test_verdict_wants_results_cgroup_v2_and_apparmor_enforcing(tmp_path: Path) 
     assert report.verdict(NODE, None) == ["no test results came back from the guest"]
     assert report.verdict(NODE, report.Outcome()) == ["no test ran"]
     hybrid = {**NODE, "cgroup_fs": "tmpfs", "apparmor_mode": "complain"}
-    assert report.verdict(hybrid, report.Outcome(o.cases[:3])) == ["the guest's cgroups are not v2 (tmpfs)",
-                                         "AppArmor is not enforcing in the guest"]
+    assert report.verdict(hybrid, report.Outcome(o.cases[:3])) == [
+        "the guest's cgroups are not v2 (tmpfs)", "AppArmor is not enforcing in the guest"]
     assert report.summary_line({}, None) == (
         "node-vm: kernel unknown, cgroup unknown, apparmor off, 0 passed, 0 failed, 0 skipped")
 

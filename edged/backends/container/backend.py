@@ -76,6 +76,13 @@ EXIT_TIMEOUT_S = 5.0
 _NETNS_FD = 4  # where a networked sandbox's namespace fd is handed to the spawner
 
 
+def _spawner_env() -> dict[str, str]:
+    """The spawner's environment: empty, but ``EDGED_SPAWNER_STAGED`` passed on (``1``: the
+    rootfs made the way kernels before 6.15 need, on any kernel; for its tests)."""
+    v = os.environ.get("EDGED_SPAWNER_STAGED")
+    return {} if v is None else {"EDGED_SPAWNER_STAGED": v}
+
+
 @dataclass
 class _Pooled:
     """A spawner started ahead of demand (``edged-spawner --pool``), holding uid slot
@@ -261,7 +268,7 @@ class ContainerBackend:
                 actions = [(os.POSIX_SPAWN_DUP2, w, 3)]
                 if netns_fd is not None:
                     actions.append((os.POSIX_SPAWN_DUP2, netns_fd, _NETNS_FD))
-                pid = os.posix_spawn(spawner, argv, {}, file_actions=actions)
+                pid = os.posix_spawn(spawner, argv, _spawner_env(), file_actions=actions)
             except OSError as exc:
                 os.close(r)
                 raise BackendError(f"posix_spawn {spawner}: {exc.strerror}") from exc
@@ -397,7 +404,7 @@ class ContainerBackend:
             r_st, w_st = os.pipe2(os.O_CLOEXEC)
             try:
                 pid = os.posix_spawn(
-                    spawner, argv, {},
+                    spawner, argv, _spawner_env(),
                     file_actions=[(os.POSIX_SPAWN_DUP2, r_in, 0), (os.POSIX_SPAWN_DUP2, w_st, 3)])
             except OSError as exc:
                 for fd in (r_in, w_in, r_st):
