@@ -1,6 +1,6 @@
 """cgroup v2 sandbox cgroups: one directory in the unified hierarchy, with the cpu, memory
-and pids controllers enabled for it; sbx-init's per-exec cgroups beneath it, the spawner in
-its ``init`` leaf ("no internal processes").
+and pids controllers enabled for it; sbx-init (its cgroup namespace's root) and, beneath
+it, sbx-init's per-exec cgroups and the ``init`` leaf the daemon's file helper joins.
 
 Sources: Documentation/admin-guide/cgroup-v2.rst (cpu.max, cpu.weight, memory.max,
 memory.swap.max, pids.max, cgroup.freeze, cgroup.events, cgroup.kill, delegation).
@@ -216,5 +216,11 @@ class V2Hierarchy(Hierarchy):
             with contextlib.suppress(BackendError):
                 cg.remove()
             raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
-        cg.join = [d / "init"]
+        # The spawner joins the sandbox's directory itself, and its child's cgroup namespace
+        # is rooted there: under nsdelegate (systemd mounts cgroup2 so) a task may move
+        # tasks only between cgroups inside its namespace, and sbx-init makes its per-exec
+        # cgroups beneath this directory (with the root at init/ every exec's move, and
+        # clone3 into its cgroup, failed with ENOENT on a systemd node). It may hold tasks:
+        # its cgroup.subtree_control enables nothing.
+        cg.join = [d]
         return cg

@@ -197,6 +197,13 @@ class ContainerBackend:
             if not self._audit.start():
                 self._audit = None
 
+    def _stop_watching_apparmor(self) -> None:
+        """Close the audit socket (once no sandbox is left: the next one with a profile
+        opens it again)."""
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+
     def _on_apparmor_denial(self, d: audit.AppArmorDenial) -> None:
         """An ``apparmor_denied`` event for the sandbox whose profile was denied (denials of
         other profiles, and of sandboxes another backend runs, are not ours)."""
@@ -746,6 +753,8 @@ class ContainerBackend:
             await self._teardown(sandbox_id, meta)
         finally:
             self._busy.discard(sandbox_id)
+            if not self._sandboxes and not self._busy:
+                self._stop_watching_apparmor()
 
     def init_pid(self, sandbox_id: str) -> int:
         """Host pid of the sandbox's sbx-init (its namespaces are reached through it)."""
@@ -989,9 +998,7 @@ class ContainerBackend:
                 await sbx.conn.close()
             os.close(sbx.pidfd)
         self._sandboxes.clear()
-        if self._audit is not None:
-            self._audit.close()
-            self._audit = None
+        self._stop_watching_apparmor()
         if not self._metas() and not self._busy:
             self.cgroups.prune()
         self._closed = False
