@@ -26,6 +26,11 @@ pytestmark = [pytest.mark.root, pytest.mark.mount]
 ENV = {"PATH": "/bin"}
 
 
+def _cg_dir(dirs: dict[str, Path], controller: str) -> Path:
+    """A sandbox cgroup's directory of ``controller`` (v1), or its one directory (v2)."""
+    return dirs.get(controller) or dirs["v2"]
+
+
 def spec(lowers: tuple[str, ...], sid: str = "sb1", **res: Any) -> SandboxSpec:
     return SandboxSpec(id=sid, lowers=lowers, resources=Resources(**res), env=ENV,
                        hostname=f"host-{sid}")
@@ -460,7 +465,7 @@ def test_cleanup_leftovers(backend: ContainerBackend, busybox_tree: Path) -> Non
         half = backend.sandboxes_dir / "half"
         half.mkdir()
         (half / "meta.json").write_text('{"id": "half", "slot": 99}')
-        backend.cgroups.path_of("half").dirs["pids"].mkdir()
+        _cg_dir(backend.cgroups.path_of("half").dirs, "pids").mkdir()
         b2 = ContainerBackend(backend.state_dir)
         assert await b2.list_existing() == ["keep", "live"]
         removed = await b2.cleanup_leftovers({"keep"})
@@ -627,7 +632,7 @@ def test_spawner_pool(state_dir: Path, busybox_tree: Path) -> None:
         for c, d in sbx.cg.dirs.items():
             assert d.name == "p1" and str(sbx.pid) in (d / "cgroup.procs").read_text().split(), c
         if b.cgroups.version == "v1":
-            assert (sbx.cg.dirs["pids"] / "pids.max").read_text().strip() == "77"
+            assert (_cg_dir(sbx.cg.dirs, "pids") / "pids.max").read_text().strip() == "77"
             assert f".pool-{sbx.slot}" not in " ".join(cgroup_dirs(b))
         out, _, end = await sh(b, "p1", "id -u; hostname; cat /proc/1/cgroup")
         assert end.exit_code == 0
@@ -723,8 +728,9 @@ def test_spare_exec_child(backend: ContainerBackend, busybox_tree: Path) -> None
                 await asyncio.sleep(0.01)
             assert rest in (["socket"], ["anon_inode", "socket"]), fds  # + Landlock ruleset
             cg = Path(f"/proc/{spare}/cgroup").read_text()
-            assert any(line.endswith("/sb1/e1") for line in cg.splitlines() if ":freezer:" in line)
-            out, _, end = await sh(backend, "sb1", "cat /proc/self/cgroup | grep freezer")
+            key = "0::" if backend.cgroups.version == "v2" else ":freezer:"
+            assert any(line.endswith("/sb1/e1") for line in cg.splitlines() if key in line), cg
+            out, _, end = await sh(backend, "sb1", f"cat /proc/self/cgroup | grep {key}")
             assert end.exit_code == 0 and out.decode().strip().endswith(":/e1")  # the spare's
             nxt = spare_of(init, not_pid=spare)
             assert nxt != spare and gone(spare)
@@ -781,7 +787,7 @@ def test_kernel_objects_per_sandbox(backend: ContainerBackend, busybox_tree: Pat
             assert out == b"started\n" and end.reason == "exited"
             sbx = backend._sandboxes["sb1"]
             if "memory" in sbx.cg.dirs:  # v1
-                mem = sbx.cg.dirs["memory"]
+                mem = _cg_dir(sbx.cg.dirs, "memory")
                 # exec cgroups (the leftover `sleep`'s, the spare's) are freezer cgroups only
                 assert [d for d, _, _ in os.walk(mem)] == [str(mem)]
                 assert len([d for d, _, _ in os.walk(sbx.cg.dirs["freezer"])]) >= 2
