@@ -121,6 +121,16 @@ class SandboxCgroup(abc.ABC):
         cpu.stat), scheduler/sched-bwc.rst (nr_throttled)."""
 
     @abc.abstractmethod
+    def unthrottle(self) -> None:
+        """Let the sandbox's tasks have CPU while they die: no CPU quota and the normal
+        class, not SCHED_IDLE. A SIGKILLed task still runs its exit in the kernel, and a
+        dying PID 1 waits for every task of its namespace; starved by a tiny quota or an
+        idle class beside busy normal tasks, that took longer than any wait (issue 9).
+        Best effort (a cgroup being removed may be gone); nothing where there is no CPU
+        controller. Sources: scheduler/sched-bwc.rst (quota -1 or ``max``: unlimited),
+        cpu.idle (Linux >= 5.15)."""
+
+    @abc.abstractmethod
     def kill_all(self) -> None:
         """SIGKILL every task in the sandbox's cgroups (all levels), thawing what must be
         thawed for a kill to take."""

@@ -42,6 +42,9 @@ class NoCgroup(SandboxCgroup):
     def limit_counters(self) -> dict[str, int]:
         return {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
 
+    def unthrottle(self) -> None:
+        return None
+
     def kill_all(self) -> None:
         return None
 

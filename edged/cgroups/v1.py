@@ -117,6 +117,22 @@ class V1Cgroup(SandboxCgroup):
         with contextlib.suppress(FileNotFoundError):
             fs.write(d / "cpu.idle", "1" if qos == "best_effort" and not idle_parent else "0")
 
+    def unthrottle(self) -> None:
+        """No quota, ``cpu.idle`` 0 and, beneath the idle parent (which no setting of the
+        sandbox's own lifts), its processes moved up to the normal parent."""
+        d = self.dirs["cpu"]
+        with contextlib.suppress(OSError):
+            fs.write(d / "cpu.cfs_quota_us", "-1")
+        with contextlib.suppress(OSError):
+            fs.write(d / "cpu.idle", "0")
+        if not d.parent.name.endswith("-idle"):
+            return
+        normal = d.parent.with_name(d.parent.name.removesuffix("-idle"))
+        with contextlib.suppress(OSError):
+            for pid in fs.procs(d):
+                with contextlib.suppress(OSError):  # gone already, or a zombie
+                    fs.write(normal / "cgroup.procs", str(pid))
+
     def oom_kills(self) -> int:
         try:
             return fs.key(self.dirs["memory"] / "memory.oom_control", "oom_kill")

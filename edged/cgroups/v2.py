@@ -104,6 +104,14 @@ class V2Cgroup(SandboxCgroup):
         with contextlib.suppress(FileNotFoundError):
             fs.write(self.dir / "cpu.idle", "1" if qos == "best_effort" else "0")
 
+    def unthrottle(self) -> None:
+        """``cpu.max`` max, ``cpu.idle`` 0 (on every level: exec cgroups inherit them)."""
+        for sub, _dirs, _files in os.walk(self.dir):
+            with contextlib.suppress(OSError):
+                fs.write(Path(sub) / "cpu.max", "max")
+            with contextlib.suppress(OSError):
+                fs.write(Path(sub) / "cpu.idle", "0")
+
     def oom_kills(self) -> int:
         try:
             return fs.key(self.dir / "memory.events", "oom_kill")

@@ -1,0 +1,65 @@
+"""Destroy under host CPU contention: a sandbox starved by its own CPU quota (and, as
+best-effort, SCHED_IDLE), full of busy processes, beside busy loops on the host, is still
+deleted completely (issue 9 follow-up: "sbx-init did not exit after SIGKILL" at load 20-80)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edged.backends.base import ExecSpec, Resources, SandboxSpec
+from edged.backends.container import ContainerBackend
+from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
+from tests.edged.execs import collect
+
+pytestmark = [pytest.mark.root, pytest.mark.mount]
+
+ENV = {"PATH": "/bin"}
+BUSY = 100  # busy processes in the sandbox
+
+
+@contextlib.contextmanager
+def host_busy() -> Iterator[None]:
+    """Busy loops on the host, 24 a CPU, at normal priority, in our own cgroup: where a
+    best-effort sandbox's idle parent competes (killed by pid)."""
+    n = 24 * (os.cpu_count() or 1)
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("qos", ["best_effort", "latency_sensitive"])
+def test_destroy_of_a_starved_busy_sandbox_under_host_load_leaves_nothing(
+        backend: ContainerBackend, busybox_tree: Path, qos: str) -> None:
+    async def body() -> None:
+        spec = SandboxSpec(id="sbload", lowers=(str(busybox_tree),),
+                           resources=Resources(cpus=1.0), env=ENV, qos=qos, hostname="sbload")
+        await backend.create(spec)
+        script = (f"i=0; while [ $i -lt {BUSY} ]; do (while :; do :; done) & "
+                  "i=$((i+1)); done; echo started")
+        h = await backend.exec("sbload", ExecSpec(argv=("sh", "-c", script), env=ENV))
+        out, _, end = await collect(h)
+        assert out == b"started\n", end
+        # then starve it: 1 % of a CPU (what ``cpus: 0.01`` sets; forking the loops at
+        # that quota alone would take a minute)
+        cpu = backend._sandboxes["sbload"].cg.dirs["cpu"]
+        (cpu / "cpu.cfs_quota_us").write_text("1000")
+        with host_busy():
+            await asyncio.sleep(1)  # the busy loops at full speed
+            await backend.destroy("sbload")  # raised, or hung, before (at load ~60)
+        assert not sandbox_processes(backend), "sbx-init survived the destroy"
+        assert not cgroup_dirs(backend), "destroy left cgroups"
+        assert not (backend.sandboxes_dir / "sbload").exists(), "destroy left its state dir"
+
+    asyncio.run(asyncio.wait_for(body(), 300))
