@@ -99,6 +99,44 @@ def _mounts_under(path: Path) -> list[str]:
             if line.split()[4].startswith(str(path))]
 
 
+def _sweep(real_node, started: list) -> None:  # noqa: F811
+    """Leave nothing of a test however it ended: a test stopped by a failed assertion
+    (at load, a timing) after its daemon kept its sandboxes and its layer service was
+    killed had left the kept sandbox and the dead FUSE mount under the test's tmp dir,
+    where pytest's clean-up of old base temps then fails (ENOTCONN). A daemon started
+    with ``on_start="destroy"`` destroys what was kept and detaches the dead mount; what
+    is left under the cache is detached lazily."""
+    if not started:
+        return
+    from layerfs.mount import umount
+
+    cfg = started[0].server.config
+    cache = Path(cfg.state_dir) / "layer-cache"
+    kept = Path(cfg.runtime_dir) / "sandboxes"
+    for n in started:
+        with contextlib.suppress(Exception):
+            n.stop()
+    if _mounts_under(cache) or (kept.is_dir() and any(kept.iterdir())):
+        real_node(on_start="destroy").stop()
+    for mp in reversed(_mounts_under(cache)):
+        with contextlib.suppress(OSError):
+            umount(mp, lazy=True)
+
+
+@pytest.fixture
+def node_of(real_node):  # noqa: F811
+    """``real_node``, swept after the test (see :func:`_sweep`)."""
+    started: list = []
+
+    def start(**overrides):
+        n = real_node(**overrides)
+        started.append(n)
+        return n
+
+    yield start
+    _sweep(real_node, started)
+
+
 def _wait(pred, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -107,9 +145,9 @@ def _wait(pred, timeout: float = 30.0) -> None:
 
 
 def test_killed_service_is_brought_back_and_running_sandboxes_carry_on(
-        real_node, layer_store, sums, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+        node_of, layer_store, sums, caplog: pytest.LogCaptureFixture) -> None:
     _, d = layer_store
-    node = real_node(layers_check_interval_s=0.2)
+    node = node_of(layers_check_interval_s=0.2)
     cache = _cache(node)
     svc = getattr(node.server.manager, "layer_service", None)
     assert svc is not None and svc.supervised, "nothing supervises the layer service"
@@ -153,13 +191,13 @@ def test_killed_service_is_brought_back_and_running_sandboxes_carry_on(
 
 
 def test_a_dead_connection_is_detached_at_restart_and_its_sandboxes_fail(
-        real_node, layer_store, sums) -> None:  # noqa: F811
+        node_of, layer_store, sums) -> None:
     """The daemon gone (sandboxes kept), then the supervisor and the server killed: the
     connection had no holder left and died. The next daemon must not stack a new mount over
     the dead one, must mount the layers again for new sandboxes, and must fail the adopted
     sandbox whose layer reads now fail (EIO), with the cause."""
     _, d = layer_store
-    node = real_node(on_shutdown="keep")
+    node = node_of(on_shutdown="keep")
     cache = _cache(node)
     a = Sandbox.create(layers=[d], id="dead-a", env={"PATH": "/bin"}, socket=node.socket)
     assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
@@ -172,7 +210,7 @@ def test_a_dead_connection_is_detached_at_restart_and_its_sandboxes_fail(
     r = subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "/bin/busybox", "md5sum",
                         "/data/r3"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "Input/output error" in r.stderr
-    node2 = real_node(on_start="adopt")
+    node2 = node_of(on_start="adopt")
     assert node2.server.recovered["adopted"] == ["dead-a"]
     assert _fuse_mounts(cache) == 1  # the dead one detached, not stacked under the new one
     again = Sandbox.connect("dead-a", socket=node2.socket)
@@ -189,12 +227,12 @@ def test_a_dead_connection_is_detached_at_restart_and_its_sandboxes_fail(
 
 
 def test_a_server_left_without_its_supervisor_is_put_under_a_new_one(
-        real_node, layer_store, sums) -> None:  # noqa: F811
+        node_of, layer_store, sums) -> None:
     """kill -9 of the supervisor alone: its server serves on, but nothing would restart it
     if it died too, and a daemon's stop (which stops the supervisor) would leave it
     running. The daemon replaces it under a new supervisor on the same connection."""
     _, d = layer_store
-    node = real_node(layers_check_interval_s=0.2)
+    node = node_of(layers_check_interval_s=0.2)
     cache = _cache(node)
     a = Sandbox.create(layers=[d], id="orph-a", env={"PATH": "/bin"}, socket=node.socket)
     assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
@@ -211,3 +249,22 @@ def test_a_server_left_without_its_supervisor_is_put_under_a_new_one(
     node.stop()
     assert _mounts_under(cache) == []
     assert not (cache / "server.pid").exists()
+
+
+def test_a_test_stopped_after_the_kill_leaves_no_dead_mount(real_node, layer_store) -> None:  # noqa: F811
+    """What the test above leaves if it stops right after the kill (an assertion failed
+    at load): the sweep must leave no mount under the cache and no kept sandbox (before,
+    the dead ``fuse.layerfs`` mount stayed and broke pytest's clean-up of base temps)."""
+    _, d = layer_store
+    started = [real_node(on_shutdown="keep")]
+    cache = _cache(started[0])
+    a = Sandbox.create(layers=[d], id="swept-a", env={"PATH": "/bin"},
+                       socket=started[0].socket)
+    assert a.exec("true").exit_code == 0
+    started[0].stop()
+    _kill_service(cache)
+    assert _fuse_mounts(cache) == 1  # dead, and nothing of the test's would remove it
+    _sweep(real_node, started)
+    assert _mounts_under(cache) == []
+    kept = Path(started[0].server.config.runtime_dir) / "sandboxes"
+    assert not (kept.is_dir() and list(kept.iterdir()))
