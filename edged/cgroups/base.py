@@ -121,14 +121,16 @@ class SandboxCgroup(abc.ABC):
         cpu.stat), scheduler/sched-bwc.rst (nr_throttled)."""
 
     @abc.abstractmethod
-    def unthrottle(self) -> None:
+    def unthrottle(self, leave_idle: bool = False) -> None:
         """Let the sandbox's tasks have CPU while they die: no CPU quota and the normal
         class, not SCHED_IDLE. A SIGKILLed task still runs its exit in the kernel, and a
         dying PID 1 waits for every task of its namespace; starved by a tiny quota or an
         idle class beside busy normal tasks, that took longer than any wait (issue 9).
-        Best effort (a cgroup being removed may be gone); nothing where there is no CPU
-        controller. Sources: scheduler/sched-bwc.rst (quota -1 or ``max``: unlimited),
-        cpu.idle (Linux >= 5.15)."""
+        ``leave_idle``: also move the processes out of an idle parent class the sandbox's
+        own settings cannot lift (costly: each move waits for an RCU grace period, so only
+        for a sandbox slow to die). Best effort (a cgroup being removed may be gone);
+        nothing where there is no CPU controller. Sources: scheduler/sched-bwc.rst (quota
+        -1 or ``max``: unlimited), cpu.idle (Linux >= 5.15)."""
 
     @abc.abstractmethod
     def kill_all(self) -> None:

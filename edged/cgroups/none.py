@@ -42,7 +42,7 @@ class NoCgroup(SandboxCgroup):
     def limit_counters(self) -> dict[str, int]:
         return {"pids_limit": 0, "cpu_throttled": 0, "oom_kill": 0}
 
-    def unthrottle(self) -> None:
+    def unthrottle(self, leave_idle: bool = False) -> None:
         return None
 
     def kill_all(self) -> None:

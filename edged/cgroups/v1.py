@@ -117,15 +117,16 @@ class V1Cgroup(SandboxCgroup):
         with contextlib.suppress(FileNotFoundError):
             fs.write(d / "cpu.idle", "1" if qos == "best_effort" and not idle_parent else "0")
 
-    def unthrottle(self) -> None:
-        """No quota, ``cpu.idle`` 0 and, beneath the idle parent (which no setting of the
-        sandbox's own lifts), its processes moved up to the normal parent."""
+    def unthrottle(self, leave_idle: bool = False) -> None:
+        """No quota, ``cpu.idle`` 0 and, with ``leave_idle``, beneath the idle parent (which
+        no setting of the sandbox's own lifts), its processes moved up to the normal
+        parent."""
         d = self.dirs["cpu"]
         with contextlib.suppress(OSError):
             fs.write(d / "cpu.cfs_quota_us", "-1")
         with contextlib.suppress(OSError):
             fs.write(d / "cpu.idle", "0")
-        if not d.parent.name.endswith("-idle"):
+        if not (leave_idle and d.parent.name.endswith("-idle")):
             return
         normal = d.parent.with_name(d.parent.name.removesuffix("-idle"))
         with contextlib.suppress(OSError):

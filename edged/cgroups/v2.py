@@ -104,7 +104,7 @@ class V2Cgroup(SandboxCgroup):
         with contextlib.suppress(FileNotFoundError):
             fs.write(self.dir / "cpu.idle", "1" if qos == "best_effort" else "0")
 
-    def unthrottle(self) -> None:
+    def unthrottle(self, leave_idle: bool = False) -> None:
         """``cpu.max`` max, ``cpu.idle`` 0 (on every level: exec cgroups inherit them)."""
         for sub, _dirs, _files in os.walk(self.dir):
             with contextlib.suppress(OSError):

@@ -78,6 +78,7 @@ CONNECT_TIMEOUT_S = 30.0
 # a later delete retries).
 EXIT_TIMEOUT_S = 60.0
 EXIT_PROGRESS_S = 5.0
+EXIT_LEAVE_IDLE_S = 1.0  # then out of the idle class too (see SandboxCgroup.unthrottle)
 _NETNS_FD = 4  # where a networked sandbox's namespace fd is handed to the spawner
 
 
@@ -518,7 +519,8 @@ class ContainerBackend:
                 # froze (killing an exec's tree) just before its own SIGKILL stays frozen
                 # until thawed; one forked since the last pass is still throttled.
                 if cg is not None:
-                    await asyncio.to_thread(_unthrottle_and_kill, cg)
+                    await asyncio.to_thread(_unthrottle_and_kill, cg,
+                                            loop.time() > start + EXIT_LEAVE_IDLE_S)
         finally:
             loop.remove_reader(pidfd)
             if not fut.done():
@@ -1056,8 +1058,8 @@ def _death_cause(sbx: _Sandbox) -> dict[str, object]:
     return cause
 
 
-def _unthrottle_and_kill(cg: SandboxCgroup) -> None:
-    cg.unthrottle()
+def _unthrottle_and_kill(cg: SandboxCgroup, leave_idle: bool = False) -> None:
+    cg.unthrottle(leave_idle)
     cg.kill_all()
 
 
