@@ -72,10 +72,11 @@ BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
 # sbx-init's first answer: a best-effort sandbox starts as SCHED_IDLE, so on a node whose
 # CPUs are busy with normal work its start-up gets only what that work leaves
 CONNECT_TIMEOUT_S = 30.0
-# A SIGKILLed sandbox's tasks still need CPU to exit (and its PID 1 waits for them all):
-# under host contention that has taken > 5 s even with its quota lifted. Bounded, logged
-# every EXIT_PROGRESS_S, a BackendError after EXIT_TIMEOUT_S (the record stays failed and
-# a later delete retries).
+# A SIGKILLed sandbox's tasks still need CPU to exit (and its PID 1 waits for them all): a
+# best-effort one's, SCHED_IDLE beside busy normal tasks, took more than the 5 s once waited
+# (then the delete failed). They get CPU first (SandboxCgroup.unthrottle); the wait is
+# bounded, logged every EXIT_PROGRESS_S, a BackendError after EXIT_TIMEOUT_S (the record
+# stays failed and a later delete retries).
 EXIT_TIMEOUT_S = 60.0
 EXIT_PROGRESS_S = 5.0
 EXIT_LEAVE_IDLE_S = 1.0  # then out of the idle class too (see SandboxCgroup.unthrottle)
