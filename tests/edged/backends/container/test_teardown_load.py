@@ -63,3 +63,33 @@ def test_destroy_of_a_starved_busy_sandbox_under_host_load_leaves_nothing(
         assert not (backend.sandboxes_dir / "sbload").exists(), "destroy left its state dir"
 
     asyncio.run(asyncio.wait_for(body(), 300))
+
+
+def test_unthrottle_lifts_the_quota_and_the_idle_class(
+        backend: ContainerBackend, busybox_tree: Path) -> None:
+    """What the destroy does first: the dying sandbox's quota and idle class lifted, and
+    (``leave_idle``) its processes out of the idle parent (v1)."""
+    async def body() -> None:
+        await backend.create(SandboxSpec(id="sbunth", lowers=(str(busybox_tree),),
+                                         resources=Resources(cpus=0.01), env=ENV,
+                                         qos="best_effort", hostname="sbunth"))
+        try:
+            cg = backend._sandboxes["sbunth"].cg
+            if cg.version != "v1":
+                pytest.skip("the idle parent is v1's")
+            cpu = cg.dirs["cpu"]
+            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "1000"
+            assert cpu.parent.name.endswith("-idle") and cg.procs()
+            cg.unthrottle()
+            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "-1"
+            assert cg.procs() and set(cg.procs()) <= {
+                int(p) for p in (cpu / "cgroup.procs").read_text().split()}
+            cg.unthrottle(leave_idle=True)
+            assert not (cpu / "cgroup.procs").read_text().split()
+            normal = cpu.parent.with_name(cpu.parent.name.removesuffix("-idle"))
+            assert set(cg.procs()) <= {
+                int(p) for p in (normal / "cgroup.procs").read_text().split()}
+        finally:
+            await backend.destroy("sbunth")
+
+    asyncio.run(asyncio.wait_for(body(), 120))
