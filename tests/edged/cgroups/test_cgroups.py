@@ -193,7 +193,9 @@ def test_v2_memory_side_on_a_fake_tree(tmp_path: Path, monkeypatch: pytest.Monke
                                             "pids.max", "cpu.idle")}
     assert got == {"cpu.max": "50000 100000", "memory.max": str(256 << 20),
                    "memory.swap.max": str(128 << 20), "pids.max": "64", "cpu.idle": "1"}
-    assert cg.join == [d / "init"]
+    # the spawner joins the sandbox's directory: sbx-init's cgroup namespace is rooted there,
+    # so its per-exec cgroups are inside it (nsdelegate refuses moves across it)
+    assert cg.join == [d]
     assert {p.relative_to(d) for p in chowned} == {  # delegated to sandbox root
         Path("."), Path("cgroup.procs"), Path("cgroup.subtree_control"), Path("cgroup.threads"),
         Path("init"), Path("init/cgroup.procs")}
