@@ -155,6 +155,10 @@ class Config:
     network_proxy: bool = True
     network_proxy_tls_port: int = 443
     network_proxy_http_port: int = 80
+    # MicroVMs: the accelerator ("auto": KVM if a guest boots on it within a bound, else
+    # TCG; "tcg"; "kvm") and TCG's translation cache per VM (MiB; 0 = QEMU's default).
+    microvm_accel: str = "auto"
+    microvm_tb_size_mib: int = 32
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -177,6 +181,9 @@ class Config:
             raise BadRequest(f"config on_shutdown: {self.on_shutdown!r} is not 'stop' or 'keep'")
         if self.e2b_listen and not self.api_keys_file:
             raise BadRequest("config e2b_listen: needs api_keys_file (no key, no listener)")
+        if self.microvm_accel not in ("auto", "tcg", "kvm"):
+            raise BadRequest(f"config microvm_accel: {self.microvm_accel!r} is not 'auto', "
+                             f"'tcg' or 'kvm'")
         if self.on_start not in ("adopt", "destroy"):
             raise BadRequest(f"config on_start: {self.on_start!r} is not 'adopt' or 'destroy'")
         for name in ("reaper_interval_s", "layers_fetch_timeout_s", "reclaim_interval_s",
@@ -191,7 +198,7 @@ class Config:
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
                      "swap_file_bytes", "swap_disk_reserve_bytes", "sandbox_swap_share",
                      "fncall_recycle_after", "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
-                     "network_prepare_ahead"):
+                     "network_prepare_ahead", "microvm_tb_size_mib"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
         for name in ("fncall_pool", "fncall_cpus", "fncall_memory_bytes", "fncall_disk_bytes",
@@ -272,7 +279,7 @@ _HELP = {
     "layers_fetch_timeout_s": "seconds before a read of an unreachable chunk fails (EIO)",
     "layers_check_interval_s": "seconds between checks of the layer service, which is "
                                "restarted when it does not answer (backing off up to 30 s)",
-    "backend": "the backend of a create that names none (container)",
+    "backend": "the backend of a create that names none (container, microvm)",
     "backends": "backends run side by side, comma-separated ('' = only --backend)",
     "cpus": "CPU capacity in cores (0 = the CPUs this process may use)",
     "memory_bytes": "memory capacity in bytes (0 = MemTotal)",
@@ -338,6 +345,8 @@ _HELP = {
     "network_proxy": "check the SNI/Host of sandboxes' connections to names on 443/80",
     "network_proxy_tls_port": "the SNI proxy's port on the gateway address",
     "network_proxy_http_port": "the Host proxy's port on the gateway address",
+    "microvm_accel": "microVM accelerator: 'auto' (KVM if a guest boots on it), 'tcg', 'kvm'",
+    "microvm_tb_size_mib": "TCG translation cache per microVM, MiB (0 = QEMU's default)",
 }
 
 

@@ -42,6 +42,10 @@ static size_t steps_len;
 static uint64_t step_t;
 static uint64_t boot_t0;
 static char port_dev[64]; /* /dev/vportNpM of SBX_GUEST_PORT */
+/* The initramfs's /dev (devtmpfs), kept for reopening the port once the
+ * sandbox's root, whose /dev has no such node, is ours (a host that left and
+ * came back: a restarted daemon).  O_PATH, close-on-exec, held by PID 1 only. */
+static int dev_dir = -1;
 
 static uint64_t ns_of(clockid_t c)
 {
@@ -215,8 +219,13 @@ static void find_port(void)
 				closedir(d);
 				for (; waited < WAIT_PORT_MS; waited++) {
 					port = open(port_dev, O_RDWR | O_CLOEXEC);
-					if (port >= 0)
+					if (port >= 0) {
+						dev_dir = open("/dev", O_PATH | O_DIRECTORY |
+								       O_CLOEXEC);
+						if (dev_dir < 0)
+							die(errno, "open /dev");
 						return;
+					}
 					sleep_ms(1);
 				}
 				die(errno, "open `%s`", port_dev);
@@ -229,20 +238,30 @@ static void find_port(void)
 	die(ENOENT, "no virtio-serial port named %s", SBX_GUEST_PORT);
 }
 
+/* The port, opened again after its host left, until a host is there.  Kept
+ * open meanwhile: closing it discards what the guest has been given, and a new
+ * host's first frames can arrive before its "host connected" message is seen
+ * (the two travel on different queues), so a close on POLLHUP lost them. */
+static int pending = -1;
+
 int sbx_guest_reconnect(void)
 {
 	struct pollfd pfd;
-	int fd = open(port_dev, O_RDWR | O_CLOEXEC | O_NONBLOCK);
+	int fd;
 
-	if (fd < 0)
+	/* port_dev is "/dev/<name>": the node, by name, in the initramfs's /dev */
+	if (pending < 0)
+		pending = openat(dev_dir, port_dev + 5, O_RDWR | O_CLOEXEC | O_NONBLOCK);
+	if (pending < 0)
 		return -1;
 	/* virtio_console reports POLLHUP while no host is connected */
-	pfd.fd = fd;
+	pfd.fd = pending;
 	pfd.events = POLLIN;
-	if (poll(&pfd, 1, 0) < 0 || (pfd.revents & POLLHUP)) {
-		close(fd);
+	if (poll(&pfd, 1, 0) < 0 || (pfd.revents & POLLHUP))
 		return -1;
-	}
+	fd = pending;
+	pending = -1;
+	port = fd; /* where a fatal error is reported from now on */
 	return fd;
 }
 

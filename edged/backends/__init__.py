@@ -1,6 +1,5 @@
 """Sandbox backends: one interface (:class:`edged.backends.base.Backend`), one module per kind
-(``container``, ``fncall``, built by name by :mod:`edged.backends.registry`; ``microvm``'s
-pieces, not yet registered)."""
+(``container``, ``fncall``, ``microvm``, built by name by :mod:`edged.backends.registry`)."""
 
 from edged.backends.base import (
     Backend,

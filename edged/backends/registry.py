@@ -22,7 +22,8 @@ Factory = Callable[[Config, EventSink | None], Backend]
 
 #: Backends of this tree: name -> the package whose ``from_config`` builds it.
 BUILTIN: dict[str, str] = {"container": "edged.backends.container",
-                           "fncall": "edged.backends.fncall"}
+                           "fncall": "edged.backends.fncall",
+                           "microvm": "edged.backends.microvm"}
 _factories: dict[str, Factory] = {}
 
 

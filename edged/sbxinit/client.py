@@ -291,7 +291,7 @@ class SbxClient:
         except (TimeoutError, OSError, BackendError) as exc:
             await self.close()
             raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init after "
-                               f"the transport came back: {exc or 'timed out'}") from exc
+                               f"the transport came back: {str(exc) or 'timed out'}") from exc
         self.info = Hello(version, P.CGROUP_MODES.get(mode, str(mode)), execs)
         return self.info
 
@@ -622,7 +622,7 @@ async def connect_unix(path: str | os.PathLike[str], sandbox_id: str, *,
             asyncio.open_unix_connection(str(path), limit=READ_LIMIT), timeout_s)
     except (TimeoutError, OSError) as exc:
         raise BackendError(f"sandbox {sandbox_id}: connect to sbx-init: "
-                           f"{exc or 'timed out'}") from exc
+                           f"{str(exc) or 'timed out'}") from exc
     client = SbxClient(sandbox_id, reader, writer, sink, on_end)
     try:
         await client.hello(timeout_s)

@@ -54,9 +54,9 @@ from edged.backends.base import (
     failure_text,
 )
 from edged.backends.container import confinement, fileops, files, scratch
-from edged.backends.container.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
-from edged.backends.container.uidslots import UidSlots
-from edged.backends.container.uidslots import starttime as _starttime
+from edged.backends.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
+from edged.backends.uidslots import UidSlots
+from edged.backends.uidslots import starttime as _starttime
 from edged.cgroups import POOL_PREFIX, SandboxCgroup
 from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
@@ -129,8 +129,8 @@ class ContainerBackend:
     non-default one also gets its own cgroup subtree, so several instances can coexist).
     ``uid_base``/``id_count``: sandbox slot ``n`` maps its ids 0..id_count-1 to host ids
     ``uid_base + n*id_count ...``; sandbox root is never host root. Slots are claimed
-    host-wide in ``uid_slots_dir`` (see :mod:`.uidslots`), so that daemons sharing the host
-    never map the same host ids.
+    host-wide in ``uid_slots_dir`` (see :mod:`edged.backends.uidslots`), so that daemons
+    sharing the host never map the same host ids.
     ``bin_dir``: where ``edged-spawner`` and ``sbx-init`` are (default: ``edged/_bin``).
     ``scratch_dir``: a host directory (e.g. an XFS filesystem of the node's scratch storage)
     in which each sandbox's overlay upper lives (``<scratch_dir>/<id>/``), size-limited by

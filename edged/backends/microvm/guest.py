@@ -30,7 +30,7 @@ from edged.backends.microvm.vmm import Disk, Jail, Machine, Vm, Vmm
 from edged.errors import BackendError
 from edged.sbxinit import SbxClient, SbxExec
 
-HELLO_TIMEOUT_S = 10.0
+HELLO_TIMEOUT_S = 30.0
 
 
 async def _hello(name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -201,22 +201,52 @@ class GuestVm:
         every page it holds and zeroes every other page that is not zero in the file, so
         the resumed VM had a private copy of all its RAM (309 MiB PSS for a 256 MiB guest
         measured here, against ~94 MiB before the pause)."""
+        if fresh or self.conn.closed:
+            # ours end "killed"; the guest's sbx-init drops them (HELLO_NEW_CLIENT)
+            await self.conn.close()
+            again = await self.restored(vmm, machine, self.disks, self.run_dir,
+                                        self.data_dir, self.conn.sandbox_id, snapshot,
+                                        jail=jail, sink=sink, on_end=on_end)
+            self.vm, self.conn = again.vm, again.conn
+            return
         vm = await vmm.restore(machine, self.disks, self.run_dir, None,
                                snapshot or self.snapshot, jail)
         try:
-            reader, writer = await open_port(vm)
-            if fresh or self.conn.closed:
-                # the guest's sbx-init drops the paused client's execs (HELLO_NEW_CLIENT);
-                # so do we (their handles end "killed")
-                await self.conn.close()
-                self.conn = await _hello(self.conn.sandbox_id, reader, writer, sink, on_end,
-                                         new_client=True)
-            else:
-                await self.conn.reattach(reader, writer, HELLO_TIMEOUT_S)
+            await self.conn.reattach(*await open_port(vm), HELLO_TIMEOUT_S)
         except BaseException:
             await vm.kill()
             raise
         self.vm = vm
+
+    @classmethod
+    async def restored(cls, vmm: Vmm, machine: Machine, disks: list[Disk], run_dir: Path,
+                       data_dir: Path | None, sandbox_id: str, snapshot: Path | None = None,
+                       *, jail: Jail | None = None, sink: EventSink | None = None,
+                       on_end: Callable[[], None] | None = None) -> GuestVm:
+        """A paused sandbox of which nothing is left but its files (a restarted daemon's):
+        restored from ``snapshot`` (default ``<data_dir>/snapshot``) and spoken to as a new
+        client, which ends the execs the guest still had of the old one. Raises
+        BackendError (the VMM is then gone)."""
+        snap = snapshot or (data_dir or run_dir) / "snapshot"
+        vm = await vmm.restore(machine, disks, run_dir, None, snap, jail)
+        try:
+            reader, writer = await open_port(vm)
+            conn = await _hello(sandbox_id, reader, writer, sink, on_end, new_client=True)
+        except BaseException:
+            await vm.kill()
+            raise
+        return cls(vm, conn, run_dir, list(disks), data_dir=data_dir)
+
+    @classmethod
+    async def attach(cls, vm: Vm, run_dir: Path, data_dir: Path | None, disks: list[Disk],
+                     sandbox_id: str, *, sink: EventSink | None = None,
+                     on_end: Callable[[], None] | None = None) -> GuestVm:
+        """A running VM of a restarted daemon: connected to its control port again as a new
+        client (the guest's sbx-init ends the old client's execs, if it has not seen it go
+        yet). Raises BackendError."""
+        reader, writer = await open_port(vm)
+        conn = await _hello(sandbox_id, reader, writer, sink, on_end, new_client=True)
+        return cls(vm, conn, run_dir, list(disks), data_dir=data_dir)
 
     async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     cwd: str = "/", timeout_s: float | None = None, uid: int = 0,

@@ -35,7 +35,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,10 @@ from edged.errors import BackendError
 log = logging.getLogger("edged.microvm")
 
 QEMU = "qemu-system-x86_64"
+#: A QEMU starting on a busy host (2 cores, load 10+) was seen to take over 5 s to answer.
+QMP_TIMEOUT_S = 30.0
+#: The environment a VMM starts with (nothing of the daemon's).
+VMM_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 #: The jail every VMM starts in (``csrc/vmm-jail/jail.c``, built into ``edged/_bin``).
 JAIL = Path(__file__).resolve().parents[2] / "_bin" / "edged-vmm-jail"
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
@@ -150,14 +153,16 @@ def argv(machine: Machine, disks: Sequence[Disk], mem_path: Path | int | None, s
 
 
 class QemuVm:
-    """A QEMU process we started."""
+    """A QEMU process: ``child`` if this process started it (then it is reaped here and
+    its exit status known), else one of an earlier daemon's (adopted)."""
 
-    def __init__(self, pid: int, run_dir: Path, qmp: Qmp | None,
-                 proc: subprocess.Popen[bytes] | None) -> None:
+    def __init__(self, pid: int, run_dir: Path, qmp: Qmp | None = None,
+                 child: bool = False) -> None:
         self.pid = pid
         self.run_dir = run_dir
         self._qmp = qmp
-        self._proc = proc
+        self._child = child
+        self._status: int | None = None  # wait status, once reaped
         self._pidfd: int | None = None
         self._port: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         with contextlib.suppress(OSError):
@@ -179,17 +184,42 @@ class QemuVm:
     async def qmp(self) -> Qmp:
         """The QMP connection (made on first use). Raises QmpError."""
         if self._qmp is None:
-            self._qmp = await Qmp.connect(str(self.qmp_path))
+            self._qmp = await Qmp.connect(str(self.qmp_path), QMP_TIMEOUT_S)
         return self._qmp
 
+    def _reap(self) -> bool:
+        """Collect our child's exit if it has ended; True once it has."""
+        if self._status is not None:
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self._child = False  # reaped elsewhere: no status to know
+            return not self.alive()
+        if pid == 0:
+            return False
+        self._status = status
+        return True
+
     def alive(self) -> bool:
-        if self._proc is not None:
-            return self._proc.poll() is None
+        if self._child:
+            return not self._reap()
+        if self._status is not None:
+            return False
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
             return False
         return True
+
+    def returncode(self) -> int | None:
+        """The process's exit status (negative: the signal that ended it) once it has
+        ended, if it was our child; else None."""
+        if not self._child or not self._reap() or self._status is None:
+            return None
+        if os.WIFSIGNALED(self._status):
+            return -os.WTERMSIG(self._status)
+        return os.WEXITSTATUS(self._status)
 
     async def wait_exit(self, timeout: float | None = None) -> int | None:
         loop = asyncio.get_running_loop()
@@ -203,9 +233,7 @@ class QemuVm:
                     loop.remove_reader(self._pidfd)
             while self.alive():
                 await asyncio.sleep(0.01)
-        if self._proc is not None:
-            return self._proc.wait()
-        return None
+        return self.returncode()
 
     async def save(self, state: Path) -> None:
         qmp = await self.qmp()
@@ -234,6 +262,12 @@ class QemuVm:
 
     async def cont(self) -> None:
         await (await self.qmp()).execute("cont")
+
+    def drop_qmp(self) -> None:
+        """Close the monitor connection (made again on the next use)."""
+        if self._qmp is not None:
+            self._qmp.close()
+            self._qmp = None
 
     async def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -345,10 +379,14 @@ class QemuVmm:
                        self._binary_path(jail), name=str(run_dir))]
             inherit = [*fds.all(), *([sfd] if sfd is not None else []),
                        *([mem_path] if isinstance(mem_path, int) else [])]
+            # posix_spawn, not Popen: a VMM outlives this daemon (a Popen object would warn
+            # at collection that its process still runs). dup2(fd, fd) clears close-on-exec
+            # (POSIX 2024, glibc >= 2.29): exactly these fds are inherited.
+            actions = [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                       (os.POSIX_SPAWN_DUP2, out, 1), (os.POSIX_SPAWN_DUP2, out, 2),
+                       *((os.POSIX_SPAWN_DUP2, fd, fd) for fd in inherit)]
             try:
-                proc = subprocess.Popen(
-                    a, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=inherit,
-                    start_new_session=True)
+                pid = os.posix_spawn(a[0], a, VMM_ENV, file_actions=actions, setsid=True)
             except OSError as e:
                 raise BackendError(f"start {self.binary}: {e}") from e
         finally:
@@ -356,8 +394,8 @@ class QemuVmm:
             cs.close()
             for fd in opened:
                 os.close(fd)  # QEMU has its own copies
-        (run_dir / "qemu.pid").write_text(f"{proc.pid}\n")
-        vm = QemuVm(proc.pid, run_dir, None, proc)
+        (run_dir / "qemu.pid").write_text(f"{pid}\n")
+        vm = QemuVm(pid, run_dir, child=True)
         if sfd is not None:
             try:
                 qmp = await vm.qmp()
@@ -365,7 +403,8 @@ class QemuVmm:
                 # the stream, and a guest restored without a host on the port would see it
                 # go away (sbx-init then ends the execs of the lost connection).
                 vm._port = await asyncio.wait_for(
-                    asyncio.open_unix_connection(str(vm.ctl_path), limit=1 << 20), 5)
+                    asyncio.open_unix_connection(str(vm.ctl_path), limit=1 << 20),
+                    QMP_TIMEOUT_S)
                 await qmp.execute("migrate-set-capabilities", {"capabilities": [
                     {"capability": "x-ignore-shared", "state": True}]})
                 await qmp.execute("migrate-incoming", {"uri": f"fd:{sfd}"})

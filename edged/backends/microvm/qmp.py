@@ -65,7 +65,7 @@ class Qmp:
             raise
         except (OSError, TimeoutError) as e:
             sock.close()
-            raise QmpError(f"QMP {path}: {e or 'timed out'}") from e
+            raise QmpError(f"QMP {path}: {str(e) or 'timed out'}") from e
         except BaseException:
             sock.close()
             raise

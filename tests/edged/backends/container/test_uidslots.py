@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from edged.backends.container import ContainerBackend
-from edged.backends.container.uidslots import UidSlots, starttime
+from edged.backends.uidslots import UidSlots, starttime
 from tests.edged.backends.container.conftest import assert_left_clean
 
 GRID = {"uid_base": 1 << 30, "id_count": 65536, "max_slots": 64}
@@ -40,7 +40,7 @@ def test_two_owners_never_share_a_slot(tmp_path: Path) -> None:
 def test_concurrent_processes_claim_disjoint_slots(tmp_path: Path) -> None:
     prog = textwrap.dedent("""
         import json, sys
-        from edged.backends.container.uidslots import UidSlots
+        from edged.backends.uidslots import UidSlots
         s = UidSlots(sys.argv[1], directory=sys.argv[2], uid_base=1 << 30, id_count=65536,
                      max_slots=400)
         s._next = 0  # every process starts at the same slot: the worst case
@@ -63,7 +63,7 @@ def test_concurrent_processes_claim_disjoint_slots(tmp_path: Path) -> None:
 def test_claims_of_a_killed_daemon_go_stale_unless_its_sandbox_runs(tmp_path: Path) -> None:
     prog = textwrap.dedent("""
         import sys
-        from edged.backends.container.uidslots import UidSlots
+        from edged.backends.uidslots import UidSlots
         s = UidSlots(sys.argv[1], directory=sys.argv[2], uid_base=1 << 30, id_count=65536,
                      max_slots=4)
         s._next = 0

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import edged
 from edged.backends.microvm import guestkit
+from edged.backends.microvm.backend import MicroVmBackend
 from edged.backends.microvm.qemu import QemuVmm
 from edged.backends.microvm.template import Templates
 from edged.backends.microvm.vmm import Machine
@@ -104,3 +108,62 @@ def run_dir(tmp_path: Path) -> Iterator[Path]:
 
 def run(coro):  # type: ignore[no-untyped-def]
     return asyncio.run(coro)
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory with a short path (AF_UNIX paths are limited to 108 bytes; pytest's
+    tmp_path can be longer than a VM's sockets allow)."""
+    d = Path(tempfile.mkdtemp(prefix="i13-", dir="/tmp"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def vmm_processes(run_root: Path) -> list[int]:
+    """Pids of VMMs whose guest name (their run directory) is under ``run_root``."""
+    return qemu_pids(str(run_root) + "/")
+
+
+def assert_left_clean(b: MicroVmBackend) -> None:
+    """Tear down whatever a test left on ``b`` (it should leave nothing), remove its parent
+    cgroups, then fail if anything was left: a sandbox, a VMM, a disk or snapshot file, a
+    socket, a cgroup, a uid claim."""
+    removed = asyncio.run(b.cleanup_leftovers(set()))
+    left_vmm = vmm_processes(b.run_root)
+    for pid in left_vmm:
+        os.kill(pid, 9)
+    cgs = [str(d) for p in b.cgroups.all_parents() if p.exists()
+           for d, _s, _f in os.walk(p) if Path(d) != p]
+    for p in b.cgroups.all_parents():
+        if p.exists():
+            p.rmdir()
+    files = [str(p) for d in (b.sandboxes_dir, b.vms_dir) if d.exists() for p in d.rglob("*")]
+    claims = [c for c in (b.uid_slots.read(int(e.name)) for e in os.scandir(b.uid_slots.dir)
+                          if e.name.isdigit())
+              if b.uid_slots.ours(c)] if b.uid_slots.dir.exists() else []
+    assert not removed, f"test left sandboxes behind: {removed}"
+    assert not left_vmm, f"test left VMMs running: {left_vmm}"
+    assert not cgs, f"test left cgroups behind: {cgs}"
+    assert not files, f"test left files behind: {files}"
+    assert not claims, f"test left uid claims behind: {claims}"
+
+
+@pytest.fixture
+def make_backend(short_dir: Path, vm_root: Path, kit: guestkit.GuestKit,
+                 machine: Machine) -> Iterator[Callable[..., MicroVmBackend]]:
+    """``make(**kw)``: a microVM backend (TCG) on private run and state dirs under one short
+    directory, sharing the session's templates; every one is checked for leftovers after
+    the test."""
+    made: list[MicroVmBackend] = []
+
+    def make(**kw: Any) -> MicroVmBackend:
+        kw.setdefault("accel", "tcg")
+        b = MicroVmBackend(short_dir / "run", short_dir / "state", cache_dir=vm_root, **kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        asyncio.run(b.close())
+    if made:
+        assert_left_clean(made[-1])

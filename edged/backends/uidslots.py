@@ -2,7 +2,9 @@
 the same host uids at the same time.
 
 A sandbox of the container backend maps its ids 0..id_count-1 to the host ids of one *slot*
-(``uid_base + slot * id_count ...``). Every daemon on the host (a node's daemon, test
+(``uid_base + slot * id_count ...``); a microVM's VMM runs as the first id of a slot of its
+own (:mod:`edged.backends.microvm.backend`), so no VMM shares a uid with a container's ids
+or with another VMM. Every daemon on the host (a node's daemon, test
 daemons, a second instance on other dirs) claims its slots in one directory, by default
 :data:`DEFAULT_DIR` (``/run`` is a tmpfs: claims vanish at reboot, with every process that
 could hold a range). Slot ``n`` is claimed by the file ``<dir>/<uid_base>+<id_count>/<n>``,
@@ -22,8 +24,9 @@ Rules, chosen to hold across crashes (``kill -9`` of any process at any point):
 - A claim is *live* while its daemon or its sbx-init runs (pid and start time, field 22 of
   ``/proc/PID/stat``, so a reused pid does not count), or while the owner's
   ``sandboxes/<id>/meta.json`` names this slot and a live sbx-init (the window between the
-  spawner's report and the claim's update). Sandboxes outlive their daemon, so the init
-  part is what keeps a range taken across a daemon restart.
+  spawner's report and the claim's update; a microVM's meta names its VMM). Sandboxes
+  outlive their daemon, so the init part is what keeps a range taken across a daemon
+  restart.
 - A claim that is not live is *stale* and may be taken over, under the directory's flock
   (``.lock``): re-read under the lock, replaced by ``rename(2)``. Takeovers and releases
   are serialised by that lock, so a release never removes another daemon's claim.
@@ -50,7 +53,7 @@ from typing import Any
 
 from edged.errors import BackendError
 
-log = logging.getLogger("edged.container")
+log = logging.getLogger("edged.backends")
 
 #: Where every daemon on the host claims its slots (override per backend for tests only).
 DEFAULT_DIR = "/run/edged-uid-slots"
