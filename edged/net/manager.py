@@ -401,6 +401,11 @@ class NetworkManager:
             (self.records / f"{sid}.json").unlink(missing_ok=True)
             return
         self._unregister(sb)
+        if self.proxy is not None:
+            # reset its proxied connections now: the client's FIN may wait behind unsent
+            # data in a full window until its namespace is gone, and then nothing would
+            # ever end the server's leg
+            self.proxy.cut(sid, every=True)
         sb.ns.close()
         await self.plumber.run(self.plumber.delete_link, sb.ns.host_if)
         self._used.discard(sb.ns.index)

@@ -54,6 +54,7 @@ MAX_HEAD = 16 << 10  # bytes read before the name must be known (a ClientHello, 
 HEAD_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 CHUNK = 64 << 10
+_LINGER_RESET = struct.pack("ii", 1, 0)  # struct linger {l_onoff 1, l_linger 0}: close resets
 
 
 class NotNamed(Exception):
@@ -167,10 +168,17 @@ class _Conn:
     writers: tuple[asyncio.StreamWriter, asyncio.StreamWriter]
 
     def abort(self) -> None:
+        """Reset both legs: to the sandbox and to the server. ``SO_LINGER`` 0 makes the
+        close a reset that drops what is queued (a plain close queues a FIN behind unsent
+        data, which a peer that stopped reading never gets: the server's end stayed open)."""
         for w in self.writers:
             tr = w.transport
             if tr is not None and not tr.is_closing():
-                tr.abort()  # a reset to the sandbox, not a clean end
+                sock = w.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+                tr.abort()
 
 
 class Proxy:
@@ -221,16 +229,22 @@ class Proxy:
         """``(name, port)`` of the sandbox's proxied connections."""
         return [(c.name, c.port) for c in self._conns if c.client.sandbox_id == sandbox_id]
 
-    def cut(self, sandbox_id: str) -> int:
+    def cut(self, sandbox_id: str, *, every: bool = False) -> int:
         """Close (reset) the sandbox's proxied connections its current policy no longer
-        allows; returns how many."""
+        allows (``every``: all of them: the sandbox is going); returns how many."""
         n = 0
         for c in list(self._conns):
-            if c.client.sandbox_id == sandbox_id and not _allows(c.client, c.name, c.port):
+            if c.client.sandbox_id == sandbox_id and (
+                    every or not _allows(c.client, c.name, c.port)):
                 c.abort()
                 self._conns.discard(c)
                 n += 1
         return n
+
+    @property
+    def open(self) -> int:
+        """Proxied connections open now (all sandboxes)."""
+        return len(self._conns)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                       tls: bool) -> None:

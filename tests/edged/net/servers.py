@@ -1,12 +1,17 @@
 """Servers the network tests start themselves: a network namespace with test addresses
-(198.18.0.0/24, RFC 2544 benchmarking space, and 2001:db8:18::/64, documentation space)
-reached from the host through a veth of the test's own, and a fake upstream DNS server on the
-host's loopback. Nothing here talks to another host.
+(``NET4``.0/24, a /24 of 198.18.0.0/15, RFC 2544 benchmarking space, and ``NET6``/64, in
+2001:db8:18::/48, documentation space) reached from the host through a veth of the test's
+own, and a fake upstream DNS server on the host's loopback. Nothing here talks to another
+host. The subnets are this test process's own (:func:`_claim_slot`): test runs in other
+worktrees start the same servers at the same time, and the host routes to them (the proxy
+connects from the host), so two runs on one subnet would reach each other's servers.
 
-Services in the namespace, on 198.18.0.2, 198.18.0.3 and 2001:db8:18::2, ::3:
+Services in the namespace, on ``NET4``.2, ``NET4``.3 and ``NET6``2, ``NET6``3:
 - TCP 80: HTTP/1.x: reads the request head, answers ``hi-ADDR:80 host=HOST`` and closes; for
   ``GET /hold`` it then echoes each further line (``echo:LINE``) until the client goes away
-  or sends ``bye`` (a held connection);
+  or sends ``bye`` (a held connection); for ``GET /stall`` it reads nothing more and waits
+  (at most 30 s) for the client's end (``eof``) or a reset (``reset``): a peer whose
+  receive window fills;
 - TCP 443: the same over TLS (a self-signed certificate made per run), ``sni=NAME`` added;
 - TCP 8080: sends ``hi-ADDR:8080`` and closes (server speaks first);
 - TCP 9000: echoes lines until the client goes away or sends ``bye`` (a held connection);
@@ -19,8 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import ipaddress
 import os
+import select
 import selectors
 import socket
 import ssl
@@ -28,6 +35,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 import dns.message
 import dns.rcode
@@ -36,7 +44,25 @@ import dns.rrset
 
 CLONE_NEWNET = 0x40000000
 IFA_F_NODAD = 0x02
-NET4, NET6 = "198.18.0", "2001:db8:18::"
+
+
+def _claim_slot() -> tuple[int, TextIO]:
+    """A slot 1-255 no other process on this host holds: an exclusive ``flock`` on
+    ``/run/edged-test-servers.N.lock``, held (the returned file) while this process lives.
+    (Slot 0 was every run's subnet before slots.)"""
+    for n in range(1, 256):
+        f = open(f"/run/edged-test-servers.{n}.lock", "w")  # noqa: SIM115 (held)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            continue
+        return n, f
+    raise RuntimeError("every test server subnet is in use on this host")
+
+
+_SLOT, _SLOT_LOCK = _claim_slot()
+NET4, NET6 = f"198.18.{_SLOT}", f"2001:db8:18:{_SLOT:x}::"
 ADDRS = (f"{NET4}.2", f"{NET4}.3", f"{NET6}2", f"{NET6}3")
 
 
@@ -48,6 +74,16 @@ class Conn:
     sni: str | None = None
     host: str | None = None
     end: str = ""
+
+
+def _stall(c: socket.socket) -> str:
+    """Read nothing; wait for the peer's FIN (``eof``) or reset (``reset``), 30 s at most."""
+    p = select.poll()
+    p.register(c.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    for _ in range(300):
+        if ev := p.poll(100):
+            return "reset" if ev[0][1] & (select.POLLHUP | select.POLLERR) else "eof"
+    return "timeout"
 
 
 def _cert(work: Path) -> tuple[str, str]:
@@ -190,6 +226,9 @@ class ServerNetns:
                 if port == 443:
                     msg += f" sni={conn.sni}"
                 c.sendall(f"HTTP/1.0 200 OK\r\n\r\n{msg}\n".encode())
+                if head and " /stall " in head[0]:
+                    conn.end = _stall(c)
+                    return
                 if not head or " /hold " not in head[0]:
                     conn.end = "sent"
                     return

@@ -6,6 +6,7 @@ traffic leaves the machine."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import re
@@ -18,7 +19,11 @@ from typing import Any
 
 import pytest
 
+from edged.cgroups import fs as cgfs
+from edged.cgroups.v1 import V1Hierarchy
+from edged.cgroups.v2 import V2Hierarchy
 from edged.client import InvalidStateError, Sandbox
+from edged.client._http import Transport
 from edged.net import bpf, libbpf
 from tests.edged.net.servers import NET4, NET6, FakeUpstream, ServerNetns
 from tests.edged.test_e2e_container import RealNode, layer_store, real_node  # noqa: F401
@@ -277,6 +282,30 @@ def test_sni_and_host_are_checked(net: Net) -> None:
         assert "host=shared.test sni=ok.test" in out, out
 
 
+def test_delete_ends_proxied_connections(net: Net) -> None:
+    """A sandbox deleted while it sends through the proxy to a server that has stopped
+    reading: the client's FIN waits behind unsent data in a full window, then its namespace
+    is gone; the proxy must end both legs itself (it held them, and the server, forever)."""
+    sbx = net.create("net-gone", {"allow": ["ok.test"]})
+
+    def stuffed() -> None:
+        with contextlib.suppress(Exception):  # the sandbox goes away under it
+            sh(sbx, "(printf 'GET /stall HTTP/1.0\\r\\nHost: ok.test\\r\\n\\r\\n'; "
+                    "cat /dev/zero) | nc ok.test 80", timeout=40)
+
+    t = threading.Thread(target=stuffed, daemon=True)
+    t.start()
+    wait_for(lambda: bool(net.srv.conns(80)), "the proxied connection")
+    (conn,) = net.srv.conns(80)
+    time.sleep(2)  # the buffers fill: server's receive, proxy's, the sandbox's send
+    assert not conn.end and net.on_loop(lambda: net.node.server.manager.net.proxy.open) == 1
+    sbx.kill()
+    wait_for(lambda: bool(conn.end), "the server's end of it")
+    assert conn.end == "reset", conn
+    assert net.on_loop(lambda: net.node.server.manager.net.proxy.open) == 0
+    t.join(10)
+
+
 def test_none_sandbox_has_no_network_and_cannot_get_one(net: Net) -> None:
     before = net.links()
     with net.create("net-none", "none") as sbx:
@@ -300,6 +329,59 @@ def test_a_second_daemon_on_the_same_pool_is_refused(net: Net, tmp_path) -> None
         assert f"{NET4}.2" in sh(sbx, "nslookup ok.test")
 
 
+def test_node_shows_the_network_features(net: Net) -> None:
+    info = Transport(net.socket).json("GET", "/v1/node")
+    feats = info["features"]["network"]
+    assert feats["enabled"] is True and "reason" not in feats, feats
+    assert feats["cgroup_bpf"] is True and feats["netns"] is True and feats["nat"] is True
+    assert feats["sni_check"] is True and feats["proxy"] == {"tls_port": 443, "http_port": 80}
+    assert feats["pool4"] == net.settings["network_pool"] and "pypi" in feats["services"]
+    assert feats["dns"]["listen"][0] == f"10.214.{int(net.tag[:2], 16)}.1", feats
+    assert isinstance(feats["uplink_forwarding"], bool)
+    # the egress programs are on the backend's cgroup v2 directory, in whichever layout this
+    # host has (hybrid: a directory in the controller-less v2 hierarchy; cgroup v2: the
+    # sandboxes' parent, whose children are the sandboxes' own directories)
+    cg = Path(feats["cgroup_dir"])
+    mnt = cgfs.v2_mount()
+    assert mnt is not None and cg.is_relative_to(mnt), (cg, mnt)
+    mgr = net.node.server.manager
+    assert cg == mgr.backends.get(mgr.net.s.backend).cgroups.bpf_dir()
+    fd = os.open(cg, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert all(libbpf.query(fd, kind) for _, kind in bpf.PROGRAMS)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("missing", ["cgroup v2", "bpf"])
+def test_without_cgroup_v2_or_bpf_networking_is_off(real_node, layer_store, tmp_path,  # noqa: F811
+                                                    monkeypatch, missing: str) -> None:
+    """A host without a cgroup v2 directory for the programs (v1 only), or without BPF:
+    GET /v1/node says networking is off and why, a networked create is refused with that
+    reason (409), and sandboxes without a network work."""
+    if missing == "cgroup v2":
+        for h in (V1Hierarchy, V2Hierarchy):
+            monkeypatch.setattr(h, "bpf_dir", lambda self: None)
+    else:
+        monkeypatch.setattr(bpf, "available", lambda: (False, "no BPF here (test)"))
+    tag = hashlib.sha256(str(tmp_path).encode()).hexdigest()[:4]
+    node = real_node(network_pool=f"10.215.{int(tag[:2], 16)}.0/24",
+                     network_pool6=f"fd8e:dbe8:{tag}::/64", network_prefix="o" + tag)
+    feats = Transport(node.socket).json("GET", "/v1/node")["features"]["network"]
+    why = "no cgroup v2 directory" if missing == "cgroup v2" else "no BPF here (test)"
+    assert feats["enabled"] is False and why in feats["reason"], feats
+    assert "cgroup_dir" not in feats and "dns" not in feats, feats
+    _, digest = layer_store
+    with pytest.raises(InvalidStateError, match=re.escape(why)):
+        Sandbox.create(layers=[digest], id="net-off", env={"PATH": "/bin"},
+                       socket=node.socket, network={"allow": ["pypi"]})
+    with Sandbox.create(layers=[digest], id="net-off-none", env={"PATH": "/bin"},
+                        socket=node.socket) as sbx:
+        assert sbx.exec("echo ok").stdout == "ok\n"
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert "o" + tag not in links, links  # nothing was made for the network
+
+
 def test_restart_adopts_networked_sandboxes(net: Net) -> None:
     net.node.stop()
     net.node = net.start(on_shutdown="keep", **net.settings)
@@ -320,23 +402,52 @@ def test_restart_adopts_networked_sandboxes(net: Net) -> None:
         sbx.kill()
 
 
+def _held() -> dict[str, int]:
+    """What this process (the daemon runs in it) holds: its fds; of them BPF maps, programs
+    and links; and network namespaces, by an fd or as a thread's namespace (the plumber's
+    thread enters sandboxes' namespaces and leaves). The daemon's namespaces are unnamed
+    (no nsfs mount): these are all that keep one alive once its sandbox's processes are
+    gone. (Host-wide BPF ids cannot tell: other daemons on the machine load the same
+    programs and maps at any time.)"""
+    fds = os.listdir("/proc/self/fd")
+    out = {"fds": len(fds), "bpf-map": 0, "bpf-prog": 0, "bpf_link": 0}
+    netns = set()
+    for link in [*(f"/proc/self/fd/{fd}" for fd in fds),
+                 *(f"/proc/self/task/{t}/ns/net" for t in os.listdir("/proc/self/task"))]:
+        with contextlib.suppress(OSError):
+            target = os.readlink(link)
+            if target.startswith("net:["):
+                netns.add(target)
+            elif (kind := target.removeprefix("anon_inode:")) in out:
+                out[kind] += 1
+    out["netns"] = len(netns)
+    return out
+
+
 def _ours(n: Net) -> dict[str, int]:
-    """What the daemon holds for sandboxes: map entries, our interfaces, its fds."""
+    """What the daemon holds for sandboxes: map entries, records, our interfaces, what
+    :func:`_held` counts, the programs attached to the cgroup v2 directory."""
     mgr = n.node.server.manager.net
 
     def count() -> dict[str, int]:
         f = mgr.filter
         out = {name: len(f.maps[name].keys()) for name in
                ("sandboxes", "addrs4", "addrs6", "cidr4", "cidr6", "learned4", "learned6")}
-        out["fds"] = len(os.listdir("/proc/self/fd"))
         out["records"] = len(list(mgr.records.glob("*.json")))
+        out.update(_held())
+        fd = os.open(f.cgroup_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            out["attached"] = sum(len(libbpf.query(fd, kind)) for _, kind in bpf.PROGRAMS)
+        finally:
+            os.close(fd)
         return out
     return dict(n.on_loop(count), links=len(n.links()))
 
 
 def _cycles(n: Net, count: int) -> None:
-    progs, maps = set(libbpf.next_ids("prog")), set(libbpf.next_ids("map"))
     before = _ours(n)
+    assert before["attached"] == len(bpf.PROGRAMS), before
+    assert before["bpf-prog"] >= len(bpf.PROGRAMS) and before["bpf-map"] >= len(bpf.MAPS)
     for i in range(count):
         with n.create(f"net-c{i}", {"allow": ["ok.test", f"{NET4}.3:8080"]}) as sbx:
             if i % 50 == 0:
@@ -344,34 +455,11 @@ def _cycles(n: Net, count: int) -> None:
             else:
                 sbx.exec("true")
     after = _ours(n)
+    # no map entry, record, interface, namespace, BPF map/program/link or attachment more
     assert {k: after[k] for k in after if k != "fds"} == {k: before[k] for k in before
                                                           if k != "fds"}, (before, after)
     assert after["fds"] <= before["fds"] + 4, (before, after)
     assert after["sandboxes"] == 0 and after["learned4"] == 0, after
-    # no program or map of ours was made per sandbox (other helpers' may come and go)
-    assert not [m for m in set(libbpf.next_ids("map")) - maps if _map_name(m) in bpf.MAPS]
-    assert not [p for p in set(libbpf.next_ids("prog")) - progs
-                if _prog_name(p).startswith("egress_")]
-
-
-def _map_name(map_id: int) -> str:
-    try:
-        m = libbpf.map_by_id(map_id)
-    except libbpf.BpfError:
-        return ""  # gone meanwhile
-    m.close()
-    return m.name
-
-
-def _prog_name(prog_id: int) -> str:
-    try:
-        fd = libbpf.prog_fd_by_id(prog_id)
-    except libbpf.BpfError:
-        return ""
-    try:
-        return libbpf.prog_info(fd)[0]
-    finally:
-        os.close(fd)
 
 
 def test_create_delete_cycles_leave_nothing(net: Net) -> None:
