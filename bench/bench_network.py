@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -202,6 +203,8 @@ def main() -> int:
                "network": idle_memory(cfg.socket, digest, a.idle, POLICY, pid)}
     finally:
         stop()
+        shutil.rmtree(runtime, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     p50 = {k: statistics.median(v) * 1e3 for k, v in c.items()}
     p99 = {k: pct(v, 99) * 1e3 for k, v in c.items()}
     res = {
