@@ -6,14 +6,15 @@ egress programs' cost per connect(), and host memory per networked idle sandbox,
 Needs root. One daemon (``edged serve``, its own process, default settings but a network pool
 of its own) on a busybox layer. Figures:
 - create→first exec: ``Sandbox.create`` then ``exec("true")`` until its end, ``--n`` times
-  each with ``network="none"`` and with ``{"allow": ["198.51.100.0/24", "bench.test"]}``,
+  each with ``network="none"`` and with :data:`POLICY` (a UDP range and a name),
   interleaved (one of each in turn, so both see the same machine); the delete is not timed.
   Goal: networked p50 <= none p50 + 10 ms.
 - connect(): a helper process in a networked sandbox's namespace times ``--connects`` UDP
   ``connect()`` calls (with socket() and close(); no packet is sent: the call is the connect
   hook and a route lookup) to an allowed address and to a refused one (EPERM), in the
   sandbox's cgroup v2 directory (the egress programs run) and outside it (they do not),
-  alternating, best of 7 rounds: the difference is the programs' cost. Goal: <= 5 µs.
+  alternating, best of 7 rounds: the difference is the programs' cost. Goal: <= 5 µs. Each
+  round first checks that only the refused address inside is refused (else it stops).
 - memory: ``--idle`` idle sandboxes without a network, deleted, then ``--idle`` with one;
   per sandbox for each: the memory charged to this benchmark's memory cgroup (the daemon, its
   sandboxes beneath it, and the kernel objects they allocate with accounting: netns, veth,
@@ -52,7 +53,8 @@ from edged.node.hostmem import meminfo
 
 ENV = {"PATH": "/bin"}
 ALLOWED, REFUSED = "198.51.100.7", "203.0.113.9"  # TEST-NET-2 (a rule), TEST-NET-3 (none)
-POLICY = {"allow": ["198.51.100.0/24", "bench.test"]}
+# UDP to the allowed range (the connect() timer's datagram sockets), TCP to a name
+POLICY = {"allow": [{"rule": "198.51.100.0/24", "protocol": "udp"}, "bench.test"]}
 
 # The connect() timer, run as a process of its own (it joins a namespace and a cgroup).
 TIMER = r"""
@@ -73,18 +75,29 @@ def run(addr):
             pass
         s.close()
     return (time.perf_counter_ns() - t0) / n
+def refused_here(addr):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect((addr, 9))
+        return False
+    except PermissionError:
+        return True
+    finally:
+        s.close()
 def join(d):
     with open(os.path.join(d, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
-out = {}
+out, wrong = {}, []
 for _ in range(7):  # rounds alternate outside and inside: both see the same machine
     for where, d in (("outside", home), ("inside", cg)):
         join(d)
         for kind, addr in (("allowed", allowed), ("refused", refused)):
             k = f"{where}_{kind}"
+            if refused_here(addr) != (k == "inside_refused"):  # the programs ran, or not
+                wrong.append(k)
             out[k] = min(out.get(k, float("inf")), run(addr))
 join(home)
-print(json.dumps(out))
+print(json.dumps({"ns": out, "wrong": sorted(set(wrong))}))
 """
 
 
@@ -120,7 +133,10 @@ def connect_cost(sock: str, digest: str, node: dict[str, Any], n: int) -> dict[s
                               str(mnt) + own, str(n), ALLOWED, REFUSED],
                              capture_output=True, text=True, check=True)
         t = json.loads(out.stdout)
-    return {k: v / 1e3 for k, v in t.items()}  # µs
+    if t["wrong"]:  # a figure of programs that did not run (or ran outside) means nothing
+        raise RuntimeError(f"connect() refused where it should not be, or not where it "
+                           f"should: {t['wrong']}")
+    return {k: v / 1e3 for k, v in t["ns"].items()}  # µs
 
 
 def daemon_rss(pid: int) -> int:
