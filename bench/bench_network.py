@@ -1,7 +1,8 @@
 """What a network costs a sandbox: create→first exec with a network against without, the
 egress programs' cost per connect(), and host memory per networked idle sandbox, in one run.
 
-    .venv/bin/python bench/bench_network.py [--n 60] [--connects 20000] [--idle 40] [--json]
+    .venv/bin/python bench/bench_network.py [--n 60] [--connects 5000] [--rounds 25]
+        [--idle 40] [--json]
 
 Needs root. One daemon (``edged serve``, its own process, default settings but a network pool
 of its own) on a busybox layer. Figures:
@@ -13,7 +14,7 @@ of its own) on a busybox layer. Figures:
   ``connect()`` calls (with socket() and close(); no packet is sent: the call is the connect
   hook and a route lookup) to an allowed address and to a refused one (EPERM), in the
   sandbox's cgroup v2 directory (the egress programs run) and outside it (they do not),
-  alternating, best of 7 rounds: the difference is the programs' cost. Goal: <= 5 µs. Each
+  alternating, best of ``--rounds``: the difference is the programs' cost. Goal: <= 5 µs. Each
   round first checks that only the refused address inside is refused (else it stops).
 - memory: ``--idle`` idle sandboxes without a network, deleted, then ``--idle`` with one;
   per sandbox for each: the memory charged to this benchmark's memory cgroup (the daemon, its
@@ -61,6 +62,7 @@ TIMER = r"""
 import ctypes, json, os, socket, sys, time
 pid, mnt, cg, n, allowed, refused = int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]), \
     *sys.argv[5:7]
+rounds = int(sys.argv[7])
 libc = ctypes.CDLL(None, use_errno=True)
 fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
 assert libc.setns(fd, 0x40000000) == 0, ctypes.get_errno()
@@ -88,7 +90,7 @@ def join(d):
     with open(os.path.join(d, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
 out, wrong = {}, []
-for _ in range(7):  # rounds alternate outside and inside: both see the same machine
+for _ in range(rounds):  # rounds alternate outside and inside: both see the same machine
     for where, d in (("outside", home), ("inside", cg)):
         join(d)
         for kind, addr in (("allowed", allowed), ("refused", refused)):
@@ -120,7 +122,8 @@ def creates(sock: str, digest: str, n: int) -> dict[str, list[float]]:
     return out
 
 
-def connect_cost(sock: str, digest: str, node: dict[str, Any], n: int) -> dict[str, float]:
+def connect_cost(sock: str, digest: str, node: dict[str, Any], n: int,
+                 rounds: int) -> dict[str, float]:
     cgroup_dir = node["features"]["network"]["cgroup_dir"]
     mnt = cgfs.v2_mount()
     assert mnt is not None  # the egress programs are attached (cgroup_dir is set)
@@ -130,7 +133,7 @@ def connect_cost(sock: str, digest: str, node: dict[str, Any], n: int) -> dict[s
         pid = min(cgfs.procs(Path(cgroup_dir, sbx.id)))
         own = Path(f"/proc/{pid}/cgroup").read_text().split("0::", 1)[1].split()[0]
         out = subprocess.run([sys.executable, "-c", TIMER, str(pid), str(mnt),
-                              str(mnt) + own, str(n), ALLOWED, REFUSED],
+                              str(mnt) + own, str(n), ALLOWED, REFUSED, str(rounds)],
                              capture_output=True, text=True, check=True)
         t = json.loads(out.stdout)
     if t["wrong"]:  # a figure of programs that did not run (or ran outside) means nothing
@@ -186,7 +189,8 @@ def node_info(sock: str) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=60, help="creates of each kind")
-    ap.add_argument("--connects", type=int, default=20000, help="connect() calls per sample")
+    ap.add_argument("--connects", type=int, default=5000, help="connect() calls per sample")
+    ap.add_argument("--rounds", type=int, default=25, help="connect() samples of each kind")
     ap.add_argument("--idle", type=int, default=40, help="idle sandboxes of each kind")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -214,7 +218,7 @@ def main() -> int:
                   file=sys.stderr)
             return 1
         c = creates(cfg.socket, digest, a.n)
-        conn = connect_cost(cfg.socket, digest, node, a.connects)
+        conn = connect_cost(cfg.socket, digest, node, a.connects, a.rounds)
         mem = {"none": idle_memory(cfg.socket, digest, a.idle, "none", pid),
                "network": idle_memory(cfg.socket, digest, a.idle, POLICY, pid)}
     finally:
@@ -251,7 +255,7 @@ def main() -> int:
         print(f"{k:12}{cr['p50'][k]:9.2f}{cr['p99'][k]:9.2f}")
     print(f"network adds {cr['p50_added_by_network']:.2f} ms at p50 "
           f"(x{cr['p50_ratio']:.2f})")
-    print(f"\nUDP connect(), best of 7 rounds x {a.connects}, µs per call")
+    print(f"\nUDP connect(), best of {a.rounds} rounds x {a.connects}, µs per call")
     print(f"{'':10}{'outside':>9}{'inside':>9}{'added':>9}")
     for k in ("allowed", "refused"):
         print(f"{k:10}{conn['outside_' + k]:9.2f}{conn['inside_' + k]:9.2f}"
