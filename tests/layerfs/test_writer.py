@@ -562,3 +562,33 @@ def test_full_disk_is_an_io_error_naming_where(scratch: pathlib.Path,
         assert sorted(os.listdir(mnt)) == ["img.erofs"]  # the temp file is gone
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("last", ["empty-file", "fifo", "chardev"])
+def test_last_inode_ending_at_the_image_end(scratch: pathlib.Path, last: str) -> None:
+    """An image whose data is all inline ends where its metadata ends; when the last
+    inode there has no xattrs and no inline data and fills its block to the end,
+    fsck.erofs (erofs-utils 1.5 and later: erofs_verify_xattr() reads the 12-byte
+    xattr ibody header of every inode, even one without xattrs) read past the image
+    end and called it corrupt.  The root here (nid 36 at byte 1152, compact: 32 bytes
+    + 2800 of xattrs + 40 inline dirent bytes) ends at 4024, so the one child, extended
+    (uid > 65535: 64 bytes), sits at 4032 and ends at 4096."""
+    root = new_dir(0o755)
+    root.xattrs = {b"user.a": b"v" * 2783}  # 12 + align4(4 + 1 + 2783) = 2800 bytes
+    tree = Tree(root)
+    if last == "empty-file":
+        child = reg(scratch, "f", b"", uid=100000)
+    elif last == "fifo":
+        child = Inode(mode=stat.S_IFIFO | 0o600, uid=100000)
+    else:
+        child = Inode(mode=stat.S_IFCHR | 0o4600, uid=100000, rdev_major=1, rdev_minor=3)
+    tree.put("f", child)
+    image = scratch / "img.erofs"
+    st = write_image(tree, image)
+    raw = image.read_bytes()
+    # the root's dirents, sorted: ".", "..", "f"
+    nid = int.from_bytes(raw[1152 + 32 + 2800 + 2 * 12:][:8], "little")
+    assert nid * 32 + 64 == 4096  # the layout this test is about: child ends at 4096
+    roundtrip(tree, image)
+    assert st.size == len(raw) == 8192  # one zero block after the metadata
