@@ -25,8 +25,8 @@ def gone(pid: int, timeout_s: float = 5.0) -> bool:
     while time.monotonic() < deadline:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
-        except FileNotFoundError:
-            return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True  # gone (ESRCH: being reaped as /proc/<pid>/stat was read)
         if stat[stat.rindex(")") + 2] in "ZX":
             return True
         time.sleep(0.01)

@@ -114,6 +114,9 @@ def test_kill_9_then_adopted_again(real: LocalCluster, client: ClusterClient,
                                    layer: tuple[str, str]) -> None:
     _, digest = layer
     r1 = real.nodes["r1"]
+    # r1 admits two: the earlier tests' sandboxes are gone, but its last report may be older
+    wait_for(lambda: any(n["name"] == "r1" and n["free"] >= 1 for n in client.nodes()), 15,
+             "r1 reporting room")
     sbx = client.create(layers=[digest], env=ENV, node="r1")
     sbx.exec("echo kept > /tmp/state")
     real.wait_listed(sbx)
