@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import edged
-from edged.backends import memadvise
+from edged.backends import memadvise, records
 from edged.backends.base import (
     QOS_CLASSES,
     EventSink,
@@ -244,31 +244,13 @@ class ContainerBackend:
             log.warning("uid slot %d: cannot release its claim: %s", slot, exc)
 
     def _meta(self, sandbox_id: str) -> dict[str, Any] | None:
-        try:
-            meta: dict[str, Any] = json.loads(
-                (self.sandboxes_dir / sandbox_id / "meta.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return meta
+        return records.read(self.sandboxes_dir, sandbox_id)
 
     def _metas(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for e in os.scandir(self.sandboxes_dir):
-                with contextlib.suppress(OSError, ValueError):
-                    out[e.name] = json.loads(Path(e.path, "meta.json").read_text())
-        return out
+        return records.read_all(self.sandboxes_dir)
 
-    @staticmethod
-    def _write_meta(d: Path, meta: dict[str, Any]) -> None:
-        tmp = d / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, d / "meta.json")
-
-    @staticmethod
-    def _alive(meta: dict[str, Any]) -> bool:
-        pid = int(meta.get("pid") or 0)
-        return pid > 0 and _starttime(pid) == meta.get("starttime")
+    _write_meta = staticmethod(records.write)
+    _alive = staticmethod(records.alive)
 
     async def _spawn(self, argv: list[str], pooled: _Pooled | None = None, *,
                      netns_fd: int | None = None) -> int:

@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
@@ -53,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import edged
-from edged.backends import memadvise
+from edged.backends import memadvise, records
 from edged.backends.base import (
     QOS_CLASSES,
     EventSink,
@@ -279,32 +278,16 @@ class MicroVmBackend:
         return Jail(uid=uid, gid=uid, join=join)
 
     def _meta(self, sandbox_id: str) -> dict[str, Any] | None:
-        try:
-            meta: dict[str, Any] = json.loads(
-                (self.sandboxes_dir / sandbox_id / "meta.json").read_text())
-        except (OSError, ValueError):
-            return None
-        return meta
+        return records.read(self.sandboxes_dir, sandbox_id)
 
     def _metas(self) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {}
-        with contextlib.suppress(FileNotFoundError):
-            for e in os.scandir(self.sandboxes_dir):
-                meta = self._meta(e.name)
-                if meta is not None:
-                    out[e.name] = meta
-        return out
+        return records.read_all(self.sandboxes_dir)
 
     @staticmethod
     def _write_meta(vm: _Vm) -> None:
-        tmp = vm.run_dir / "meta.json.tmp"
-        tmp.write_text(json.dumps(vm.meta))
-        os.replace(tmp, vm.run_dir / "meta.json")
+        records.write(vm.run_dir, vm.meta)
 
-    @staticmethod
-    def _alive(meta: dict[str, Any]) -> bool:
-        pid = int(meta.get("pid") or 0)
-        return pid > 0 and starttime(pid) == meta.get("starttime")
+    _alive = staticmethod(records.alive)
 
     def _watch(self, vm: _Vm) -> None:
         """Learn at once when the sandbox's VMM ends (a pidfd of our own becomes
