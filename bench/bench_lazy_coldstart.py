@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Any
 
-from edged.rollout import fetch_sdist
+from edged.projects.sdist import fetch_sdist
 from layerfs.build import build_layer
 from layerfs.lazy import client
 from layerfs.manifest import Manifest
@@ -98,7 +98,8 @@ def workspace_tree(tmp: str) -> tuple[str, str]:
     pip_target(WS_DEPS, ["pytest"])
     from pathlib import Path
 
-    name, src = fetch_sdist(PROJECT, Path(tmp) / "sdist")
+    sdist = fetch_sdist(PROJECT, Path(tmp) / "sdist")
+    name, src = sdist.name, str(sdist.root)
     root = os.path.join(tmp, "workspace")
     inside = f"/work/{name}"
     shutil.copytree(src, root + inside, symlinks=True)
