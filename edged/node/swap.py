@@ -504,8 +504,10 @@ class SwapManager:
         return compressed, plain
 
     def areas(self) -> list[SwapArea]:
-        """Every active swap area reclaim may use (ours and the host's)."""
-        return active_swaps(self.proc_swaps)
+        """Every active swap area this node may count on: ours and the host's, not another
+        edged daemon's (its label; that daemon removes it when it stops, so its free room
+        is not free swap here: counting it kept our swap files from growing)."""
+        return [a for a in active_swaps(self.proc_swaps) if not self._another_daemons(a.path)]
 
     def features(self) -> dict[str, Any]:
         """What is in use, for the start-up log and ``GET /v1/node``."""
@@ -516,8 +518,7 @@ class SwapManager:
             "zram_device": None if self.zram is None else f"zram{self.zram}",
             "zram_algorithm": self.algorithm if self.zram is not None else None,
             "swap_files": [str(f) for f in self.files],
-            "host_swap": [a.path for a in areas if os.path.realpath(a.path) not in ours
-                          and not self._another_daemons(a.path)],
+            "host_swap": [a.path for a in areas if os.path.realpath(a.path) not in ours],
             "zswap": zswap_enabled(self.sys / "module/zswap/parameters"),
             "adopted": self.adopted,
             "total_bytes": sum(a.size_bytes for a in areas),

@@ -284,3 +284,31 @@ def test_room_by_tier(tmp_path: Path) -> None:
     (tmp_path / "state").mkdir()
     m.file_bytes, m.disk_reserve = 100 * MiB, 0.0
     assert m.room(2.5) == (114 * MiB, 124 * MiB)  # the files may still grow by 100 MiB
+
+
+def test_another_daemons_swap_is_not_free_swap(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another edged daemon's zram device (its label says so) is not swap this node may
+    count on (that daemon removes it at its stop): with ours full, a swap file is added
+    however much room the other's has, and the other's is not part of the room."""
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    (sysfs / "block/zram5").mkdir(parents=True)
+    (sysfs / "block/zram5/mm_stat").write_text(
+        f"{64 * MiB} {20 * MiB} {20 * MiB} 0 {20 * MiB} 0 0 0 0\n")
+    dev.mkdir()
+    (dev / "zram5").write_bytes(swap_header(64 * MiB, "ours-not-read"))
+    (dev / "zram9").write_bytes(swap_header(32 * MiB, "edged-0123456789"))  # another daemon's
+    fake = tmp_path / "swaps"
+    fake.write_text("Filename\tType\tSize\tUsed\tPriority\n"
+                    f"{dev}/zram5  partition\t{64 * 1024}\t{64 * 1024}\t100\n"
+                    f"{dev}/zram9  partition\t{1024 * 1024}\t0\t100\n")
+    (tmp_path / "state").mkdir()
+    m = SwapManager(tmp_path / "state", mode="zram", zram=5, sys=sysfs, dev=dev,
+                    proc_swaps=str(fake), file_bytes=64 * MiB, file_step_bytes=16 * MiB,
+                    disk_reserve=0.0)
+    added: list[int] = []
+    monkeypatch.setattr(m, "_add_file", lambda n: added.append(n) or tmp_path / "f")
+    m._grow()
+    assert added == [16 * MiB]
+    assert m.room(2.5) == (0, 64 * MiB)  # our zram full; the files may grow by 64 MiB
+    assert [a.path for a in m.areas()] == [f"{dev}/zram5"]
