@@ -3,7 +3,8 @@ each costs the host (kernel and user memory), what reclaim saves, what a wake co
 the latency-sensitive CPU class fares under best-effort load.
 
     .venv/bin/python bench/bench_density.py [--n 3200] [--agent-n 1000]
-        [--workloads sleep,python,agent] [--baseline-n 300] [--settle-s 300] [--json]
+        [--workloads sleep,python,agent] [--baseline-n 300] [--settle-s 300]
+        [--budget-min 40] [--out FILE.jsonl] [--json]
 
 Needs root. The daemon runs as a process of its own with its default settings (only its
 socket, state, runtime and layer store directories are its own); the layer is the Debian
@@ -23,7 +24,10 @@ Phases:
 2. **waves** of each workload up to N (or the wall: the first create refused for
    ``--wall-s`` seconds, whose reason is reported); sampled as they grow: host MemAvailable,
    kernel memory per sandbox (Slab + KernelStack + PageTables + Percpu, over the count) and
-   its marginal cost near the 100th and the Nth sandbox, create p50/p99; once settled
+   its marginal cost near the 100th and the Nth sandbox, and over 200 sandboxes near the
+   100th (100 -> 300) and the Nth (N-200 -> N) by meminfo field and by slab cache
+   (``/proc/slabinfo``), with the part charged to the sandboxes' memory cgroup
+   (``memory.kmem.usage_in_bytes``), create p50/p99; once settled
    (reclaim done or ``--settle-s``): zram stored vs compressed, idle CPU of the daemon and of
    the sandboxes over ``--idle-window-s``, wake (the first exec on reclaimed sandboxes,
    oldest first) p50/p99 against a second exec on the same ones, and the refault rate
@@ -31,6 +35,12 @@ Phases:
 3. **QoS**: exec round trip in a latency-sensitive sandbox on an idle node and with
    best-effort sandboxes running two busy loops per core.
 Every sandbox is deleted at the end of its phase (the node must come back to where it was).
+Time: the run keeps to ``--budget-min`` (40): ``--tail-s`` (240 s) is set aside for each
+phase's settle, measuring and deletes, and each wave's creating gets a share of the rest by
+weight (:data:`PHASE_WEIGHTS`); a wave cut short says so as its wall. Every phase's figures
+(and samples as a wave grows) are appended to ``--out`` as JSON lines as soon as they are
+measured, the whole run last; a failed phase is a figure (its ``error``) and the run goes on;
+SIGINT or SIGTERM ends the run with everything deleted and the table of what was measured.
 On a machine shared with other work the host figures move with it: the load average is
 printed; compare ratios taken in the same run.
 """
@@ -110,6 +120,58 @@ def host() -> tuple[int, int]:
     return mi["MemAvailable"], kernel_bytes(mi)
 
 
+KERNEL_FIELDS = ("SUnreclaim", "SReclaimable", "KernelStack", "PageTables", "Percpu")
+
+
+def slabs() -> dict[str, int]:
+    """Bytes held by each slab cache now (``/proc/slabinfo``: num_objs x objsize)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for ln in Path("/proc/slabinfo").read_text().splitlines()[2:]:
+            f = ln.split()
+            out[f[0]] = int(f[2]) * int(f[3])
+    return out
+
+
+@dataclasses.dataclass
+class Snap:
+    """The host's kernel memory at ``n`` sandboxes: meminfo's kernel fields, every slab
+    cache, and what the sandboxes' parent memory cgroup has charged as kernel memory."""
+
+    n: int
+    meminfo: dict[str, int]
+    slabs: dict[str, int]
+    kmem_charged: int | None
+
+    @classmethod
+    def take(cls, n: int, memory_parent: str | None) -> Snap:
+        mi = hostmem.meminfo()
+        charged = None
+        if memory_parent:
+            with contextlib.suppress(OSError, ValueError):
+                charged = int(Path(memory_parent, "memory.kmem.usage_in_bytes").read_text())
+        return cls(n, {k: mi.get(k, 0) for k in KERNEL_FIELDS}, slabs(), charged)
+
+
+def per_sandbox(a: Snap, b: Snap, top: int = 12) -> dict[str, Any]:
+    """Kernel bytes per sandbox between two snapshots, by meminfo field and by slab cache
+    (the ``top`` caches that grew most), and the part charged to the sandboxes' cgroup."""
+    n = b.n - a.n
+    if n <= 0:
+        return {}
+    caches = {k: (b.slabs.get(k, 0) - a.slabs.get(k, 0)) / n for k in b.slabs}
+    grown = sorted(caches.items(), key=lambda kv: -kv[1])[:top]
+    out: dict[str, Any] = {
+        "from_n": a.n, "to_n": b.n,
+        "meminfo": {k: (b.meminfo[k] - a.meminfo[k]) / n for k in KERNEL_FIELDS},
+        "total": sum(b.meminfo[k] - a.meminfo[k] for k in KERNEL_FIELDS) / n,
+        "slabs": {k: v for k, v in grown if v > 0},
+    }
+    if a.kmem_charged is not None and b.kmem_charged is not None:
+        out["charged_to_sandboxes"] = (b.kmem_charged - a.kmem_charged) / n
+    return out
+
+
 def build_layer(work: Path) -> tuple[str, str]:
     from layerfs.build import build_layer as build
     from layerfs.store import Store
@@ -152,6 +214,12 @@ class Daemon:
     def node(self) -> dict[str, Any]:
         info: dict[str, Any] = Transport(self.cfg.socket, timeout=120).json("GET", "/v1/node")
         return info
+
+    def memory_parent(self) -> str | None:
+        """The sandboxes' parent memory cgroup (v1 ``memory`` or v2), if any."""
+        parents = self.node().get("features", {}).get("cgroup_parents", {})
+        p = parents.get("memory") or parents.get("v2")
+        return str(p) if p else None
 
     def cpu_s(self) -> float:
         """CPU seconds the daemon process used so far."""
@@ -229,28 +297,34 @@ class Wave:
     ids: list[str] = dataclasses.field(default_factory=list)
     failed: int = 0  # creates that failed (not refused): counted, the first one kept
     failure: str | None = None
+    snaps: list[Snap] = dataclasses.field(default_factory=list)  # at 100, 300, N-200, N
 
 
 async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
-               setup: bool = False, fill_s: float = 0.0) -> None:
+               fill_s: float = 0.0, log: Log | None = None) -> None:
     """Create ``w.target`` sandboxes running ``w.workload`` (or stop at the wall, or after
     ``fill_s`` seconds if > 0: a wave the host's CPU load slows to a crawl ends with what
-    it has, its wall saying so)."""
+    it has, its wall saying so). Samples (and ``log`` lines) at marks as it grows; kernel
+    snapshots at 100, 300, N-200 and N."""
     t_end = time.monotonic() + fill_s if fill_s > 0 else float("inf")
     sock = d.cfg.socket
     cmd = WORKLOADS[w.workload]
-    marks = {100, 200, w.target}
+    snap_at = {100, 300, w.target - 200, w.target}
+    marks = {100, 200, w.target} | snap_at
     marks |= set(range(400, w.target, 400)) | {max(1, w.target - 100)}
+    memory_parent = d.memory_parent()
     lock = asyncio.Lock()
     stop = asyncio.Event()
     w.samples.append((0, *host()))
+    t_start = time.monotonic()
 
     async def one(i: int) -> None:
         sid = f"{w.workload}-{i}"
         refused_since: float | None = None
         while not stop.is_set():
             if time.monotonic() > t_end:
-                w.wall = w.wall or f"time: --fill-s {fill_s:g} s passed"
+                w.wall = w.wall or (f"time: this wave's share of the time budget "
+                                    f"({fill_s:.0f} s) passed")
                 stop.set()
                 return
             t0 = time.perf_counter()
@@ -295,6 +369,15 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
                 w.created += 1
                 if w.created in marks:
                     w.samples.append((w.created, *host()))
+                    if w.created in snap_at:
+                        w.snaps.append(Snap.take(w.created, memory_parent))
+                    if log:
+                        log.write("sample", {
+                            "workload": w.workload, "n": w.created,
+                            "mem_available": w.samples[-1][1], "kernel": w.samples[-1][2],
+                            "elapsed_s": time.monotonic() - t_start, "failed": w.failed,
+                            "create_p50_ms": pct(w.create_s, 50) * 1e3,
+                            "create_p99_ms": pct(w.create_s, 99) * 1e3})
             return
 
     pending = iter(range(w.target))
@@ -307,6 +390,8 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
     await asyncio.gather(*(worker() for _ in range(conc)))
     if not w.samples or w.samples[-1][0] != w.created:
         w.samples.append((w.created, *host()))
+    if not w.snaps or w.snaps[-1].n != w.created:
+        w.snaps.append(Snap.take(w.created, memory_parent))
 
 
 def settle(d: Daemon, n: int, settle_s: float, want_reclaimed: bool) -> dict[str, Any]:
@@ -324,7 +409,8 @@ def settle(d: Daemon, n: int, settle_s: float, want_reclaimed: bool) -> dict[str
 
 async def wake(d: Daemon, ids: list[str], k: int) -> tuple[list[float], list[float]]:
     """First exec (a wake, if reclaimed) and a second one on the ``k`` oldest sandboxes."""
-    first, second = [], []
+    first: list[float] = []
+    second: list[float] = []
     for sid in ids[:k]:
         s = await AsyncSandbox.connect(sid, socket=d.cfg.socket)
         try:
@@ -362,54 +448,134 @@ def marginal(samples: list[tuple[int, int, int]], lo: int, hi: int) -> float | N
     return (pts[b] - pts[a]) / (b - a)
 
 
+def kernel_by_cache(snaps: list[Snap]) -> dict[str, Any]:
+    """Kernel bytes per sandbox over 200 sandboxes near the 100th (100 -> 300) and near the
+    Nth (N-200 -> N), by meminfo field and slab cache, and their ratio (goal <= 1.2). With
+    fewer snapshots (a small or walled wave): the first two and the last two."""
+    snaps = sorted({s.n: s for s in snaps}.values(), key=lambda s: s.n)
+    if len(snaps) < 2:
+        return {}
+    by_n = {s.n: s for s in snaps}
+    lo = (by_n[100], by_n[300]) if 100 in by_n and 300 in by_n else (snaps[0], snaps[1])
+    top = snaps[-1]
+    below = [s for s in snaps if s.n <= top.n - 200]
+    hi = (below[-1] if below else snaps[-2], top)
+    out: dict[str, Any] = {"near_100th": per_sandbox(*lo), "near_nth": per_sandbox(*hi)}
+    a, b = out["near_100th"].get("total"), out["near_nth"].get("total")
+    out["nth_over_100th"] = b / a if a and b is not None and a > 0 else None
+    return out
+
+
+PHASE_WEIGHTS = {"noreclaim": 0.5, "reclaim": 0.5, "sleep": 1.0, "python": 1.5, "agent": 3.0,
+                 "qos": 0.0}
+
+
+class Budget:
+    """The run's time budget: each phase's fill gets a share of what is left once the
+    measuring of every phase still to come (``tail_s`` each) is set aside, by weight (an
+    agent sandbox takes ~1 s of CPU to build its heap, a ``sleep`` one almost none); what
+    a phase does not use goes to the next ones."""
+
+    def __init__(self, minutes: float, tail_s: float, phases: list[str]) -> None:
+        self.deadline = time.monotonic() + minutes * 60
+        self.tail_s = tail_s
+        self.left = list(phases)
+
+    def fill_s(self, phase: str, cap: float) -> float:
+        """Seconds the fill of ``phase`` may take (at least 30; ``cap`` > 0 bounds it)."""
+        rest = self.deadline - time.monotonic() - self.tail_s * len(self.left)
+        weights = sum(PHASE_WEIGHTS.get(p, 1.0) for p in self.left) or 1.0
+        share = max(30.0, rest * PHASE_WEIGHTS.get(phase, 1.0) / weights)
+        return min(share, cap) if cap > 0 else share
+
+    def settle_s(self, cap: float) -> float:
+        """Seconds a settle may wait: ``cap``, less if the phases to come need the time."""
+        rest = self.deadline - time.monotonic() - self.tail_s * max(0, len(self.left) - 1)
+        return max(30.0, min(cap, rest))
+
+    def done(self, phase: str) -> None:
+        with contextlib.suppress(ValueError):
+            self.left.remove(phase)
+
+
 def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespace,
-             reclaim: bool = True) -> dict[str, Any]:
+             budget: Budget, phase: str, into: list[dict[str, Any]], reclaim: bool = True,
+             log: Log | None = None) -> dict[str, Any]:
+    """One workload's wave: fill, settle, measure, delete; its figures are appended to
+    ``into`` at once (a stop keeps what was measured). Every step's failure is a figure
+    (``error``) and what was measured before it is kept; the sandboxes are deleted
+    whatever happened."""
     w = Wave(workload, n)
     t0 = time.monotonic()
-    asyncio.run(fill(d, digest, w, a.wall_s, fill_s=a.fill_s))
-    fill_s = time.monotonic() - t0
-    info = settle(d, w.created, a.settle_s if reclaim else 20.0, reclaim)
-    av0, k0 = w.samples[0][1], w.samples[0][2]
-    av1, k1 = host()
-    # idle CPU over a quiet window: nothing but idle sandboxes
-    c0, s0, t0 = d.cpu_s(), sandboxes_cpu_s(info), time.monotonic()
-    time.sleep(a.idle_window_s)
-    dt = time.monotonic() - t0
-    idle_daemon = (d.cpu_s() - c0) / dt
-    idle_sbx = (sandboxes_cpu_s(info) - s0) / dt
-    if reclaim and info["reclaim"]["sandboxes_reclaimed"]:
-        # refaults are counted when reclaimed sandboxes are looked at again (every 60 s)
-        time.sleep(max(0.0, a.refault_wait_s - a.idle_window_s))
-    refault_info = d.node()
-    first, second = asyncio.run(wake(d, w.ids, min(a.wake_k, w.created))) if reclaim else ([], [])
-    after = d.node()
-    n_ = max(1, w.created)
-    out: dict[str, Any] = {
-        "workload": workload, "target": n, "created": w.created, "wall": w.wall,
-        "failed": w.failed, "failure": w.failure,
-        "fill_s": fill_s,
-        "create_p50_ms": pct(w.create_s, 50) * 1e3, "create_p99_ms": pct(w.create_s, 99) * 1e3,
-        "mem_available_gib": av1 / GiB,
-        "host_per_sandbox_mib": (av0 - av1) / n_ / MiB,
-        "kernel_per_sandbox_mib": (k1 - k0) / n_ / MiB,
-        "user_per_sandbox_mib": ((av0 - av1) - (k1 - k0)) / n_ / MiB,
-        "kernel_marginal_100th_mib": (marginal(w.samples, 100, 200) or float("nan")) / MiB,
-        "kernel_marginal_nth_mib": (marginal(w.samples, max(1, w.created - 100), w.created)
-                                    or float("nan")) / MiB,
-        "samples": w.samples,
-        "reclaimed": info["reclaim"]["sandboxes_reclaimed"],
-        "reclaimed_bytes": info["reclaim"]["reclaimed_bytes"],
-        "swap": {k: v for k, v in (info.get("swap") or {}).items() if k.startswith(
-            ("zram_", "used_", "total_"))},
-        "idle_cpu_daemon_pct": idle_daemon * 100, "idle_cpu_sandboxes_pct": idle_sbx * 100,
-        "wake_p50_ms": pct(first, 50) * 1e3, "wake_p99_ms": pct(first, 99) * 1e3,
-        "awake_exec_p50_ms": pct(second, 50) * 1e3, "awake_exec_p99_ms": pct(second, 99) * 1e3,
-        "wakes": after["reclaim"]["wakes"],
-        "refault_pct_per_min": refault_info["reclaim"]["refault_pct_per_min"],
-        "kernel_per_sandbox_node_mib": info["memory"]["kernel_per_sandbox_bytes"] / MiB,
-    }
-    asyncio.run(delete_all(d, w.ids))
-    out["mem_available_after_delete_gib"] = host()[0] / GiB
+    out: dict[str, Any] = {"workload": workload, "target": n}
+    into.append(out)
+    try:
+        try:
+            asyncio.run(fill(d, digest, w, a.wall_s, fill_s=budget.fill_s(phase, a.fill_s),
+                             log=log))
+        finally:
+            fill_s = time.monotonic() - t0
+            n_ = max(1, w.created)
+            av0, k0 = w.samples[0][1], w.samples[0][2]
+            out.update({
+                "created": w.created, "wall": w.wall, "failed": w.failed,
+                "failure": w.failure, "fill_s": fill_s,
+                "create_p50_ms": pct(w.create_s, 50) * 1e3,
+                "create_p99_ms": pct(w.create_s, 99) * 1e3,
+                "samples": w.samples,
+                "kernel_marginal_100th_mib": (marginal(w.samples, 100, 200)
+                                              or float("nan")) / MiB,
+                "kernel_marginal_nth_mib": (marginal(w.samples, max(1, w.created - 100),
+                                                     w.created) or float("nan")) / MiB,
+                "kernel_by_cache": kernel_by_cache(w.snaps),
+            })
+        if log:
+            log.write("filled", {k: v for k, v in out.items() if k != "samples"})
+        info = settle(d, w.created, budget.settle_s(a.settle_s) if reclaim else 20.0, reclaim)
+        av1, k1 = host()
+        out.update({
+            "settle_s": time.monotonic() - t0 - fill_s,
+            "mem_available_gib": av1 / GiB,
+            "host_per_sandbox_mib": (av0 - av1) / n_ / MiB,
+            "kernel_per_sandbox_mib": (k1 - k0) / n_ / MiB,
+            "user_per_sandbox_mib": ((av0 - av1) - (k1 - k0)) / n_ / MiB,
+            "reclaimed": info["reclaim"]["sandboxes_reclaimed"],
+            "reclaimed_bytes": info["reclaim"]["reclaimed_bytes"],
+            "swap": {k: v for k, v in (info.get("swap") or {}).items() if k.startswith(
+                ("zram_", "used_", "total_"))},
+            "kernel_per_sandbox_node_mib": info["memory"]["kernel_per_sandbox_bytes"] / MiB,
+        })
+        # idle CPU over a quiet window: nothing but idle sandboxes
+        c0, s0, t1 = d.cpu_s(), sandboxes_cpu_s(info), time.monotonic()
+        time.sleep(a.idle_window_s)
+        dt = time.monotonic() - t1
+        out["idle_cpu_daemon_pct"] = (d.cpu_s() - c0) / dt * 100
+        out["idle_cpu_sandboxes_pct"] = (sandboxes_cpu_s(info) - s0) / dt * 100
+        if reclaim and info["reclaim"]["sandboxes_reclaimed"]:
+            # refaults are counted when reclaimed sandboxes are looked at again (every 60 s)
+            time.sleep(max(0.0, a.refault_wait_s - a.idle_window_s))
+        out["refault_pct_per_min"] = d.node()["reclaim"]["refault_pct_per_min"]
+        if reclaim:
+            first, second = asyncio.run(wake(d, w.ids, min(a.wake_k, w.created)))
+            out.update({
+                "wake_p50_ms": pct(first, 50) * 1e3, "wake_p99_ms": pct(first, 99) * 1e3,
+                "awake_exec_p50_ms": pct(second, 50) * 1e3,
+                "awake_exec_p99_ms": pct(second, 99) * 1e3,
+                "wakes": d.node()["reclaim"]["wakes"]})
+    except Exception as e:  # the figures so far are kept; the error is one of them
+        out["error"] = f"{type(e).__name__}: {e}"
+    except KeyboardInterrupt:
+        out["error"] = "stopped"
+        raise
+    finally:
+        budget.done(phase)
+        t2 = time.monotonic()
+        try:
+            asyncio.run(delete_all(d, w.ids))
+        finally:
+            out["delete_s"] = time.monotonic() - t2
+            out["mem_available_after_delete_gib"] = host()[0] / GiB
+            out["phase_s"] = time.monotonic() - t0
     return out
 
 
@@ -457,10 +623,26 @@ async def qos(d: Daemon, digest: str, k: int) -> dict[str, Any]:
     }
 
 
-def partial(what: str, figures: dict[str, Any]) -> None:
-    """A phase's figures as one JSON line on stderr as soon as it is done (a run stopped
-    later keeps them)."""
-    print(json.dumps({"partial": what, **figures}, default=str), file=sys.stderr, flush=True)
+class Log:
+    """Each phase's figures as one JSON line, as soon as they are measured, appended to a
+    file (flushed and synced: a stop, a crash or a host OOM later keeps them) and on
+    stderr."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f = open(path, "a")  # noqa: SIM115 - open for the whole run
+
+    def write(self, what: str, figures: dict[str, Any]) -> None:
+        line = json.dumps({"phase": what, "time": time.strftime("%H:%M:%S"),
+                           "loadavg": os.getloadavg(), **figures}, default=str)
+        print(line, file=sys.stderr, flush=True)
+        self.f.write(line + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+
+
+def _sigterm(_signo: int, _frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def main() -> int:
@@ -478,70 +660,126 @@ def main() -> int:
     ap.add_argument("--wall-s", type=float, default=60.0,
                     help="a wave stops when creates are refused this long")
     ap.add_argument("--fill-s", type=float, default=0.0,
-                    help="a wave stops creating after this many seconds (0: never)")
+                    help="a wave stops creating after this many seconds at most (0: its "
+                         "share of the time budget)")
+    ap.add_argument("--budget-min", type=float, default=40.0,
+                    help="the whole run's time budget: each wave's creating ends at its share "
+                         "(the wall then says so)")
+    ap.add_argument("--tail-s", type=float, default=240.0,
+                    help="time set aside for each phase's settle, measuring and deletes")
     ap.add_argument("--wake-k", type=int, default=200, help="sandboxes woken per wave")
     ap.add_argument("--qos-k", type=int, default=200, help="exec round trips per QoS case")
     ap.add_argument("--no-qos", action="store_true")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON lines of every phase as it ends (default: "
+                         "/var/tmp/bench_density-<date>.jsonl)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("bench_density: needs root", file=sys.stderr)
         return 2
+    signal.signal(signal.SIGTERM, _sigterm)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
+    t_start = time.monotonic()
+    log = Log(a.out or Path(f"/var/tmp/bench_density-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"))
+    print(f"bench_density: phases go to {log.path} as they end", file=sys.stderr)
     load0 = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="edged-bench-density-"))
     out: dict[str, Any] = {"date": started, "command": " ".join(sys.argv),
-                           "loadavg_start": load0, "waves": [], "kernel": os.uname().release}
+                           "loadavg_start": load0, "waves": [], "kernel": os.uname().release,
+                           "log": str(log.path)}
+    log.write("start", {k: v for k, v in out.items() if k != "waves"})
+
+    def daemon(tag: str, **extra: object) -> Daemon:
+        t = time.monotonic()
+        d = Daemon(work, store, tag, **extra)
+        out.setdefault("daemon_start_s", {})[tag] = time.monotonic() - t
+        return d
+
+    workloads = [x for x in a.workloads.split(",") if x]
+    phases = [*(["noreclaim", "reclaim"] if a.baseline_n > 0 else []), *workloads,
+              *([] if a.no_qos else ["qos"])]
+    budget = Budget(a.budget_min, a.tail_s, phases)
     try:
         store, digest = build_layer(work)
         if a.baseline_n > 0:
-            d = Daemon(work, store, "noreclaim", reclaim=False, pause_reclaim=False)
+            saving: dict[str, Any] = {"n": a.baseline_n}
+            out["saving"] = saving
+            runs: list[dict[str, Any]] = []
+            d = daemon("noreclaim", reclaim=False, pause_reclaim=False)
             try:
-                off = run_wave(d, digest, "python", a.baseline_n, a, reclaim=False)
+                saving["no_reclaim"] = off = run_wave(d, digest, "python", a.baseline_n, a,
+                                                      budget, "noreclaim", runs, reclaim=False,
+                                                      log=log)
             finally:
                 d.stop()
-            d = Daemon(work, store, "base")
+            log.write("no_reclaim", off)
+            d = daemon("base")
             try:
-                on = run_wave(d, digest, "python", a.baseline_n, a)
+                saving["reclaim"] = on = run_wave(d, digest, "python", a.baseline_n, a, budget,
+                                                  "reclaim", runs, log=log)
             finally:
                 d.stop()
-            out["saving"] = {
-                "n": a.baseline_n, "no_reclaim_host_mib": off["host_per_sandbox_mib"],
-                "reclaim_host_mib": on["host_per_sandbox_mib"],
-                "saving_pct": (1 - on["host_per_sandbox_mib"] / off["host_per_sandbox_mib"])
-                * 100, "no_reclaim": off, "reclaim": on}
-            partial("saving", out["saving"])
-        d = Daemon(work, store, "main")
+            log.write("reclaim", on)
+            with contextlib.suppress(KeyError, ZeroDivisionError):
+                saving.update({
+                    "no_reclaim_host_mib": off["host_per_sandbox_mib"],
+                    "reclaim_host_mib": on["host_per_sandbox_mib"],
+                    "saving_pct": (1 - on["host_per_sandbox_mib"] / off["host_per_sandbox_mib"])
+                    * 100})
+            out["saving"] = saving
+            log.write("saving", {k: v for k, v in saving.items()
+                                 if k not in ("no_reclaim", "reclaim")})
+        d = daemon("main")
         try:
             out["features"] = d.node().get("features")
-            for wl in [x for x in a.workloads.split(",") if x]:
-                out["waves"].append(run_wave(d, digest, wl, a.agent_n if wl == "agent"
-                                             else a.n, a))
-                partial("wave", out["waves"][-1])
+            for wl in workloads:
+                run_wave(d, digest, wl, a.agent_n if wl == "agent" else a.n, a, budget, wl,
+                         out["waves"], log=log)
+                log.write("wave", out["waves"][-1])
             if not a.no_qos:
-                out["qos"] = asyncio.run(qos(d, digest, a.qos_k))
-                partial("qos", out["qos"])
+                try:
+                    out["qos"] = asyncio.run(qos(d, digest, a.qos_k))
+                except Exception as e:
+                    out["qos"] = {"error": f"{type(e).__name__}: {e}"}
+                log.write("qos", out["qos"])
+                budget.done("qos")
         finally:
             d.stop()
+    except KeyboardInterrupt as e:  # the figures so far are printed, everything cleaned up
+        out["stopped"] = str(e) or "interrupted"
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out["loadavg_end"] = os.getloadavg()
+    out["duration_s"] = time.monotonic() - t_start
+    log.write("end", {k: out.get(k) for k in ("loadavg_end", "duration_s", "stopped", "error")})
+    log.write("result", out)  # the whole run, as --json prints it
     if a.json:
         print(json.dumps(out, indent=1, default=str))
-        return 0
-    report(out)
-    return 0
+    else:
+        report(out)
+    return 1 if "error" in out or "stopped" in out else 0
 
 
 def report(out: dict[str, Any]) -> None:
     print(f"bench_density  {out['date']}  kernel {out['kernel']}  load average "
           f"{out['loadavg_start'][0]:.2f} at start, {out['loadavg_end'][0]:.2f} at end")
     print(f"command: {out['command']}")
+    print(f"took {out['duration_s'] / 60:.1f} min; phases as JSON lines in {out['log']}")
+    for k in ("stopped", "error"):
+        if k in out:
+            print(f"run {k}: {out[k]}")
     if "saving" in out:
         s = out["saving"]
-        print(f"\nreclaim saving, {s['n']} python sandboxes: {s['no_reclaim_host_mib']:.2f} MiB "
-              f"each without reclaim, {s['reclaim_host_mib']:.2f} MiB with the defaults: "
-              f"{s['saving_pct']:.1f}% less (goal >= 30%)")
+        if "saving_pct" in s:
+            print(f"\nreclaim saving, {s['n']} python sandboxes: {s['no_reclaim_host_mib']:.2f} "
+                  f"MiB each without reclaim, {s['reclaim_host_mib']:.2f} MiB with the "
+                  f"defaults: {s['saving_pct']:.1f}% less (goal >= 30%)")
+        for k in ("no_reclaim", "reclaim"):
+            if s.get(k, {}).get("error"):
+                print(f"reclaim saving, {k}: {s[k]['error']}")
     rows = [
         ("sandboxes created / asked", lambda w: f"{w['created']}/{w['target']}"),
         ("creates failed", lambda w: f"{w.get('failed', 0)}"),
@@ -553,7 +791,16 @@ def report(out: dict[str, Any]) -> None:
         ("kernel marginal Nth, MiB", lambda w: f"{w['kernel_marginal_nth_mib']:.2f}"),
         ("  Nth / 100th (goal <= 1.2)", lambda w: (
             f"{w['kernel_marginal_nth_mib'] / w['kernel_marginal_100th_mib']:.2f}")),
+        ("kernel/sbx 100->300, MiB", lambda w: (
+            f"{w['kernel_by_cache']['near_100th']['total'] / MiB:.2f}")),
+        ("kernel/sbx N-200->N, MiB", lambda w: (
+            f"{w['kernel_by_cache']['near_nth']['total'] / MiB:.2f}")),
+        ("  ratio (goal <= 1.2)", lambda w: f"{w['kernel_by_cache']['nth_over_100th']:.2f}"),
+        ("  charged to sandboxes N-200->N, MiB", lambda w: (
+            f"{w['kernel_by_cache']['near_nth']['charged_to_sandboxes'] / MiB:.2f}")),
         ("create p50 / p99, ms", lambda w: f"{w['create_p50_ms']:.1f} / {w['create_p99_ms']:.1f}"),
+        ("fill / settle / delete, s", lambda w: (
+            f"{w['fill_s']:.0f}/{w.get('settle_s', 0):.0f}/{w['delete_s']:.0f}")),
         ("reclaimed sandboxes", lambda w: f"{w['reclaimed']}"),
         ("zram stored / compressed, MiB", lambda w: (
             f"{w['swap'].get('zram_orig_bytes', 0) / MiB:.0f} / "
@@ -585,9 +832,25 @@ def report(out: dict[str, Any]) -> None:
                         print(f"wall of {w['workload']}: {c}")
                     if w.get("failure"):
                         print(f"first failed create of {w['workload']}: {w['failure']}")
+                    if w.get("error"):
+                        print(f"wave {w['workload']} ended early: {w['error']}")
                 continue
             print(f"{name:<40}" + "".join(f"{c:>16}" for c in cells))
-    if "qos" in out:
+        for w in waves:
+            kc = w.get("kernel_by_cache") or {}
+            shown = set()
+            for part in ("near_100th", "near_nth"):
+                kp: dict[str, Any] | None = kc.get(part)
+                if not kp or (kp["from_n"], kp["to_n"]) in shown:
+                    continue
+                shown.add((kp["from_n"], kp["to_n"]))
+                fields = ", ".join(f"{f} {v / 1024:.0f}" for f, v in kp["meminfo"].items())
+                caches = ", ".join(f"{c} {v / 1024:.1f}" for c, v in kp["slabs"].items())
+                print(f"{w['workload']} kernel KiB/sandbox {kp['from_n']}->{kp['to_n']}: {fields}; "
+                      f"slab caches: {caches}")
+    if "qos" in out and "error" in out["qos"]:
+        print(f"\nQoS: {out['qos']['error']}")
+    elif "qos" in out:
         q = out["qos"]
         print(f"\nQoS, {q['loops']} best-effort busy loops: latency-sensitive exec round trip "
               f"p50 {q['ls_idle_p50_ms']:.2f} -> {q['ls_loaded_p50_ms']:.2f} ms "
