@@ -1,6 +1,7 @@
 """Build the small executables that are not part of the cffi module: ``sbx-init`` (static,
-PID 1 of every sandbox), ``edged-spawner`` (makes a container sandbox) and
-``edged-vmm-jail`` (starts a microVM's VMM jailed: its cgroups, user, namespaces).
+PID 1 of every sandbox), ``edged-spawner`` (makes a container sandbox),
+``edged-vmm-jail`` (starts a microVM's VMM jailed: its cgroups, user, namespaces) and
+``fncall-spawn`` (static: the call spawner inside FnCall pool sandboxes).
 
 Run by setup.py's build step (``pip install .`` and ``pip install -e .``), or directly for
 development: ``python csrc/build_bins.py [OUT_DIR]`` (default ``edged/_bin``). sbx-init is
@@ -35,6 +36,8 @@ BINARIES = {
     "sbx-init": ([*SBX_INIT, *CONFINE], True),
     "edged-spawner": (["spawner/spawner.c", *CONFINE], False),
     "edged-vmm-jail": (["vmm-jail/jail.c"], False),
+    # static: it runs inside FnCall pool sandboxes (any rootfs)
+    "fncall-spawn": (["fncall/spawn.c"], True),
 }
 
 

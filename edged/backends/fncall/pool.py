@@ -34,6 +34,8 @@ from edged.errors import BackendError, CapacityExhausted, EdgedError
 log = logging.getLogger("edged.fncall")
 
 SERVER_SOURCE = Path(server.__file__).read_text()
+#: the call spawner (csrc/fncall/spawn.c), sent to every pool sandbox's server at its start
+SPAWNER = Path(server.__file__).resolve().parents[2] / "_bin" / "fncall-spawn"
 #: label every pool sandbox carries (value: the pool's name)
 LABEL = "edged.fncall.pool"
 READY_TIMEOUT_S = 30.0
@@ -135,6 +137,8 @@ class Member:
         self.calls = 0
         #: OOM kills of its memory cgroup seen so far (the backend's verdicts)
         self.oom_seen = 0
+        #: the pid of its call spawner (in the sandbox's pid namespace), None without one
+        self.spawner_pid: int | None = None
         self._next = 1
 
     async def request(self, head: dict[str, Any], blobs: list[bytes],
@@ -236,12 +240,17 @@ class Pool:
             task_profile="fncall", qos=sp.qos, labels={LABEL: sp.name})
         try:
             backend = self.host.backend_of(sid)
-            argv = ("python3", "-I", "-B", "-c", SERVER_SOURCE, "--host-pidns",
+            argv: tuple[str, ...] = ("python3", "-I", "-B", "-c", SERVER_SOURCE, "--host-pidns",
                     self.host_pidns, "--preload", sp.preload, "--probe", ",".join(self.probe))
+            spawner = _spawner()
+            if spawner:
+                argv += ("--spawn-size", str(len(spawner)))
             handle = await backend.exec(sid, ExecSpec(argv=argv, env={}, stdin=True))
             chan = _Channel(handle, sid)
             m = Member(sid, handle, chan, backend)
             try:
+                if spawner:
+                    await handle.write_stdin(spawner)
                 ready = json.loads(await asyncio.wait_for(chan.line(), READY_TIMEOUT_S))
             except (TimeoutError, ValueError) as exc:
                 m.close()
@@ -253,6 +262,7 @@ class Pool:
             if not ready.get("ready"):
                 m.close()
                 raise BackendError(f"fncall sandbox {sid}: the call server said {ready}")
+            m.spawner_pid = ready.get("spawner")
             self.present = set(ready.get("present") or ())
             self._first.set()
             if ready.get("preload_failed"):
@@ -380,6 +390,22 @@ class Pool:
         for t in list(self._tasks):
             with contextlib.suppress(BaseException):
                 await t
+
+
+_spawner_bytes: bytes | None = None
+
+
+def _spawner() -> bytes:
+    """The spawner's binary (read once), b"" if it was not built: the zygote then runs
+    every call."""
+    global _spawner_bytes
+    if _spawner_bytes is None:
+        try:
+            _spawner_bytes = SPAWNER.read_bytes()
+        except OSError as exc:
+            log.warning("fncall: no call spawner (%s): programs run from the zygote", exc)
+            _spawner_bytes = b""
+    return _spawner_bytes
 
 
 def host_pidns() -> str:

@@ -22,14 +22,21 @@ daemon, a fork bomb) is found (a process of the call's uid, not a zombie) and re
 ``leftovers``; the daemon then removes the whole sandbox through its cgroups (bounded by
 construction: cgroups the daemon made) and starts another.
 
-Two processes, split before any call's data is seen:
+Two processes, split before any call's data is seen, and a third for programs:
 
 - the **io process** (the exec's main process): reads requests from stdin, writes the
   call's files into /tmp, hands the zygote a request that holds only paths and limits,
   reads the outputs back, wipes /tmp and /dev/shm, answers on stdout;
 - the **zygote**, forked from it once the preload modules are imported: forks one child
   per call and waits for it. It never reads a call's code, input or output, so no call's
-  data is in its memory for the next call's child to find there.
+  data is in its memory for the next call's child to find there;
+- the **spawner** (``fncall-spawn``, C: ``csrc/fncall/spawn.c``), when the daemon sent its
+  binary (``--spawn-size N``: the first N bytes on stdin, written to /tmp/.fncall, started,
+  then removed with the first wipe): runs the calls that exec a program (``argv``: compiled
+  programs, ``/bin/true``, bash) with vfork, so such a call copies no Python process's page
+  tables and takes none of its copy-on-write faults. It sets up the child as the zygote's
+  child does (below; "a Python call gets" does not apply) and has its own guard. Without
+  it, the zygote runs those calls too.
 
 A call's child (forked from the zygote; what it inherits and what it must not, held by
 ``tests/edged/backends/fncall/test_forkserver.py``):
@@ -78,6 +85,8 @@ WORK = "/tmp/work"
 PRIVATE = "/tmp/.fncall"
 #: what is wiped between calls: everything a call may change (the task profile "fncall")
 SCRATCH = ("/tmp", "/dev/shm")
+#: a job for the spawner at most (one datagram; execve takes 128 KiB per string at most)
+SPAWN_JOB_MAX = 1 << 17
 
 _guarded = False
 
@@ -108,7 +117,7 @@ def why_not_in_sandbox(host_pidns: str | None) -> str | None:
 
 
 def _args(argv: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {"host_pidns": None, "preload": "", "probe": ""}
+    out: dict[str, Any] = {"host_pidns": None, "preload": "", "probe": "", "spawn_size": 0}
     it = iter(argv)
     for a in it:
         if a == "--host-pidns":
@@ -117,6 +126,8 @@ def _args(argv: list[str]) -> dict[str, Any]:
             out["preload"] = next(it, "")
         elif a == "--probe":
             out["probe"] = next(it, "")
+        elif a == "--spawn-size":
+            out["spawn_size"] = int(next(it, "0"))
     return out
 
 
@@ -159,9 +170,13 @@ def _serve(opts: dict[str, Any]) -> None:
         os._exit(0)
     zy.close()
     out = _Out()
-    present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
-    out.line({"ready": True, "preload_failed": failed, "zygote": pid, "present": present})
     inp = _In(0)
+    spawner = spawn_pid = None
+    if opts["spawn_size"]:
+        spawner, spawn_pid = _start_spawner(inp.exactly(opts["spawn_size"]), opts["host_pidns"])
+    present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
+    out.line({"ready": True, "preload_failed": failed, "zygote": pid, "spawner": spawn_pid,
+              "present": present})
     while True:
         head = inp.line()
         if head is None:
@@ -172,13 +187,57 @@ def _serve(opts: dict[str, Any]) -> None:
             out.line({"id": None, "error": f"bad request: {e}"})
             return
         try:
-            rep, blobs = _call(req, inp, io)
+            rep, blobs = _call(req, inp, io, spawner)
         except _Fatal as e:
             out.line({"id": req.get("id"), "error": str(e), "fatal": True})
             return
         out.line(rep)
         for b in blobs:
             out.write(b)
+
+
+def _start_spawner(binary: bytes, host_pidns: str) -> tuple[socket.socket, int]:
+    """Start ``fncall-spawn`` from its ``binary``: (the socket to it, its pid)."""
+    import socket
+
+    os.makedirs(PRIVATE, mode=0o700, exist_ok=True)
+    path = os.path.join(PRIVATE, "fncall-spawn")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o700)
+    try:
+        _write_all(fd, binary)
+    finally:
+        os.close(fd)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        pid = os.posix_spawn(path, [path, "--host-pidns", host_pidns], {}, file_actions=[
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDWR, 0),  # not the control pipe
+            (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_RDWR, 0),
+            (os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+    finally:
+        theirs.close()
+        os.unlink(path)
+    return mine, pid
+
+
+def _spawn_job(job: dict[str, Any]) -> bytes:
+    """A job for ``fncall-spawn`` (its wire format: ``csrc/fncall/spawn.c``). Raises
+    ValueError for a NUL byte in an argument or the environment (as execve would), or a
+    job larger than :data:`SPAWN_JOB_MAX`."""
+    fields = [f"u{job['uid']}", f"g{job['gid']}", f"w{float(job.get('wall_s') or 0)}",
+              f"c{float(job.get('cpu_s') or 0)}", f"f{int(job.get('fsize') or 0)}",
+              f"m{int(job.get('as_bytes') or 0)}", "i" + job["stdin"], "o" + job["stdout"],
+              "e" + job["stderr"], "d" + job["cwd"]]
+    fields += ["a" + str(a) for a in job["argv"]]
+    for k, v in (job.get("env") or {}).items():
+        if "=" in k or not k:
+            raise ValueError(f"environment variable name {k!r}")
+        fields.append(f"E{k}={v}")
+    if any("\0" in f for f in fields):
+        raise ValueError("embedded null byte")
+    msg = b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in fields)
+    if len(msg) > SPAWN_JOB_MAX:
+        raise ValueError(f"argv and environment: {len(msg)} bytes, more than {SPAWN_JOB_MAX}")
+    return msg
 
 
 class _Fatal(Exception):
@@ -233,7 +292,7 @@ def _safe_rel(rel: object) -> str | None:
     return None
 
 
-def _call(req: dict[str, Any], inp: _In, zy: socket.socket
+def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None
           ) -> tuple[dict[str, Any], list[bytes]]:
     import json
 
@@ -278,15 +337,23 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket
         job.update(uid=uid, gid=gid, cwd=WORK, stdin=stdin,
                    stdout=os.path.join(PRIVATE, "stdout"),
                    stderr=os.path.join(PRIVATE, "stderr"))
-        try:
-            zy.settimeout(float(req.get("wall_s") or 3600) + 10.0)
-            zy.send(json.dumps(job).encode())
-            answer = zy.recv(1 << 16)
-        except OSError as e:
-            raise _Fatal(f"zygote: {e}") from e
-        if not answer:
-            raise _Fatal("zygote: gone")
-        rep.update(json.loads(answer))
+        to, who, msg = zy, "zygote", b""
+        if spawner is not None and job.get("argv"):
+            to, who = spawner, "spawner"
+            try:
+                msg = _spawn_job(job)
+            except ValueError as e:
+                rep["error"] = f"cannot start the call: {e}"
+        if rep["error"] is None:
+            try:
+                to.settimeout(float(req.get("wall_s") or 3600) + 10.0)
+                to.send(msg or json.dumps(job).encode())
+                answer = to.recv(1 << 16)
+            except OSError as e:
+                raise _Fatal(f"{who}: {e}") from e
+            if not answer:
+                raise _Fatal(f"{who}: gone")
+            rep.update(json.loads(answer))
     limit = int(req.get("output") or (1 << 20))
     blobs = []
     for name in ("stdout", "stderr"):
