@@ -9,7 +9,12 @@ verdict (:data:`~edged.backends.base.VERDICTS`, first that applies):
 - Time Limit Exceeded: the wall time ran out (its main process was killed), or its CPU time
   passed ``cpu_s`` (RLIMIT_CPU's SIGXCPU, or the figure measured);
 - Memory Limit Exceeded: the pool sandbox's memory cgroup OOM-killed it, or its peak
-  resident set passed ``memory_bytes`` (which is also its RLIMIT_AS when given);
+  resident set passed ``memory_bytes`` (which is also its RLIMIT_AS when given), or it
+  failed (non-zero exit, or a signal) saying that an allocation failed: the runtimes' own
+  words at the end of its stderr (:data:`OUT_OF_MEMORY`: Python's MemoryError, C++'s
+  std::bad_alloc, Java's OutOfMemoryError, Go's and Rust's and Node's messages, ENOMEM's
+  text), which is how going past RLIMIT_AS shows (mmap/brk fail with ENOMEM). A program can
+  print those words itself, but only to turn its own failure into another failure;
 - Output Limit Exceeded: stdout or stderr passed ``output_bytes`` (cut there, flagged), or
   a file it wrote reached ``file_bytes`` (RLIMIT_FSIZE's SIGXFSZ);
 - Dangerous Syscall: it failed (non-zero exit, or a signal) after the seccomp profile
@@ -65,6 +70,14 @@ CALL_UID = CALL_GID = 65534
 #: the environment of every run, under the request's ``env``
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp/work", "LANG": "C.UTF-8",
             "LC_ALL": "C.UTF-8"}
+#: what a runtime writes on stderr when an allocation failed (see the module: verdicts);
+#: looked for in the last :data:`OOM_TAIL` bytes of a failed run's stderr
+OUT_OF_MEMORY = (b"MemoryError", b"std::bad_alloc", b"java.lang.OutOfMemoryError",
+                 b"runtime: out of memory", b"fatal error: out of memory",
+                 b"memory allocation of", b"JavaScript heap out of memory",
+                 b"Cannot allocate memory", b"cannot allocate memory",
+                 b"xmalloc: cannot allocate")
+OOM_TAIL = 4096
 #: at most this many pools (one per image) at once
 MAX_POOLS = 8
 MAX_FILES = 1000
@@ -254,7 +267,7 @@ class FnCallBackend:
                 oom = self._oom_since(m)
             seccomp = "seccomp_denied" in self.host.event_kinds(m.id, seq0)
             res = CallResult(
-                status=verdict(rep, limits, oom=oom, seccomp=seccomp),
+                status=verdict(rep, limits, oom=oom, seccomp=seccomp, stderr=out[1]),
                 exit_code=rep.get("exit_code"), signal=rep.get("signal"),
                 cpu_s=float(rep.get("cpu_s") or 0.0), wall_s=float(rep.get("wall_s") or 0.0),
                 memory_bytes=int(rep.get("rss_bytes") or 0), stdout=out[0], stderr=out[1],
@@ -358,9 +371,12 @@ class FnCallBackend:
         await asyncio.gather(*(p.close() for p in pools), return_exceptions=True)
 
 
-def verdict(rep: dict[str, Any], limits: CallLimits, *, oom: bool, seccomp: bool) -> str:
-    """The verdict of one run from the call server's answer ``rep`` (see the module)."""
+def verdict(rep: dict[str, Any], limits: CallLimits, *, oom: bool, seccomp: bool,
+            stderr: bytes = b"") -> str:
+    """The verdict of one run from the call server's answer ``rep`` and its ``stderr`` (see
+    the module)."""
     sig = rep.get("signal")
+    failed = sig is not None or bool(rep.get("exit_code"))
     out_total = max(int(rep["stdout"][1]), int(rep["stderr"][1]))
     if rep.get("timed_out") or sig == signal.SIGXCPU or float(rep.get("cpu_s") or 0) > \
             limits.cpu_s:
@@ -368,9 +384,11 @@ def verdict(rep: dict[str, Any], limits: CallLimits, *, oom: bool, seccomp: bool
     if oom or (limits.memory_bytes is not None
                and int(rep.get("rss_bytes") or 0) > limits.memory_bytes):
         return "Memory Limit Exceeded"
+    if failed and any(w in stderr[-OOM_TAIL:] for w in OUT_OF_MEMORY):
+        return "Memory Limit Exceeded"
     if out_total > limits.output_bytes or sig == signal.SIGXFSZ:
         return "Output Limit Exceeded"
-    if seccomp and (sig is not None or rep.get("exit_code")):
+    if seccomp and failed:
         return "Dangerous Syscall"
     if sig is not None:
         return "Signalled"
