@@ -110,7 +110,8 @@ def _check_installed(venv: Path, work: Path, rootfs: Path) -> None:
     site = str(_site_packages(venv))
     assert all(p.startswith(site + "/") for p in where), (where, site)
     assert Path(where[2]) == Path(site) / "edged" / "_profiles"
-    for f in ("edged/_bin/sbx-init", "edged/_bin/edged-spawner", "edged/api/openapi.json",
+    for f in ("edged/_bin/sbx-init", "edged/_bin/edged-spawner", "edged/_bin/fncall-spawn",
+              "edged/api/openapi.json",
               "edged/_profiles/tasks/default.toml", "edged/_profiles/seccomp/default.json",
               "edged/_profiles/apparmor/sandbox.profile.in", "edged/_systemd/edged.service",
               "edged/_systemd/edged-cluster.service", "edged/_systemd/edged-ray.service"):
