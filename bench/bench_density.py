@@ -516,7 +516,7 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
         finally:
             fill_s = time.monotonic() - t0
             n_ = max(1, w.created)
-            av0, k0 = w.samples[0][1], w.samples[0][2]
+            av0, k0 = w.samples[0][1:] if w.samples else host()
             out.update({
                 "created": w.created, "wall": w.wall, "failed": w.failed,
                 "failure": w.failure, "fill_s": fill_s,
