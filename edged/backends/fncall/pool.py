@@ -263,6 +263,9 @@ class Pool:
                 m.close()
                 raise BackendError(f"fncall sandbox {sid}: the call server said {ready}")
             m.spawner_pid = ready.get("spawner")
+            if ready.get("spawner_error"):
+                log.warning("fncall pool %s: the call spawner did not start (%s): programs "
+                            "run from the zygote", sp.name, ready["spawner_error"])
             self.present = set(ready.get("present") or ())
             self._first.set()
             if ready.get("preload_failed"):

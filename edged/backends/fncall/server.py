@@ -32,11 +32,12 @@ Two processes, split before any call's data is seen, and a third for programs:
   data is in its memory for the next call's child to find there;
 - the **spawner** (``fncall-spawn``, C: ``csrc/fncall/spawn.c``), when the daemon sent its
   binary (``--spawn-size N``: the first N bytes on stdin, written to /tmp/.fncall, started,
-  then removed with the first wipe): runs the calls that exec a program (``argv``: compiled
+  then removed): runs the calls that exec a program (``argv``: compiled
   programs, ``/bin/true``, bash) with vfork, so such a call copies no Python process's page
   tables and takes none of its copy-on-write faults. It sets up the child as the zygote's
   child does (below; "a Python call gets" does not apply) and has its own guard. Without
-  it, the zygote runs those calls too.
+  it (not sent, or it could not be started: ``spawner_error`` in the ready line), the
+  zygote runs those calls too.
 
 A call's child (forked from the zygote; what it inherits and what it must not, held by
 ``tests/edged/backends/fncall/test_forkserver.py``):
@@ -171,12 +172,16 @@ def _serve(opts: dict[str, Any]) -> None:
     zy.close()
     out = _Out()
     inp = _In(0)
-    spawner = spawn_pid = None
+    spawner = spawn_pid = spawn_error = None
     if opts["spawn_size"]:
-        spawner, spawn_pid = _start_spawner(inp.exactly(opts["spawn_size"]), opts["host_pidns"])
+        binary = inp.exactly(opts["spawn_size"])
+        try:
+            spawner, spawn_pid = _start_spawner(binary, opts["host_pidns"])
+        except OSError as e:
+            spawn_error = str(e)
     present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
     out.line({"ready": True, "preload_failed": failed, "zygote": pid, "spawner": spawn_pid,
-              "present": present})
+              "spawner_error": spawn_error, "present": present})
     while True:
         head = inp.line()
         if head is None:
@@ -213,6 +218,9 @@ def _start_spawner(binary: bytes, host_pidns: str) -> tuple[socket.socket, int]:
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDWR, 0),  # not the control pipe
             (os.POSIX_SPAWN_OPEN, 1, "/dev/null", os.O_RDWR, 0),
             (os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+    except OSError:
+        mine.close()
+        raise
     finally:
         theirs.close()
         os.unlink(path)

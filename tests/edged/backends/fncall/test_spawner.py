@@ -156,3 +156,13 @@ def _nspid(pid: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def test_a_spawner_that_cannot_start_leaves_programs_to_the_zygote(
+        fn_node_factory, monkeypatch) -> None:
+    monkeypatch.setattr(fnpool, "_spawner_bytes", b"#!/nonexistent/interpreter\n")
+    node = fn_node_factory(fncall_pool=1, fncall_listen="", api_keys_file="")
+    r = node.run({"argv": ["/bin/sh", "-c", "cat /proc/$PPID/comm"]})
+    assert (r["status"], r["stdout"]) == ("Accepted", "python3\n"), r
+    (m,) = list(node.backend().pools["default"]._idle)
+    assert m.spawner_pid is None
