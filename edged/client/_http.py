@@ -73,12 +73,18 @@ class Transport:
         """Seconds to wait before retry number ``attempt`` (0-based)."""
         return self.retry.wait(attempt, retry_after)
 
+    def connection(self, timeout: float | None) -> http.client.HTTPConnection:
+        """A connection to the daemon (not yet connected; a subclass may reach it
+        otherwise, as the cluster's HTTP relay does)."""
+        return _UnixConnection(self.socket_path, timeout)
+
     def _open_once(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
              headers: dict[str, str] | None = None,
-             timeout: float | None = -1.0) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+             timeout: float | None = -1.0
+             ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a request and return the connection and response (caller closes both).
         Raises the :mod:`edged.client.errors` exception of an error response."""
-        conn = _UnixConnection(self.socket_path, self.timeout if timeout == -1.0 else timeout)
+        conn = self.connection(self.timeout if timeout == -1.0 else timeout)
         hdrs = dict(headers or {})
         try:
             if body is not None and not isinstance(body, bytes):
@@ -104,7 +110,8 @@ class Transport:
 
     def open(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
              headers: dict[str, str] | None = None,
-             timeout: float | None = -1.0) -> tuple[_UnixConnection, http.client.HTTPResponse]:
+             timeout: float | None = -1.0
+             ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send a request (retried on 503, see the class) and return the connection and
         response (caller closes both). Raises the :mod:`edged.client.errors` exception of
         an error response."""
@@ -118,18 +125,24 @@ class Transport:
                 time.sleep(self.retry_wait(attempt, e.retry_after))
                 attempt += 1
 
+    def read_whole(self, conn: http.client.HTTPConnection,
+                   resp: http.client.HTTPResponse) -> bytes:
+        """The whole body of ``resp``; ``conn`` is done with (closed: one connection per
+        request; a subclass may keep it for the next)."""
+        try:
+            return resp.read()
+        finally:
+            conn.close()
+
     def json(self, method: str, path: str, payload: Any = None) -> Any:
         """A JSON request/response round trip."""
         body = None if payload is None else encode_json(payload)
         headers = {"Content-Type": "application/json"} if body is not None else {}
         conn, resp = self.open(method, path, body, headers)
-        try:
-            return json.loads(resp.read())
-        finally:
-            conn.close()
+        return json.loads(self.read_whole(conn, resp))
 
     def ndjson(self, method: str, path: str, payload: Any,
-               on_open: Callable[[_UnixConnection], object] | None = None
+               on_open: Callable[[http.client.HTTPConnection], object] | None = None
                ) -> Iterator[dict[str, Any]]:
         """Stream the objects of an NDJSON response (``on_open`` gets the connection once
         the response has begun: closing it ends the stream)."""
@@ -148,10 +161,7 @@ class Transport:
         """``PUT`` a byte body (whole, or streamed from an iterable of chunks); the JSON
         answer."""
         conn, resp = self.open("PUT", path, body, {"Content-Type": "application/octet-stream"})
-        try:
-            return json.loads(resp.read())
-        finally:
-            conn.close()
+        return json.loads(self.read_whole(conn, resp))
 
     def download(self, path: str, chunk: int = 256 << 10) -> Iterator[bytes]:
         """``GET`` a byte body, streamed in chunks of up to ``chunk`` bytes."""

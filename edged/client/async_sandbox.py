@@ -47,6 +47,10 @@ class AsyncTransport:
     node is full) is retried as ``retry`` says (see :class:`edged.client._http.Transport`);
     one whose body is a stream (an async iterator) is not."""
 
+    #: what request paths are joined to (a subclass may reach the daemon otherwise, as the
+    #: cluster's HTTP relay does)
+    base_url = "http://edged"
+
     def __init__(self, socket_path: str | None = None, *, retry: RetryPolicy | None = None,
                  retries: int | None = None, backoff_s: float | None = None,
                  max_wait_s: float | None = None) -> None:
@@ -92,7 +96,7 @@ class AsyncTransport:
         import aiohttp
 
         try:
-            resp = await self.session().request(method, "http://edged" + path, **kw)
+            resp = await self.session().request(method, self.base_url + path, **kw)
         except aiohttp.ClientConnectionError as e:
             raise DaemonUnavailableError(f"edged at {self.socket_path}: {e}") from e
         if resp.status >= 400:

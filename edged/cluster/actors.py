@@ -86,18 +86,22 @@ def registry(namespace: str = NAMESPACE, *, create: bool = False,
 class NodeActor:
     """Node ``name``'s relay (:class:`~edged.cluster.node.NodeAgent`) for the daemon on
     ``socket``. It starts reporting at its first call (after a restart too: the join
-    process pings it)."""
+    process pings it). ``http_port``: its HTTP relay's port on this Ray node's IP address
+    (0: any free one; None: no HTTP relay)."""
 
     def __init__(self, name: str, socket: str, labels: Mapping[str, str],
                  report_interval_s: float, list_every: int, namespace: str,
-                 dead_after_s: float) -> None:
+                 dead_after_s: float, http_port: int | None = 0) -> None:
         self.name = name
         self.namespace = namespace
         self.dead_after_s = dead_after_s
         self._registry: Any = None
         self.agent = NodeAgent(name, socket, self._send, labels=labels,
                                report_interval_s=report_interval_s, list_every=list_every,
-                               ray_node_id=ray.get_runtime_context().get_node_id())
+                               ray_node_id=ray.get_runtime_context().get_node_id(),
+                               http_host=None if http_port is None
+                               else ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+                               http_port=http_port or 0)
 
     async def _send(self, report: dict[str, Any]) -> Mapping[str, Any]:
         if self._registry is None:
@@ -115,7 +119,9 @@ class NodeActor:
         return self.agent
 
     async def start(self) -> dict[str, Any]:
-        """Report once now (the daemon's answer in it) and keep reporting."""
+        """Serve the HTTP relay, report once now (the daemon's answer in it) and keep
+        reporting."""
+        await self.agent.serve_http()
         await self.agent.report_once()
         self._up()
         return dict(self.agent.last)
@@ -124,6 +130,7 @@ class NodeActor:
         """Who this relay is and how its last report went."""
         a = self._up()
         return {"name": a.name, "socket": a.socket, "ray_node_id": a.ray_node_id,
+                "http_url": a.http.url, "pid": os.getpid(),
                 "agent": a.agent, "seq": a.seq, "daemon_up": a.daemon_up,
                 "error": a.last.get("error")}
 
@@ -170,15 +177,16 @@ def node_actor(node: str, namespace: str = NAMESPACE) -> Any:
 
 def start_node_actor(name: str, socket: str, *, labels: Mapping[str, str],
                      report_interval_s: float, list_every: int, namespace: str,
-                     dead_after_s: float, ray_node_id: str) -> Any:
+                     dead_after_s: float, ray_node_id: str, http_port: int | None = 0) -> Any:
     """Node ``name``'s relay pinned to Ray node ``ray_node_id`` (the one already running
-    under that name if there is one)."""
+    under that name if there is one), serving its HTTP relay on ``http_port`` (see
+    :class:`NodeActor`)."""
     return NodeActor.options(  # type: ignore[attr-defined]
         name=node_actor_name(name), namespace=namespace, lifetime="detached",
         get_if_exists=True, max_concurrency=MAX_CONCURRENCY,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ray_node_id, soft=False),
     ).remote(name, socket, dict(labels), report_interval_s, list_every, namespace,
-             dead_after_s)
+             dead_after_s, http_port)
 
 
 def connect(address: str | None, namespace: str = NAMESPACE,

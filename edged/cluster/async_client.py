@@ -22,10 +22,14 @@ from edged.client._http import path_for
 from edged.client.async_sandbox import AsyncTransport
 from edged.client.errors import NotFoundError, SandboxError
 from edged.cluster import actors, ids, wire
-from edged.cluster.client import LOCAL, CreatePlan, direct_socket, lost_error
+from edged.cluster.client import LOCAL, CreatePlan, direct_socket, lost_error, refused_at
 from edged.cluster.errors import ClusterError, NodeUnavailableError, SandboxLostError
 from edged.cluster.placement import Constraints, NodeView, Placer
-from edged.cluster.transport import AsyncDirectTransport, AsyncRelayTransport
+from edged.cluster.transport import (
+    AsyncDirectTransport,
+    AsyncHttpRelayTransport,
+    AsyncRelayTransport,
+)
 
 
 class AsyncClusterSandbox(AsyncSandbox):
@@ -68,8 +72,9 @@ class AsyncClusterClient:
     def __init__(self, ray_address: str | None = None, *, namespace: str = actors.NAMESPACE,
                  k: int = 2, max_attempts: int = 3, refresh_s: float = 0.5,
                  direct: bool | None = None, node_ip_address: str | None = None,
-                 placer: Placer | None = None) -> None:
+                 placer: Placer | None = None, http: bool = True) -> None:
         self.ray_address = ray_address
+        self.http = http
         self.namespace = namespace
         self.max_attempts = max_attempts
         self.refresh_s = refresh_s
@@ -110,7 +115,12 @@ class AsyncClusterClient:
         await self._ready()
         nodes: list[dict[str, Any]] = await self._registry.nodes.remote()
         self._nodes = {n["name"]: n for n in nodes}
-        self.placer.update(NodeView.from_json(n) for n in nodes)
+        views = [NodeView.from_json(n) for n in nodes]
+        self.placer.update(views)
+        for v in views:
+            t = self._routes.get(v.name)
+            if isinstance(t, AsyncHttpRelayTransport):
+                await t.set_http(v.http_url, v.http_token)
         self._refreshed = time.monotonic()
         return nodes
 
@@ -160,6 +170,9 @@ class AsyncClusterClient:
             t = AsyncRelayTransport(node, functools.partial(actors.node_actor, node,
                                                             self.namespace),
                                     self._unreachable)
+            if self.http and view.http_url:
+                t = AsyncHttpRelayTransport(node, view.http_url, view.http_token, t,
+                                            self._unreachable)
         return self._routes.setdefault(node, t)
 
     async def _create_on(self, t: AsyncTransport, body: dict[str, Any]
@@ -173,7 +186,8 @@ class AsyncClusterClient:
         try:
             return await t.json("POST", path_for("sandboxes"), body), None, None
         except SandboxError as e:
-            return None, e, time.time()
+            return None, e, refused_at(getattr(t, "node", ""), self._nodes,
+                                       isinstance(t, AsyncDirectTransport))
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -279,7 +293,7 @@ class AsyncClusterClient:
     async def close(self) -> None:
         """Close the direct connections; disconnect from Ray if this client connected."""
         for t in self._routes.values():
-            if isinstance(t, AsyncDirectTransport):
+            if isinstance(t, AsyncDirectTransport | AsyncHttpRelayTransport):
                 await t.aclose()
         self._routes.clear()
         if self._owns_ray and ray.is_initialized():

@@ -40,7 +40,7 @@ from edged.client.errors import (
 from edged.cluster import actors, ids, wire
 from edged.cluster.errors import ClusterError, NodeUnavailableError, SandboxLostError
 from edged.cluster.placement import Constraints, NodeView, Placer, Ticket
-from edged.cluster.transport import DirectTransport, RelayTransport
+from edged.cluster.transport import DirectTransport, HttpRelayTransport, RelayTransport
 
 #: the node constraint meaning "the node this process runs on"
 LOCAL = "local"
@@ -127,6 +127,17 @@ def lost_error(node: Mapping[str, Any] | None, name: str, e: BaseException) -> S
     return NodeUnavailableError(f"node {name}: {e}")
 
 
+def refused_at(node: str, nodes: Mapping[str, Mapping[str, Any]], direct: bool) -> float:
+    """When (node clock) a create on ``node`` was refused, for the placement's overlay:
+    now on the ``direct`` route (this host's clock is the node's); over an HTTP relay, just
+    after the node's last report (its clock is not this host's: the node counts as full
+    until its next report)."""
+    taken = nodes.get(node, {}).get("taken_at")
+    if direct or taken is None:
+        return time.time()
+    return float(taken) + 1e-6
+
+
 def direct_socket(view: NodeView, ray_node_id: str, direct: bool | None) -> str | None:
     """The daemon socket to use for ``view`` instead of its relay: only on its own Ray node,
     and only where this process may open it; None to go through the relay."""
@@ -179,18 +190,22 @@ class ClusterClient:
     ``k``: nodes sampled per placement; ``max_attempts``: nodes tried per create before its
     refusal is raised; ``refresh_s``: the nodes' reports are read again when older than
     this; ``direct``: reach daemons on this host through their socket (None: where this
-    process may open it; False: always through the relays). Thread-safe: many threads may
+    process may open it; False: always through the relays); ``http``: reach the others
+    through their HTTP relays (:mod:`edged.cluster.http_relay`) where they serve one, else
+    (and while one cannot be reached) through their relay actors. Thread-safe: many threads may
     create at once (a burst's placements are spread by the in-flight overlay).
     """
 
     def __init__(self, ray_address: str | None = None, *, namespace: str = actors.NAMESPACE,
                  k: int = 2, max_attempts: int = 3, refresh_s: float = 0.5,
                  direct: bool | None = None, node_ip_address: str | None = None,
-                 placer: Placer | None = None, timeout: float | None = 60.0) -> None:
+                 placer: Placer | None = None, timeout: float | None = 60.0,
+                 http: bool = True) -> None:
         self.namespace = namespace
         self.max_attempts = max_attempts
         self.refresh_s = refresh_s
         self.direct = direct
+        self.http = http
         self.timeout = timeout
         self._owns_ray = actors.connect(ray_address, namespace, node_ip_address)
         try:
@@ -215,7 +230,12 @@ class ClusterClient:
         nodes: list[dict[str, Any]] = ray.get(self._registry.nodes.remote(),
                                               timeout=self.timeout)
         self._nodes = {n["name"]: n for n in nodes}
-        self.placer.update(NodeView.from_json(n) for n in nodes)
+        views = [NodeView.from_json(n) for n in nodes]
+        self.placer.update(views)
+        for v in views:
+            t = self._routes.get(v.name)
+            if isinstance(t, HttpRelayTransport):
+                t.set_http(v.http_url, v.http_token)
         self._refreshed = time.monotonic()
         return nodes
 
@@ -268,6 +288,9 @@ class ClusterClient:
         else:
             t = RelayTransport(node, functools.partial(actors.node_actor, node, self.namespace),
                                self._unreachable, self.timeout)
+            if self.http and view.http_url:
+                t = HttpRelayTransport(node, view.http_url, view.http_token, t,
+                                       self._unreachable, self.timeout)
         with self._routes_lock:
             return self._routes.setdefault(node, t)
 
@@ -282,7 +305,8 @@ class ClusterClient:
         try:
             return t.json("POST", path_for("sandboxes"), body), None, None
         except SandboxError as e:
-            return None, e, time.time()  # this host's clock is the node's
+            return None, e, refused_at(getattr(t, "node", ""), self._nodes,
+                                       isinstance(t, DirectTransport))
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -408,7 +432,13 @@ class ClusterClient:
     # -- the client -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Disconnect from Ray if this client connected (the sandboxes live on)."""
+        """Close the HTTP relays' kept-alive connections; disconnect from Ray if this client
+        connected (the sandboxes live on)."""
+        with self._routes_lock:
+            routes, self._routes = list(self._routes.values()), {}
+        for t in routes:
+            if isinstance(t, HttpRelayTransport):
+                t.close()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
         self._owns_ray = False

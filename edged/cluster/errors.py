@@ -32,3 +32,11 @@ class NodeUnavailableError(DaemonUnavailableError):
     registry still counts the node as up (it may be restarting)."""
 
     code = "node_unavailable"
+
+
+class RelayUnreachableError(DaemonUnavailableError):
+    """A node's HTTP relay could not be connected to, or refused this client's token (it
+    restarted with another): nothing reached the daemon, so the call may go through the
+    node's relay actor instead (the cluster client does so)."""
+
+    code = "relay_unreachable"

@@ -70,6 +70,11 @@ def add_parser(sub: Any) -> None:
                          "(default 5; set by the first node to join)")
     sp.add_argument("--list-every", type=int, default=5,
                     help="read the sandbox list every N reports (default 5)")
+    sp.add_argument("--http-port", type=int, default=0,
+                    help="the node's HTTP relay (the clients' data path) on this port of "
+                         "its Ray IP address (default 0: any free port)")
+    sp.add_argument("--no-http-relay", action="store_true",
+                    help="serve no HTTP relay: clients call through Ray actor calls only")
     sp.set_defaults(fn=cmd_join)
 
     sp = csub.add_parser("leave", help="take a node out of the cluster")
@@ -126,7 +131,7 @@ def cmd_join(a: argparse.Namespace) -> int:
             act = actors.start_node_actor(
                 name, sock, labels=labels, report_interval_s=a.report_interval,
                 list_every=a.list_every, namespace=a.namespace, dead_after_s=a.dead_after,
-                ray_node_id=here)
+                ray_node_id=here, http_port=None if a.no_http_relay else a.http_port)
             ray.get(act.start.remote(), timeout=60)
             return act
 
@@ -224,6 +229,9 @@ def cmd_nodes(a: argparse.Namespace) -> int:
     finally:
         if ray.is_initialized():
             ray.shutdown()
+    for n in nodes:  # the relays' tokens are for cluster clients, not for listings
+        if n.get("http"):
+            n["http"] = {"url": n["http"].get("url")}
     if a.json:
         print(json.dumps(nodes, indent=2, sort_keys=True))
         return 0

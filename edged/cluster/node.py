@@ -27,6 +27,7 @@ from edged.client._http import path_for
 from edged.client.async_sandbox import AsyncTransport
 from edged.client.errors import BadRequestError, NotFoundError, SandboxError
 from edged.cluster import wire
+from edged.cluster.http_relay import HttpRelay
 from edged.cluster.placement import free_slots
 
 if TYPE_CHECKING:
@@ -73,11 +74,14 @@ class NodeAgent:
     """The relay of node ``name`` for the daemon on ``socket`` (see the module docstring).
     ``send``: delivers a report to the registry and returns its answer
     (:meth:`edged.cluster.registry.Registry.report`); ``labels``: the node's placement
-    labels; ``ray_node_id``: the Ray node it runs on (clients there may skip the relay)."""
+    labels; ``ray_node_id``: the Ray node it runs on (clients there may skip the relay);
+    ``http_host``, ``http_port``: where to serve its HTTP relay
+    (:mod:`edged.cluster.http_relay`; None: none, clients call through Ray only)."""
 
     def __init__(self, name: str, socket: str, send: Sender, *,
                  labels: Mapping[str, str] | None = None, report_interval_s: float = 1.0,
-                 list_every: int = 5, ray_node_id: str = "") -> None:
+                 list_every: int = 5, ray_node_id: str = "",
+                 http_host: str | None = None, http_port: int = 0) -> None:
         self.name = name
         self.socket = socket
         self.send = send
@@ -99,6 +103,9 @@ class NodeAgent:
         self._task: asyncio.Task[None] | None = None
         self._uploads: dict[str, _Upload] = {}
         self._left = False
+        self.http_host = http_host
+        self.http_port = http_port
+        self.http = HttpRelay(socket, secrets.token_urlsafe(32), self._answered)
 
     # -- reports ----------------------------------------------------------------------------
 
@@ -110,7 +117,8 @@ class NodeAgent:
         r: dict[str, Any] = {"name": self.name, "agent": self.agent, "seq": self.seq,
                              "taken_at": taken_at, "labels": self.labels,
                              "ray_node_id": self.ray_node_id, "socket": self.socket,
-                             "epoch": self.epoch, "sandboxes": None, "error": None}
+                             "epoch": self.epoch, "sandboxes": None, "error": None,
+                             "http": self.http_advert()}
         added, removed = dict(self._added), set(self._removed)
         try:
             info = await self._t.json("GET", path_for("node"))
@@ -170,6 +178,7 @@ class NodeAgent:
     async def run(self) -> None:
         """Report every ``report_interval_s`` until stopped (a failed report is logged and
         the next one tried; the registry sees the gap)."""
+        await self.serve_http()
         while not self._left:
             t0 = time.monotonic()
             try:
@@ -181,6 +190,27 @@ class NodeAgent:
                 self.want_full = True
             self._drop_idle_uploads()
             await asyncio.sleep(max(0.0, self.report_interval_s - (time.monotonic() - t0)))
+
+    def http_advert(self) -> dict[str, str] | None:
+        """What the reports tell clients of the HTTP relay: ``url`` and ``token``; None
+        while it is not serving."""
+        if self.http.url is None:
+            return None
+        return {"url": self.http.url, "token": self.http.token}
+
+    async def serve_http(self) -> str | None:
+        """Start the HTTP relay if it should run and does not yet (idempotent); its URL.
+        An address that cannot be bound is logged: clients then call through Ray."""
+        if self.http_host is None or self.http.url is not None:
+            return self.http.url
+        try:
+            url = await self.http.start(self.http_host, self.http_port)
+        except OSError as e:
+            log.warning("node %s: HTTP relay on %s:%s: %s (clients call through Ray)",
+                        self.name, self.http_host, self.http_port, e)
+            return None
+        log.info("node %s: HTTP relay at %s", self.name, url)
+        return url
 
     def start(self) -> None:
         """Start :meth:`run` in the running loop (idempotent)."""
@@ -197,9 +227,17 @@ class NodeAgent:
                 await self._task
         for token in list(self._uploads):
             await self.upload_abort(token)
+        await self.http.stop()
         await self._t.close()
 
     # -- relayed calls ----------------------------------------------------------------------
+
+    def _answered(self, method: str, path: str, status: int, body: Any) -> None:
+        """A create or delete the HTTP relay carried (see :meth:`_note`)."""
+        if status < 400:
+            self._note(method, path, body)
+        elif method == "DELETE" and status == 404:
+            self._removed.add(path.rsplit("/", 1)[-1])
 
     def _note(self, method: str, path: str, value: Any) -> None:
         """Keep the registry's list current with what this relay did."""

@@ -44,7 +44,8 @@ class NodeView:
     daemon does not), ``dead`` (no report for the registry's ``dead_after_s``), ``left``.
     ``free``: sandboxes it can still admit (see :func:`free_slots`); ``held``: sandboxes it
     holds; ``taken_at``: the node's wall-clock time (s) when the report was taken; ``seq``:
-    the report's number (per relay incarnation).
+    the report's number (per relay incarnation); ``http_url``, ``http_token``: its HTTP
+    relay (:mod:`edged.cluster.http_relay`; empty: none).
     """
 
     name: str
@@ -57,6 +58,8 @@ class NodeView:
     seq: int = 0
     ray_node_id: str = ""
     socket: str = ""
+    http_url: str = ""
+    http_token: str = ""
 
     @property
     def capacity(self) -> int:
@@ -66,11 +69,13 @@ class NodeView:
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> NodeView:
         """From the registry's node object (:meth:`edged.cluster.registry.Registry.nodes`)."""
+        http = d.get("http") or {}
         return cls(name=str(d["name"]), state=str(d["state"]), free=int(d.get("free", 0)),
                    held=int(d.get("held", 0)), backends=tuple(d.get("backends", ())),
                    labels=dict(d.get("labels", {})), taken_at=float(d.get("taken_at", 0.0)),
                    seq=int(d.get("seq", 0)), ray_node_id=str(d.get("ray_node_id", "")),
-                   socket=str(d.get("socket", "")))
+                   socket=str(d.get("socket", "")), http_url=str(http.get("url", "")),
+                   http_token=str(http.get("token", "")))
 
 
 def free_slots(info: Mapping[str, Any]) -> int:

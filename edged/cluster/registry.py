@@ -167,8 +167,9 @@ class Registry:
 
     def nodes(self) -> list[dict[str, Any]]:
         """Every node known: ``name``, ``state``, ``cause``, ``free``, ``held``, ``backends``,
-        ``labels``, ``taken_at``, ``seq``, ``ray_node_id``, ``socket``, ``sandboxes`` (count
-        known), ``lost`` (count), ``age_s`` (since its last report)."""
+        ``labels``, ``taken_at``, ``seq``, ``ray_node_id``, ``socket``, ``http`` (the node's
+        HTTP relay: ``url`` and ``token``, or None), ``sandboxes`` (count known), ``lost``
+        (count), ``age_s`` (since its last report)."""
         self.sweep()
         now = self.clock()
         lost: dict[str, int] = {}
@@ -183,6 +184,7 @@ class Registry:
                 "backends": list(r.get("backends", [])), "labels": dict(r.get("labels", {})),
                 "taken_at": float(r.get("taken_at", 0.0)), "seq": int(r.get("seq", 0)),
                 "ray_node_id": str(r.get("ray_node_id", "")), "socket": str(r.get("socket", "")),
+                "http": dict(r["http"]) if isinstance(r.get("http"), Mapping) else None,
                 "sandboxes": len(n.sandboxes), "lost": lost.get(n.name, 0),
                 "age_s": round(now - n.received, 3),
             })
