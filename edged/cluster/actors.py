@@ -130,7 +130,7 @@ class NodeActor:
         """Who this relay is and how its last report went."""
         a = self._up()
         return {"name": a.name, "socket": a.socket, "ray_node_id": a.ray_node_id,
-                "http_url": a.http.url, "pid": os.getpid(),
+                "http_url": a.http.url, "http_calls": a.http.calls, "pid": os.getpid(),
                 "agent": a.agent, "seq": a.seq, "daemon_up": a.daemon_up,
                 "error": a.last.get("error")}
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import io
 import logging
 import socket
 import threading
@@ -640,8 +641,11 @@ class AsyncHttpRelayTransport(AsyncTransport):
             yield item
 
     async def upload(self, path: str, body: bytes | AsyncIterator[bytes]) -> Any:
+        # a body over 1 MiB goes as a file-like object (aiohttp warns of one given as bytes)
+        big = isinstance(body, bytes | bytearray | memoryview) and len(body) > 1 << 20
         return await self._via(
-            lambda: super(AsyncHttpRelayTransport, self).upload(path, body),
+            lambda: super(AsyncHttpRelayTransport, self).upload(
+                path, io.BytesIO(body) if big else body),  # type: ignore[arg-type]
             lambda: self.relay.upload(path, body))
 
     async def download(self, path: str, chunk: int = 256 << 10) -> AsyncIterator[bytes]:

@@ -23,7 +23,8 @@ from edged.client import (
     Sandbox,
 )
 from edged.cluster import AsyncClusterClient, ClusterClient, ClusterError, SandboxLostError
-from edged.cluster.transport import DirectTransport, RelayTransport
+from edged.cluster.errors import NodeUnavailableError
+from edged.cluster.transport import DirectTransport, HttpRelayTransport, RelayTransport
 from tests.edged.cluster.conftest import DEAD_S, REPORT_S, LocalCluster, ray
 from tests.edged.cluster.fakenode import LAYERS
 from tests.edged.cluster.procs import ROOT, VENV_BIN, wait_for
@@ -176,10 +177,17 @@ def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluste
     sbx = client.create(layers=[LAYER], node="y")
     aux.wait_listed(sbx)
     y = aux.nodes["y"]
+    actor = ray.get_actor("edged-node:y", namespace="edged")
+    assert isinstance(sbx._t, HttpRelayTransport)
+    calls = ray.get(actor.ping.remote())["http_calls"]
     y.join.stop(sig=signal.SIGKILL)  # the join process gone: the detached relay goes on
     time.sleep(3 * REPORT_S)
     assert aux.states()["y"] == "up"
-    ray.kill(ray.get_actor("edged-node:y", namespace="edged"), no_restart=True)
+    assert sbx.exec("echo still").stdout == "still\n"  # over the HTTP relay, still
+    assert ray.get(actor.ping.remote())["http_calls"] > calls
+    ray.kill(actor, no_restart=True)  # its HTTP relay goes with it
+    with pytest.raises((NodeUnavailableError, SandboxLostError)):
+        sbx.exec("true")  # the HTTP relay refuses connections, the actor is gone
     t0 = time.monotonic()
     aux.wait_state("y", "dead", DEAD_S + 5)
     assert time.monotonic() - t0 >= DEAD_S - 3 * REPORT_S
@@ -229,9 +237,11 @@ def test_a_new_client_finds_a_sandbox_by_id(cluster: LocalCluster, client) -> No
         client.connect(f"{sbx.node}.nosuch")
 
 
-def test_relayed_exec_streams_files_and_states(cluster: LocalCluster, client) -> None:
+@pytest.mark.parametrize("http", [True, False], ids=["http-relay", "actor-relay"])
+def test_relayed_exec_streams_files_and_states(cluster: LocalCluster, http: bool) -> None:
+    client = ClusterClient(refresh_s=REPORT_S / 2, direct=False, http=http)
     sbx = client.create(layers=[LAYER], node="b")
-    assert isinstance(sbx._t, RelayTransport)
+    assert type(sbx._t) is (HttpRelayTransport if http else RelayTransport)
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
     r = sbx.exec("echo one; sleep 1; echo two >&2; exit 4",
@@ -252,9 +262,14 @@ def test_relayed_exec_streams_files_and_states(cluster: LocalCluster, client) ->
     sbx.kill()  # idempotent
     with pytest.raises(NotFoundError):
         client.connect(sbx.id)
+    if http:  # all of it over HTTP: not one call fell back to the actor
+        assert isinstance(sbx._t, HttpRelayTransport) and sbx._t.route.failed_at is None
+    client.close()
 
 
-def test_abandoned_relayed_exec_is_killed(cluster: LocalCluster, client) -> None:
+@pytest.mark.parametrize("http", [True, False], ids=["http-relay", "actor-relay"])
+def test_abandoned_relayed_exec_is_killed(cluster: LocalCluster, http: bool) -> None:
+    client = ClusterClient(refresh_s=REPORT_S / 2, direct=False, http=http)
     sbx = client.create(layers=[LAYER], node="c")
     stream = sbx._t.ndjson("POST", f"/v1/sandboxes/{sbx.id}/exec",
                            {"cmd": "echo started; sleep 60"})
@@ -263,6 +278,7 @@ def test_abandoned_relayed_exec_is_killed(cluster: LocalCluster, client) -> None
     stream.close()  # the client gives up: the relay's request is cancelled
     wait_for(lambda: sbx.events(kind="exec_abandoned"), 10, "exec_abandoned")
     assert sbx.exec("echo next").stdout == "next\n"
+    client.close()
 
 
 def test_direct_path_on_the_same_ray_node(cluster: LocalCluster) -> None:
@@ -271,17 +287,18 @@ def test_direct_path_on_the_same_ray_node(cluster: LocalCluster) -> None:
         here = c.create(layers=[LAYER], node="local")
         there = c.create(layers=[LAYER], node="b")
         assert here.node == "a" and isinstance(here._t, DirectTransport)
-        assert isinstance(there._t, RelayTransport)
+        assert isinstance(there._t, HttpRelayTransport)
         assert here.exec("echo d").stdout == "d\n" and there.exec("echo r").stdout == "r\n"
         here.kill()
         there.kill()
 
 
-def test_async_client(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("http", [True, False], ids=["http-relay", "actor-relay"])
+def test_async_client(cluster: LocalCluster, http: bool) -> None:
     import asyncio
 
     async def main() -> None:
-        async with AsyncClusterClient(refresh_s=REPORT_S / 2, direct=False) as c:
+        async with AsyncClusterClient(refresh_s=REPORT_S / 2, direct=False, http=http) as c:
             boxes = await asyncio.gather(*(c.create(layers=[LAYER], node_labels=MAIN)
                                            for _ in range(30)))
             counts = _counts(boxes)

@@ -168,7 +168,7 @@ def test_the_sdk_through_the_relay_exec_streams_and_files(relay: Any) -> None:
 
 
 def test_a_daemon_gone_behind_the_relay_is_a_typed_error(relay: Any) -> None:
-    node, agent, loop = relay
+    node, agent, _ = relay
     t, fallback = transport(agent, node.socket)
     sbx = Sandbox(t.json("POST", "/v1/sandboxes", {"id": "s1", "layers": [digest(1)]}), t)
     node.stop()
@@ -261,7 +261,7 @@ def test_the_async_sdk_through_the_relay_and_its_fallback(relay: Any) -> None:
 
 
 def test_an_abandoned_exec_through_the_relay_is_ended(relay: Any) -> None:
-    node, agent, loop = relay
+    node, agent, _ = relay
     t, _ = transport(agent, node.socket)
     t.json("POST", "/v1/sandboxes", {"id": "s1", "layers": [digest(1)]})
     stream = t.ndjson("POST", "/v1/sandboxes/s1/exec", {"cmd": "echo up; sleep 60"})
