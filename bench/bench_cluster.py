@@ -7,12 +7,13 @@
 127.0.0.2, its own session, stopped at the end), one ``edged serve`` daemon (container
 backend, a busybox layer built by layerfs, the default confined task profile) joined with
 ``edged cluster join``. Interleaved, in the same run: ``Sandbox.create`` on the daemon's
-socket (the node's SDK: the baseline), ``ClusterClient.create`` through the node's relay
-actor (``direct=False``: what a client on another host pays), and ``ClusterClient.create``
-on the same Ray node (the direct path). Create latency (the call; the delete is not timed),
-p50/p99 and the cluster's overhead (its p50 less the SDK's: goal <= 2 ms); creates/s of
-``--threads`` threads creating at once (create + delete cycles, ``--n`` of them); exec round
-trips (``true``) through each.
+socket (the node's SDK: the baseline), ``ClusterClient.create`` from a client that is not
+on the node (``direct=False``: what a client on another host pays) through the node's HTTP
+relay (the default data path) and through its relay actor (``http=False``: a Ray actor call
+each way), and ``ClusterClient.create`` on the same Ray node (the direct path). Create
+latency (the call; the delete is not timed), p50/p99 and the cluster's overhead (its p50
+less the SDK's: goal <= 2 ms); creates/s of ``--threads`` threads creating at once (create +
+delete cycles, ``--n`` of them); exec round trips (``true``) through each.
 
 **Simulation** (no Ray, no sandboxes): ``--nodes`` node processes, each a modelled node of
 ``--slots`` slots that admits a create if it has a free slot (refuses it otherwise) and
@@ -77,7 +78,7 @@ def overhead(n: int, threads: int, execs: int) -> dict[str, Any]:
 
     from edged.client import Sandbox, SandboxError
     from edged.cluster import ClusterClient
-    from edged.cluster.transport import DirectTransport, RelayTransport
+    from edged.cluster.transport import DirectTransport, HttpRelayTransport, RelayTransport
     from edged.config import Config
     from tests.edged.cluster.procs import VENV_BIN, Proc, RayCluster, wait_for
 
@@ -105,7 +106,8 @@ def overhead(n: int, threads: int, execs: int) -> dict[str, Any]:
                            ray.get(ray.get_actor("edged-registry").nodes.remote()))
             return False
         wait_for(up, 120, "the node joined", step=0.2)
-        relay = ClusterClient(direct=False)
+        relay = ClusterClient(direct=False, http=False)
+        http = ClusterClient(direct=False)
         direct = ClusterClient()
         kill_failed: list[str] = []
 
@@ -117,6 +119,7 @@ def overhead(n: int, threads: int, execs: int) -> dict[str, Any]:
         sdk = lambda: Sandbox.create(layers=[digest], env=ENV, socket=cfg.socket)  # noqa: E731
         via = {"sdk": sdk,
                "relay": lambda: relay.create(layers=[digest], env=ENV),
+               "http": lambda: http.create(layers=[digest], env=ENV),
                "direct": lambda: direct.create(layers=[digest], env=ENV)}
         for f in via.values():  # warm-up (layer mounted, actor handles, pools)
             for _ in range(3):
@@ -128,18 +131,18 @@ def overhead(n: int, threads: int, execs: int) -> dict[str, Any]:
                 s = f()
                 lat[k].append(time.perf_counter() - t0)
                 kill(s)
-        s_relay, s_direct = relay.create(layers=[digest], env=ENV), \
-            direct.create(layers=[digest], env=ENV)
-        assert isinstance(s_relay._t, RelayTransport)
-        assert isinstance(s_direct._t, DirectTransport)
-        s_sdk = sdk()
-        rt: dict[str, list[float]] = {"sdk": [], "relay": [], "direct": []}
+        boxes = {k: f() for k, f in via.items()}
+        assert type(boxes["relay"]._t) is RelayTransport
+        assert type(boxes["http"]._t) is HttpRelayTransport
+        assert isinstance(boxes["direct"]._t, DirectTransport)
+        rt: dict[str, list[float]] = {k: [] for k in via}
         for _ in range(execs):
-            for k, s in (("sdk", s_sdk), ("relay", s_relay), ("direct", s_direct)):
+            for k, s in boxes.items():
                 t0 = time.perf_counter()
                 s.exec("true")
                 rt[k].append(time.perf_counter() - t0)
-        for s in (s_sdk, s_relay, s_direct):
+        assert boxes["http"]._t.route.failed_at is None  # none of it fell back to the actor
+        for s in boxes.values():
             kill(s)
         rate: dict[str, float] = {}
         for k, f in via.items():
@@ -148,12 +151,13 @@ def overhead(n: int, threads: int, execs: int) -> dict[str, Any]:
                 list(pool.map(lambda _, f=f: kill(f()), range(n)))
             rate[k] = n / (time.perf_counter() - t0)
         relay.close()
+        http.close()
         direct.close()
         return {
             "create_p50_ms": {k: pct(v, 50) * 1e3 for k, v in lat.items()},
             "create_p99_ms": {k: pct(v, 99) * 1e3 for k, v in lat.items()},
             "create_overhead_p50_ms": {k: (pct(lat[k], 50) - pct(lat["sdk"], 50)) * 1e3
-                                       for k in ("relay", "direct")},
+                                       for k in ("relay", "http", "direct")},
             "exec_roundtrip_p50_ms": {k: pct(v, 50) * 1e3 for k, v in rt.items()},
             "creates_per_s": rate, "n": n, "threads": threads,
             "deletes_failed": kill_failed,
@@ -356,7 +360,7 @@ def main() -> int:
               "interleaved)")
         print(f"{'path':<10}{'p50 ms':>9}{'p99 ms':>9}{'overhead p50':>14}"
               f"{'creates/s':>11}{'exec rt p50':>13}")
-        for k in ("sdk", "relay", "direct"):
+        for k in ("sdk", "relay", "http", "direct"):
             ov = o["create_overhead_p50_ms"].get(k)
             print(f"{k:<10}{o['create_p50_ms'][k]:>9.2f}{o['create_p99_ms'][k]:>9.2f}"
                   f"{'' if ov is None else f'{ov:+.2f} ms':>14}"
