@@ -22,8 +22,9 @@ answers after ``--service-ms``, writing a report (held, free, time) every
 ``--inflight`` each in flight, each with its own :class:`edged.cluster.placement.Placer`
 reading the reports every ``--report-s``, retrying a refusal on another node (3 nodes at
 most). Placement policies compared on the same cluster: power of 2 choices with the
-in-flight overlay (edged's), the same without the overlay, least-loaded with and without it,
-and random. Two scenarios: an empty cluster, and a busy one (each node's load drawn from
+in-flight overlay and the estimate of other clients' arrivals since each report (edged's),
+the same without the estimate, without the overlay, least-loaded with and without the
+overlay, and random. Two scenarios: an empty cluster, and a busy one (each node's load drawn from
 U(0.5, 1.0) before the burst). Figures: imbalance (max/mean of the nodes' load after the
 burst; 1.0 is perfect), refusal rate (refused attempts / attempts), creates that failed
 (3 refusals, or no node with room by reports 3 intervals old), and the burst's wall time.
@@ -56,7 +57,8 @@ from edged.cluster.placement import NodeView, Placer  # noqa: E402
 
 ENV = {"PATH": "/bin"}
 POLICIES = {
-    "power of 2 + overlay (edged)": {"k": 2, "overlay": True},
+    "power of 2 + overlay + arrivals (edged)": {"k": 2, "overlay": True, "estimate": True},
+    "power of 2 + overlay": {"k": 2, "overlay": True},
     "power of 2, reports only": {"k": 2, "overlay": False},
     "least-loaded + overlay": {"k": 1 << 30, "overlay": True},
     "least-loaded, reports only": {"k": 1 << 30, "overlay": False},
@@ -211,12 +213,15 @@ def client_main(c: int, policy: dict[str, Any], creates: int, inflight: int, req
                 reply: Any, reports: Any, n: int, report_s: float, seed: int, out: Any,
                 go: Any) -> None:
     """One client: ``creates`` creates, at most ``inflight`` at once, 3 nodes at most each."""
-    placer = Placer(policy["k"], overlay=policy["overlay"], rng=random.Random(seed))
+    placer = Placer(policy["k"], overlay=policy["overlay"],
+                    estimate=policy.get("estimate", False), rng=random.Random(seed))
 
     def refresh() -> None:
         r = list(reports[:])
+        now = time.time()  # the nodes' clock is this host's: a report's age
         placer.update(NodeView(str(i), free=int(r[3 * i + 1]), held=int(r[3 * i]),
-                               taken_at=r[3 * i + 2]) for i in range(n))
+                               taken_at=r[3 * i + 2], age_s=max(0.0, now - r[3 * i + 2]))
+                      for i in range(n))
     refresh()
     go.wait()
     t_refresh = time.monotonic()
@@ -372,11 +377,11 @@ def main() -> int:
         print(f"\nsimulation: {s['nodes']} nodes x {s['slots']} slots, a burst of "
               f"{s['burst']} from {s['clients']} clients ({s['inflight']} in flight each), "
               f"reports every {s['report_s']} s, {s['service_ms']} ms per create")
-        print(f"{'scenario':<9}{'policy':<30}{'imbalance':>10}{'max load':>9}"
+        print(f"{'scenario':<9}{'policy':<41}{'imbalance':>10}{'max load':>9}"
               f"{'refusals':>10}{'failed':>8}{'wall s':>8}")
         for sname, rows in res["simulation"].items():
             for pname, r in rows.items():
-                print(f"{sname:<9}{pname:<30}{r['imbalance']:>10.3f}{r['max_load']:>9.3f}"
+                print(f"{sname:<9}{pname:<41}{r['imbalance']:>10.3f}{r['max_load']:>9.3f}"
                       f"{r['refusal_rate']:>10.2%}{r['failed']:>8}{r['wall_s']:>8.2f}")
     la0, la1 = res["loadavg_start"][0], res["loadavg_end"][0]
     print(f"\nload average (1 min): {la0:.2f} at the start, {la1:.2f} at the end")

@@ -22,6 +22,14 @@ after a create was admitted counts it (the daemon admits and records a create in
 with no wait in between), so the overlay entry goes. Entries also expire after
 ``overlay_ttl_s`` of the client's time, so a lost report never pins one for good.
 
+Other clients' arrivals (``estimate``): a client sees only its own placements, so with many
+independent clients every node's report looks emptier than the node is by the time it is
+read, most of all for a node that reported just before a rush (all clients prefer it: a
+herd). Each node's net arrival rate is taken from its last two reports (``held`` growth per
+second of its own clock), and a node's load counts the larger of this client's in-flight
+placements there and that rate times the report's age (``age_s`` from the registry, plus
+the time since this client read it): a node filling fast looks as full as it will be.
+
 Thread-safe: one lock around the views and the overlay (the sync client is used from many
 threads at once).
 """
@@ -45,7 +53,8 @@ class NodeView:
     ``free``: sandboxes it can still admit (see :func:`free_slots`); ``held``: sandboxes it
     holds; ``taken_at``: the node's wall-clock time (s) when the report was taken; ``seq``:
     the report's number (per relay incarnation); ``http_url``, ``http_token``: its HTTP
-    relay (:mod:`edged.cluster.http_relay`; empty: none).
+    relay (:mod:`edged.cluster.http_relay`; empty: none); ``age_s``: the report's age when
+    the registry was read (s, the registry's clock).
     """
 
     name: str
@@ -60,6 +69,7 @@ class NodeView:
     socket: str = ""
     http_url: str = ""
     http_token: str = ""
+    age_s: float = 0.0
 
     @property
     def capacity(self) -> int:
@@ -75,7 +85,7 @@ class NodeView:
                    labels=dict(d.get("labels", {})), taken_at=float(d.get("taken_at", 0.0)),
                    seq=int(d.get("seq", 0)), ray_node_id=str(d.get("ray_node_id", "")),
                    socket=str(d.get("socket", "")), http_url=str(http.get("url", "")),
-                   http_token=str(http.get("token", "")))
+                   http_token=str(http.get("token", "")), age_s=float(d.get("age_s", 0.0)))
 
 
 def free_slots(info: Mapping[str, Any]) -> int:
@@ -127,6 +137,17 @@ class _Overlay:
     refused_at: float | None = None  # full (said the node) until a report taken after this
 
 
+@dataclass
+class _Trend:
+    """A node's net arrival rate from its reports: ``rate`` sandboxes/s (node clock), and
+    when (this client's clock) the report now in use was taken."""
+
+    held: int
+    taken_at: float
+    read_at: float
+    rate: float = 0.0
+
+
 class Placer:
     """Power of ``k`` choices over :class:`NodeView` reports plus this client's in-flight
     placements (module docstring). ``rng``: the random source (tests seed it); ``clock``:
@@ -135,20 +156,23 @@ class Placer:
     ``k = 1`` is random placement among the nodes with room; ``k`` at least the number of
     nodes is least-loaded placement; ``overlay = False`` decides on the reports alone, as a
     client that keeps no count of its own placements would (both for comparison:
-    ``bench/bench_cluster.py``)."""
+    ``bench/bench_cluster.py``); ``estimate``: count other clients' arrivals since each
+    report (module docstring; with ``overlay`` only)."""
 
     def __init__(self, k: int = 2, *, rng: random.Random | None = None,
-                 overlay_ttl_s: float = 30.0, overlay: bool = True,
+                 overlay_ttl_s: float = 30.0, overlay: bool = True, estimate: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if k < 1:
             raise ValueError(f"k: must be >= 1, not {k}")
         self.k = k
         self.overlay = overlay
+        self.estimate = estimate and overlay
         self.rng = rng or random.Random()
         self.overlay_ttl_s = overlay_ttl_s
         self.clock = clock
         self._views: dict[str, NodeView] = {}
         self._overlay: dict[str, _Overlay] = {}
+        self._trends: dict[str, _Trend] = {}
         self._lock = threading.Lock()
 
     # -- reports ----------------------------------------------------------------------------
@@ -156,13 +180,28 @@ class Placer:
     def update(self, views: Iterable[NodeView]) -> None:
         """Take the registry's latest views of every node (those not listed are forgotten);
         overlay entries a newer report reflects are dropped."""
+        now = self.clock()
         with self._lock:
             self._views = {v.name: v for v in views}
+            for name in set(self._trends) - set(self._views):
+                del self._trends[name]
+            for v in self._views.values():
+                self._trend(v, now)
             for name in list(self._overlay):
                 if name not in self._views and not self._overlay[name].pending:
                     del self._overlay[name]
             for name, ov in self._overlay.items():
                 self._prune(ov, self._views.get(name))
+
+    def _trend(self, v: NodeView, now: float) -> None:
+        tr = self._trends.get(v.name)
+        if tr is None or v.taken_at < tr.taken_at:  # new, or a restarted relay's clock
+            self._trends[v.name] = _Trend(v.held, v.taken_at, now - v.age_s)
+            return
+        if v.taken_at == tr.taken_at:
+            return
+        rate = max(0.0, (v.held - tr.held) / (v.taken_at - tr.taken_at))
+        self._trends[v.name] = _Trend(v.held, v.taken_at, now - v.age_s, rate)
 
     def views(self) -> list[NodeView]:
         """The views placement decides on."""
@@ -181,7 +220,11 @@ class Placer:
 
     def _in_flight(self, name: str) -> int:
         ov = self._overlay.get(name)
-        return 0 if ov is None or not self.overlay else ov.pending + len(ov.placed)
+        own = 0 if ov is None or not self.overlay else ov.pending + len(ov.placed)
+        tr = self._trends.get(name) if self.estimate else None
+        if tr is None or tr.rate <= 0.0:
+            return own
+        return max(own, int(tr.rate * max(0.0, self.clock() - tr.read_at)))
 
     def _free(self, v: NodeView) -> int:
         ov = self._overlay.get(v.name)
