@@ -181,3 +181,43 @@ def test_ids_name_their_node() -> None:
     assert ids.default_node_name("Worker_07.example.org") == "worker_07"
     assert ids.default_node_name("--") == "node"
     assert ids.default_node_name("a" * 40) == "a" * 32
+
+
+@pytest.mark.parametrize("estimate", [True, False])
+def test_other_clients_arrivals_since_a_report_are_estimated(estimate: bool) -> None:
+    """Node a filled at 50 sandboxes/s between its last two reports (other clients'
+    creates: this client placed none); its last report is 1 s old. With the estimate, a
+    counts ~50 more than it reported and this client's creates go to b until b looks as
+    full; without it, a and b look alike and share them."""
+    now = [1000.0]
+    p = Placer(k=2, rng=random.Random(1), estimate=estimate, clock=lambda: now[0])
+    p.update(views({"a": 200, "b": 200}, {"a": 0, "b": 0}, t=10.0))
+    p.update(views({"a": 200, "b": 200}, {"a": 50, "b": 50}, t=11.0))  # both moved 50/s
+    p.update([NodeView("a", free=100, held=100, taken_at=12.0, backends=("container",)),
+              NodeView("b", free=150, held=50, taken_at=12.0, backends=("container",))])
+    now[0] += 1.0  # the report is 1 s old: a has had ~50 more (b stood still)
+    if estimate:
+        assert p.effective("a") == (50, 0.75) and p.effective("b") == (150, 0.25)
+    else:
+        assert p.effective("a") == (100, 0.5) and p.effective("b") == (150, 0.25)
+    got = place_n(p, 100)
+    # b: 50 + x, a: max(100 + 50 estimated, 100 + own): equal load at x ~ 100 with the
+    # estimate; without it, b catches a up at 50 and they share the rest
+    if estimate:
+        assert got["b"] >= 95, got
+    else:
+        assert 65 <= got["b"] <= 85, got
+
+
+def test_the_estimate_forgets_a_node_that_stopped_filling() -> None:
+    now = [0.0]
+    p = Placer(k=2, rng=random.Random(1), clock=lambda: now[0])
+    p.update(views({"a": 200}, {"a": 0}, t=1.0))
+    p.update(views({"a": 200}, {"a": 100}, t=2.0))
+    now[0] = 0.5
+    assert p.effective("a") == (50, 0.75)
+    p.update(views({"a": 200}, {"a": 100}, t=3.0))  # no growth since: rate 0
+    assert p.effective("a") == (100, 0.5)
+    # a relay restarted (its clock went back): its first report starts the trend anew
+    p.update(views({"a": 200}, {"a": 150}, t=0.5))
+    assert p.effective("a") == (50, 0.75)
