@@ -42,7 +42,7 @@ OnAnswer = Callable[[str, str, int, Any], None]
 _PASS_REQUEST = ("Content-Type", "Accept")
 #: answer headers passed back to the client
 _PASS_ANSWER = ("Content-Type", "Retry-After")
-#: answers up to this size are read whole and sent in one piece; larger or unsized ones are
+#: bodies up to this size are read whole and sent in one piece; larger or unsized ones are
 #: streamed as they come
 _WHOLE_MAX = 1 << 20
 #: idle client connections are closed after this long (s); clients drop theirs sooner
@@ -128,7 +128,11 @@ class HttpRelay:
         if not path.startswith("/v1/"):
             return _error(400, "bad_request", f"path {path!r}: only /v1/ paths are relayed")
         headers = {h: request.headers[h] for h in _PASS_REQUEST if h in request.headers}
-        data = request.content.iter_any() if request.body_exists else None
+        data: Any = None
+        if request.body_exists:  # a small sized body (a create) whole, others streamed
+            size = request.content_length
+            data = await request.read() if size is not None and size <= _WHOLE_MAX \
+                else request.content.iter_any()
         self.calls += 1
         try:
             upstream = await self.session().request(
@@ -151,6 +155,8 @@ class HttpRelay:
             try:
                 async for piece in upstream.content.iter_any():
                     await resp.write(piece)
+            except ConnectionResetError:  # the client went away: the daemon's request ends
+                return resp
             except aiohttp.ClientError as e:  # the daemon went away mid-answer: cut it short
                 log.warning("relay %s %s: the daemon's answer broke off: %s",
                             request.method, path, e)
