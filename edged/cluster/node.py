@@ -4,12 +4,14 @@ It reports the node to the registry every ``report_interval_s`` (the capacity pa
 ``GET /v1/node``, whether the daemon answered, the changes to its sandboxes), and carries
 clients' calls to the daemon: JSON requests, NDJSON streams (exec output as it comes),
 file uploads in chunks and downloads in chunks. Only ``/v1/`` paths are relayed. Errors go
-back as data (:mod:`edged.cluster.wire`), stamped with this host's clock.
+back as data (:mod:`edged.cluster.wire`), stamped with this host's clock. It also serves the
+node's HTTP relay (:mod:`edged.cluster.http_relay`: the clients' data path without a Ray
+call) and puts its URL and token in every report.
 
 Nothing here imports Ray: :mod:`edged.cluster.actors` wraps it in an actor, tests drive it
 directly. The sandbox list is read with ``GET /v1/sandboxes`` every ``list_every`` reports
 (and when the registry asks for the whole of it); between reads, the creates and deletes
-relayed here are reported at once.
+relayed here (either way) are reported at once.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class NodeAgent:
         self.http_host = http_host
         self.http_port = http_port
         self.http = HttpRelay(socket, secrets.token_urlsafe(32), self._answered)
+        self._http_lock = asyncio.Lock()
 
     # -- reports ----------------------------------------------------------------------------
 
@@ -201,16 +204,17 @@ class NodeAgent:
     async def serve_http(self) -> str | None:
         """Start the HTTP relay if it should run and does not yet (idempotent); its URL.
         An address that cannot be bound is logged: clients then call through Ray."""
-        if self.http_host is None or self.http.url is not None:
-            return self.http.url
-        try:
-            url = await self.http.start(self.http_host, self.http_port)
-        except OSError as e:
-            log.warning("node %s: HTTP relay on %s:%s: %s (clients call through Ray)",
-                        self.name, self.http_host, self.http_port, e)
-            return None
-        log.info("node %s: HTTP relay at %s", self.name, url)
-        return url
+        async with self._http_lock:  # one server, however many callers start it at once
+            if self.http_host is None or self.http.url is not None:
+                return self.http.url
+            try:
+                url = await self.http.start(self.http_host, self.http_port)
+            except OSError as e:
+                log.warning("node %s: HTTP relay on %s:%s: %s (clients call through Ray)",
+                            self.name, self.http_host, self.http_port, e)
+                return None
+            log.info("node %s: HTTP relay at %s", self.name, url)
+            return url
 
     def start(self) -> None:
         """Start :meth:`run` in the running loop (idempotent)."""
