@@ -5,6 +5,7 @@ sandboxes, and the same daemon restarted adopts them and they are found again.""
 
 from __future__ import annotations
 
+import http.client
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from edged.client import NotFoundError, Sandbox
 from edged.cluster import ClusterClient, SandboxLostError
+from edged.cluster.transport import HttpRelayTransport
 from tests.edged.backends.container.conftest import busybox_tree  # noqa: F401 (a fixture)
 from tests.edged.cluster.conftest import (
     IPS,
@@ -94,14 +96,26 @@ def test_real_sandboxes_through_the_relays(real: LocalCluster, client: ClusterCl
     assert b.files.write("/tmp/data", data) == len(data)
     assert b.exec("wc -c < /tmp/data").stdout.strip() == str(len(data))
     assert b.files.read_bytes("/tmp/data") == data
-    # an upload whose client gives up half-way leaves nothing in the sandbox
-    t = b._t
+    # an upload whose client gives up half-way leaves nothing in the sandbox: through the
+    # relay actor, and over the HTTP relay
+    assert isinstance(b._t, HttpRelayTransport)
+    route = b._t.route
+    c = http.client.HTTPConnection(route.host, route.port, timeout=30)
+    c.putrequest("PUT", f"/v1/sandboxes/{b.id}/files?path=/tmp/half-http&mode=644")
+    c.putheader("Authorization", route.auth)
+    c.putheader("Content-Length", str(1 << 20))
+    c.endheaders()
+    c.send(b"y" * 100_000)
+    c.close()
+    t = b._t.relay
     tok = t.unwrap(ray.get(t.actor.upload_open.remote(
         f"/v1/sandboxes/{b.id}/files?path=/tmp/half&mode=644")))
     ray.get(t.actor.upload_chunk.remote(tok, b"x" * 100_000))
     ray.get(t.actor.upload_abort.remote(tok))
     with pytest.raises(NotFoundError):
         b.files.read("/tmp/half")
+    with pytest.raises(NotFoundError):
+        b.files.read("/tmp/half-http")
     b.pause()
     assert b.state == "paused"
     assert b.exec("echo thawed").stdout == "thawed\n"  # any request resumes it
