@@ -279,10 +279,12 @@ class Hierarchy(abc.ABC):
         with ``bpf`` also its own v2 directory (``bpf_dir``) for cgroup BPF, which the spawner
         then joins. Raises BackendError (the half-made cgroups removed)."""
 
-    def create_pooled(self, tag: str, root_uid: int) -> SandboxCgroup | None:
+    def create_pooled(self, tag: str, root_uid: int, *,
+                      qos: str = "best_effort") -> SandboxCgroup | None:
         """Cgroups ``.pool-<tag>`` for a pooled spawner, made ahead of demand without limits
         (a move into a cgroup waits for an RCU grace period when none happened lately:
-        milliseconds, kept off the create), which :meth:`claim` gives a sandbox later.
+        milliseconds, kept off the create), which :meth:`claim` gives a sandbox later: one
+        of CPU class ``qos`` without moving a task (another class may need a move).
         None where cgroups cannot be handed on so (v2 cannot rename a cgroup)."""
         return None
 

@@ -273,10 +273,11 @@ class V1Hierarchy(Hierarchy):
             raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
         return cg
 
-    def create_pooled(self, tag: str, root_uid: int) -> SandboxCgroup | None:
-        """In the best-effort cpu parent (the default class); a latency-sensitive claim
-        moves the tasks out (see :meth:`claim`)."""
-        cg = self.path_of(POOL_PREFIX + tag, "best_effort")
+    def create_pooled(self, tag: str, root_uid: int, *,
+                      qos: str = "best_effort") -> SandboxCgroup | None:
+        """In the cpu parent of class ``qos`` (a claim of the other class moves the tasks
+        between the two: see :meth:`claim`)."""
+        cg = self.path_of(POOL_PREFIX + tag, qos)
         cg.bpf_dir = None
         try:
             self._ensure_parents()
@@ -304,9 +305,10 @@ class V1Hierarchy(Hierarchy):
                     os.rename(src, dst)
                     done.append((src, dst))
                     continue
-                # v1 renames a cgroup within its parent only: a latency-sensitive sandbox
-                # gets a cpu cgroup of its own and the pooled tasks move there (a move
-                # waits for an RCU grace period: milliseconds, this class only)
+                # v1 renames a cgroup within its parent only: a sandbox of the other CPU
+                # class than the pooled cgroups' gets a cpu cgroup of its own and the
+                # pooled tasks move there (a move waits for an RCU grace period: after an
+                # idle spell, milliseconds)
                 dst.mkdir()
                 made = dst
                 for pid in fs.procs(src):

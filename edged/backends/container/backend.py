@@ -101,6 +101,7 @@ class _Pooled:
     status: int
     ready: asyncio.Future[None]
     cg: SandboxCgroup | None = None  # its cgroups (``.pool-<slot>``), v1 only
+    qos: str = SandboxSpec.qos  # the CPU class its cgroups were made for
 
 
 @dataclass
@@ -186,6 +187,10 @@ class ContainerBackend:
         self._slots_loaded = False
         self.spawner_pool = max(0, spawner_pool)
         self._pool: list[_Pooled] = []
+        #: the CPU class new pooled spawners' cgroups are made for: the last create's (a
+        #: claim of another class moves the tasks between cpu cgroups, and a move waits for
+        #: an RCU grace period: after an idle spell, milliseconds on the create)
+        self._pool_qos = SandboxSpec.qos
         # pid -> (pidfd, what to do once it is reaped) of spawners being reaped
         self._reaping: dict[int, tuple[int, Callable[[], None] | None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # of the pool's readers
@@ -366,13 +371,16 @@ class ContainerBackend:
             except Exception:
                 log.exception("sandbox %s: failure report", sbx.id)
 
-    def _take_pooled(self) -> _Pooled | None:
-        """A ready pooled spawner (removed from the pool), or None."""
+    def _take_pooled(self, qos: str) -> _Pooled | None:
+        """A ready pooled spawner (removed from the pool), one whose cgroups were made for
+        CPU class ``qos`` if there is one, or None."""
         self._adopt_loop()
-        for i, p in enumerate(self._pool):
-            if p.ready.done() and p.ready.exception() is None:
-                return self._pool.pop(i)
-        return None
+        ready = [p for p in self._pool if p.ready.done() and p.ready.exception() is None]
+        if not ready:
+            return None
+        p = next((p for p in ready if p.qos == qos), ready[0])
+        self._pool.remove(p)
+        return p
 
     def _fill_pool(self) -> None:
         """Start pooled spawners up to ``spawner_pool`` (they get ready in the background).
@@ -386,7 +394,8 @@ class ContainerBackend:
                 return
             uid_base = self.uid_base + slot * self.id_count
             try:
-                cg = self.cgroups.create_pooled(str(slot), uid_base)
+                qos = self._pool_qos
+                cg = self.cgroups.create_pooled(str(slot), uid_base, qos=qos)
             except BackendError as exc:
                 self._free_slot(slot)
                 log.warning("spawner pool: %s", exc)
@@ -414,7 +423,7 @@ class ContainerBackend:
             finally:
                 os.close(w_st)
             os.close(r_in)
-            p = _Pooled(pid, slot, w_in, r_st, loop.create_future(), cg)
+            p = _Pooled(pid, slot, w_in, r_st, loop.create_future(), cg, qos)
             self._pool.append(p)
             loop.add_reader(r_st, self._pool_status, p)
 
@@ -587,7 +596,8 @@ class ContainerBackend:
         meta: dict[str, Any] = {"id": sid}
         pid = 0
         # a pooled spawner's child has a network namespace of its own already
-        pooled = self._take_pooled() if spec.netns_fd is None else None
+        pooled = self._take_pooled(spec.qos) if spec.netns_fd is None else None
+        self._pool_qos = spec.qos  # the refill's class: the next create's, likely
         try:
             slot = pooled.slot if pooled is not None else self._alloc_slot(sid)
             uid_base = self.uid_base + slot * self.id_count

@@ -1047,3 +1047,68 @@ def test_qos_classes_take_their_cpu_parent(state_dir: Path, busybox_tree: Path) 
             await b.close()
 
     run(body)
+
+
+def test_pooled_spawners_follow_the_creates_class(state_dir: Path, busybox_tree: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """v1: the pool refills in the CPU class of the last create, so that a run of creates of
+    one class claims pooled cgroups by renames alone: a task moved between cgroups waits for
+    an RCU grace period, which after an idle spell is milliseconds on the create (the
+    latency-sensitive create after 50 ms idle went 6.2 -> 16 ms when the pool was always
+    best-effort)."""
+    b = ContainerBackend(state_dir, spawner_pool=1)
+    if b.cgroups.version != "v1":
+        pytest.skip("the idle cpu parent is v1's")
+    from edged.cgroups import fs as cgfs
+
+    moves: list[str] = []
+    write = cgfs.write
+
+    def spy(path: Path, value: str) -> None:
+        if path.name == "cgroup.procs":
+            moves.append(str(path))
+        write(path, value)
+
+    monkeypatch.setattr(cgfs, "write", spy)
+    idle = b.cgroups.idle_cpu  # type: ignore[attr-defined]
+    normal = b.cgroups.parents["cpu"]
+
+    async def ready() -> None:
+        deadline = time.monotonic() + 10
+        while not (b._pool and all(p.ready.done() for p in b._pool)):
+            assert time.monotonic() < deadline, "pool not ready"
+            await asyncio.sleep(0.01)
+
+    def pooled_cpu_parents() -> set[Path]:
+        return {p.cg.dirs["cpu"].parent for p in b._pool if p.cg is not None}
+
+    async def make(sid: str, qos: str) -> None:
+        await ready()
+        slot = b._pool[0].slot
+        moves.clear()
+        await b.create(dataclasses.replace(spec((str(busybox_tree),), sid=sid), qos=qos))
+        assert b._sandboxes[sid].slot == slot  # made by the pooled spawner
+
+    async def body() -> None:
+        await b.warm()
+        made: list[str] = []
+        try:
+            assert pooled_cpu_parents() == {idle}  # the default class first
+            for i, (qos, parent) in enumerate([("latency_sensitive", normal)] * 3
+                                              + [("best_effort", idle)] * 2):
+                sid = f"s{i}"
+                await make(sid, qos)
+                made.append(sid)
+                assert b._sandboxes[sid].cg.dirs["cpu"].parent == parent, sid
+                if i not in (0, 3):  # a change of class moves the tasks once, then none
+                    assert moves == [], (sid, moves)
+                out, _, end = await sh(b, sid, "echo ok")
+                assert (out, end.exit_code) == (b"ok\n", 0)
+                await ready()
+                assert pooled_cpu_parents() == {parent}, sid  # the refill's class
+        finally:
+            for sid in made:
+                await b.destroy(sid)
+            await b.close()
+
+    run(body)
