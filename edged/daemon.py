@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -29,7 +30,7 @@ from aiohttp import web
 from edged.api.app import make_app
 from edged.api.common import MAX_JSON_BODY, json_body
 from edged.api.fncalls import fusion_app
-from edged.backends.base import Backend, CallBackend
+from edged.backends.base import Backend, CallBackend, NetnsJoiner
 from edged.backends.registry import Backends
 from edged.compat.e2b.listener import Listener
 from edged.config import Config, mem_total
@@ -84,6 +85,13 @@ def setup_logging(level: str) -> None:
         lg.setLevel(lvl)
         lg.propagate = False
 
+
+
+def network_backend(backends: Iterable[Backend]) -> NetnsJoiner | None:
+    """The first of ``backends`` whose sandboxes can join a network namespace the daemon
+    made (:class:`~edged.backends.base.NetnsJoiner`), which the node's network serves; None
+    if none can."""
+    return next((b for b in backends if isinstance(b, NetnsJoiner)), None)
 
 class Server:
     """One edged daemon. Inject ``backend`` (or several, ``backends``) and ``layers`` in
@@ -295,12 +303,7 @@ class Server:
             return None
         from edged.net.manager import NetworkManager, Settings
 
-        chosen: Backend | None = None
-        for b in backends:
-            if getattr(b, "cgroups", None) is not None and hasattr(b, "init_pid"):
-                chosen = b
-                break
-        cgroups = getattr(chosen, "cgroups", None)
+        chosen = network_backend(backends)
         settings = Settings(
             state_dir=Path(cfg.state_dir), pool4=cfg.network_pool, pool6=cfg.network_pool6,
             prefix=cfg.network_prefix, profile=cfg.network_profile,
@@ -310,10 +313,10 @@ class Server:
             prepare_ahead=cfg.network_prepare_ahead, proxy=cfg.network_proxy,
             proxy_tls_port=cfg.network_proxy_tls_port,
             proxy_http_port=cfg.network_proxy_http_port,
-            cgroup_dir=cgroups.bpf_dir() if cgroups is not None else None,
+            cgroup_dir=chosen.egress_cgroup_dir() if chosen is not None else None,
             backend=chosen.name if chosen is not None else backends.default)
         net = NetworkManager(settings, ledger.record,
-                             getattr(chosen, "init_pid", None))
+                             chosen.init_pid if chosen is not None else None)
         feats = await net.start()
         log.info("network", extra={"network": feats})
         return net

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
@@ -222,6 +223,9 @@ class Backend(Protocol):
     sends security events (:data:`EventSink`); set by whoever builds it (the registry,
     :mod:`edged.backends.registry`), None: dropped. ``can_reclaim``: whether
     :meth:`reclaim` pages anything out (the node's reclaim leaves it alone otherwise).
+    ``fds_per_sandbox``: the descriptors it holds in the daemon per live sandbox (pidfds,
+    control connections), which the node's descriptor budget counts
+    (:class:`edged.node.fds.FdBudget`); 0 for none.
     """
 
     name: str
@@ -230,6 +234,7 @@ class Backend(Protocol):
     #: set by the daemon: told when a sandbox dies on its own (None: nobody listens)
     on_failure: FailureSink | None
     can_reclaim: bool
+    fds_per_sandbox: int
 
     async def probe(self) -> dict[str, object]:
         """Features found on this host (cgroup v1/v2, userns, idmapped mounts...)."""
@@ -342,6 +347,27 @@ class UpperDir:
     path: str
     id_base: int
     id_count: int
+
+
+@runtime_checkable
+class NetnsJoiner(Protocol):
+    """A backend whose sandboxes can join a network namespace the daemon made
+    (:mod:`edged.net`, a create's ``netns_fd``): optional, the daemon asks with
+    ``isinstance`` and gives the node's network to the first that is one (``name``: the
+    backend's, :attr:`Backend.name`)."""
+
+    name: str
+
+    def egress_cgroup_dir(self) -> Path | None:
+        """The cgroup v2 directory that every sandbox cgroup of the backend's is beneath
+        (made if missing), where the node's egress BPF programs attach; None on a host
+        without a v2 hierarchy (the network then refuses networked sandboxes)."""
+        ...
+
+    def init_pid(self, sandbox_id: str) -> int:
+        """The host pid of the sandbox's PID 1, whose namespaces a helper of the network
+        enters (the DNS resolver's and proxy's per-sandbox listeners). NotFound."""
+        ...
 
 
 @runtime_checkable

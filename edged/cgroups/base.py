@@ -66,7 +66,8 @@ class SandboxCgroup(abc.ABC):
     @abc.abstractmethod
     def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
         """Freeze (``frozen``) or thaw every task of the sandbox; waits until the kernel
-        reports the state. Raises BackendError if it does not within ``timeout_s``."""
+        reports the state. Raises BackendError if it does not within ``timeout_s``,
+        InvalidState where the host gives the sandbox no freezer (:mod:`edged.cgroups.none`)."""
 
     @abc.abstractmethod
     def frozen(self) -> bool:
@@ -146,7 +147,8 @@ class SandboxCgroup(abc.ABC):
         the whole sandbox frozen while its tasks are listed and signalled, so that a fork
         bomb cannot add tasks between the listing and the kill; repeated until no task
         but ``keep_pid`` is left. Returns the number of processes killed. Raises
-        BackendError if tasks are still left after ``timeout_s``."""
+        BackendError if tasks are still left after ``timeout_s``, InvalidState where the
+        host gives the sandbox no cgroup to list its tasks by."""
         deadline = time.monotonic() + timeout_s
         killed: set[int] = set()  # one killed but not yet gone is listed again next time
         while True:

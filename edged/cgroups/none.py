@@ -1,5 +1,6 @@
 """No usable cgroups (no controllers we may use): sandboxes run without limits, cannot be
-frozen, and sbx-init kills an exec's tree by its session."""
+frozen (pause, resume and killing every process raise InvalidState), and sbx-init kills an
+exec's tree by its session."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from edged.backends.base import MemoryUsage, Resources
 from edged.cgroups.base import Hierarchy, SandboxCgroup
-from edged.errors import BackendError
+from edged.errors import InvalidState
 
 
 class NoCgroup(SandboxCgroup):
@@ -19,7 +20,12 @@ class NoCgroup(SandboxCgroup):
         return {}
 
     def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
-        raise BackendError("no freezer cgroup for this sandbox")
+        raise InvalidState(f"{'pause' if frozen else 'resume'} needs a freezer cgroup, none "
+                           "on this host")
+
+    def kill_workload(self, keep_pid: int, timeout_s: float = 10.0) -> int:
+        raise InvalidState("killing every process needs the sandbox's cgroups, none on this "
+                           "host")
 
     def frozen(self) -> bool:
         return False

@@ -269,7 +269,7 @@ class SandboxManager:
 
     def _fds_held(self) -> int:
         """Descriptors the daemon holds for its sandboxes (their backends' counts)."""
-        per = {b.name: _fds_per_sandbox(b) for b in self.backends}
+        per = {b.name: b.fds_per_sandbox for b in self.backends}
         return sum(per.get(r.backend, 0) for r in self._sandboxes.values())
 
     def backend_of(self, sandbox_id: str) -> Backend:
@@ -348,7 +348,7 @@ class SandboxManager:
         if svc is not None and not svc.available and rec.layers:
             raise LayersUnavailable("layers unavailable: the node's layer service is down and "
                                     "being restarted", retry_after=svc.retry_after())
-        self.fds.check(self._fds_held(), _fds_per_sandbox(backend))
+        self.fds.check(self._fds_held(), backend.fds_per_sandbox)
         self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
         if self.ledger is not None:
@@ -1038,12 +1038,6 @@ def _gone_how(e: BaseException) -> str:
     if isinstance(e, ConnectionError):
         return "disconnected"
     return f"error: {type(e).__name__}"
-
-
-def _fds_per_sandbox(backend: Backend) -> int:
-    """Descriptors ``backend`` holds in the daemon per sandbox (``fds_per_sandbox``; 0 for
-    a backend that says nothing)."""
-    return int(getattr(backend, "fds_per_sandbox", 0))
 
 
 def _check_path(path: str) -> None:

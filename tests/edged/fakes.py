@@ -119,6 +119,7 @@ class FakeBackend:
     name = "container"
     layer_form: LayerForm = "tree"
     can_reclaim = False
+    fds_per_sandbox = 0
 
     def __init__(self, root: Path, live: dict[str, Path] | None = None) -> None:
         self.on_event: EventSink | None = None

@@ -727,9 +727,6 @@ class ContainerBackend:
         sbx = self._get(sandbox_id)
         if sbx.paused:
             raise InvalidState(f"sandbox {sandbox_id} is paused")
-        if sbx.cg.version == "none":
-            raise InvalidState("killing every process needs the sandbox's cgroups, none on "
-                               "this host")
         try:
             n = await asyncio.to_thread(sbx.cg.kill_workload, sbx.pid)
         except BackendError as exc:
@@ -738,17 +735,15 @@ class ContainerBackend:
         return n
 
     async def pause(self, sandbox_id: str) -> None:
-        """Freeze every task of the sandbox, sbx-init included (cgroup freezer)."""
+        """Freeze every task of the sandbox, sbx-init included (cgroup freezer). Raises
+        InvalidState where the host gives it no freezer."""
         sbx = self._get(sandbox_id)
-        if sbx.cg.version == "none":
-            raise InvalidState("pause needs a freezer cgroup, none on this host")
         await asyncio.to_thread(sbx.cg.freeze, True)
         sbx.paused = True
 
     async def resume(self, sandbox_id: str) -> None:
+        """Thaw what :meth:`pause` froze. Raises InvalidState where there is no freezer."""
         sbx = self._get(sandbox_id)
-        if sbx.cg.version == "none":
-            raise InvalidState("resume needs a freezer cgroup, none on this host")
         await asyncio.to_thread(sbx.cg.freeze, False)
         sbx.paused = False
 
@@ -772,6 +767,10 @@ class ContainerBackend:
             self._busy.discard(sandbox_id)
             if not self._sandboxes and not self._busy:
                 self._stop_watching_apparmor()
+
+    def egress_cgroup_dir(self) -> Path | None:
+        """:meth:`edged.cgroups.Hierarchy.bpf_dir` (see :class:`NetnsJoiner`)."""
+        return self.cgroups.bpf_dir()
 
     def init_pid(self, sandbox_id: str) -> int:
         """Host pid of the sandbox's sbx-init (its namespaces are reached through it)."""

@@ -96,6 +96,7 @@ class FnCallBackend:
     name = "fncall"
     layer_form: LayerForm = "tree"
     can_reclaim = False
+    fds_per_sandbox = 0  # no sandboxes of its own (its pools' are the node's)
 
     def __init__(self, *, image: str | None = None, layers: tuple[str, ...] = (),
                  resources: Resources | None = None, pool_size: int = 4,
