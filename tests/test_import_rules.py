@@ -144,6 +144,9 @@ def _under(prefix: str) -> list[str]:
     ("edged.api", lambda t: t.startswith("edged.backends.")
      and t not in ("edged.backends.base", "edged.backends.registry"),
      "the API knows backends by the contract and the registry"),
+    ("edged.compat", lambda t: t.startswith("edged.backends.")
+     and t not in ("edged.backends.base", "edged.backends.registry"),
+     "the E2B listener, beside the API, knows backends by the contract and the registry"),
     ("edged.backends", lambda t: t.startswith(("edged.node", "edged.api")),
      "a backend is below the node and the API"),
     *[(f"edged.backends.{kind}", lambda t, kind=kind: t.startswith("edged.backends.")
