@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import base64
 import codecs
+import inspect
 import json
 import random
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote, urlencode
 
 from edged.client.errors import BadRequestError, PayloadTooLargeError
@@ -295,6 +296,36 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
     if network is not None:
         body["network"] = network_value(network)
     return body
+
+
+TransportT = TypeVar("TransportT")
+
+
+class SandboxBase(Generic[TransportT]):
+    """What the sync and async sandbox share: the sandbox object ``info`` (``GET
+    /v1/sandboxes/{id}``), its ``id``, the transport to its node and the answer of the last
+    ``snapshot``."""
+
+    def __init__(self, info: dict[str, Any], transport: TransportT) -> None:
+        self.info = info
+        self.id: str = info["id"]
+        self._t = transport
+        #: the answer of the last :meth:`snapshot`
+        self.last_snapshot: dict[str, Any] = {}
+
+
+#: :func:`create_body`'s arguments: every create takes them by these names (the SDK's
+#: ``Sandbox.create`` and ``AsyncSandbox.create``, the cluster clients' ``create``)
+CREATE_ARGS = tuple(inspect.signature(create_body).parameters)
+
+
+def create_body_of(args: Mapping[str, Any], **given: Any) -> dict[str, Any]:
+    """:func:`create_body` of a create's own arguments: ``args``, its ``locals()`` (it takes
+    every one of :data:`CREATE_ARGS` by that name), with ``given`` over them (the cluster's
+    ``id`` for the node tried). One list of the create's fields for the sync and async SDK
+    and the cluster clients, whose signatures stay written out for their readers (the tests
+    check they take every one)."""
+    return create_body(**{**{n: args[n] for n in CREATE_ARGS}, **given})
 
 
 def network_value(network: Any) -> Any:

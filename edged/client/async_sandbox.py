@@ -18,7 +18,8 @@ from edged.client._common import (
     ExecResult,
     OutputCallback,
     RetryPolicy,
-    create_body,
+    SandboxBase,
+    create_body_of,
     encode_json,
     exec_body,
     fs_call,
@@ -34,7 +35,7 @@ from edged.client.errors import (
     NotFoundError,
     from_body,
 )
-from edged.client.session import run_body, session_body
+from edged.client.session import SessionBase, run_body, session_body
 
 if TYPE_CHECKING:
     import aiohttp
@@ -232,17 +233,8 @@ class AsyncFiles:
                                                      dst=dst)))
 
 
-class AsyncSession:
+class AsyncSession(SessionBase["AsyncSandbox"]):
     """A shell session of an :class:`AsyncSandbox` (see :class:`edged.client.session.Session`)."""
-
-    def __init__(self, sbx: AsyncSandbox, info: dict[str, Any]) -> None:
-        self._sbx = sbx
-        self.info = info
-        self.id: str = info["id"]
-
-    @property
-    def shell(self) -> str:
-        return str(self.info["shell"])
 
     async def run(self, cmd: str, *, timeout: float | None = None,
                   output_limit: int | None = None, on_stdout: OutputCallback | None = None,
@@ -276,18 +268,14 @@ class AsyncSession:
         await self.close()
 
 
-class AsyncSandbox:
+class AsyncSandbox(SandboxBase[AsyncTransport]):
     """One sandbox, asyncio flavour. ``async with await AsyncSandbox.create(...) as sbx``
     kills it and closes the session on exit."""
 
     def __init__(self, info: dict[str, Any], transport: AsyncTransport) -> None:
-        self.info = info
-        self.id: str = info["id"]
-        self._t = transport
+        super().__init__(info, transport)
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
-        #: the answer of the last :meth:`snapshot`
-        self.last_snapshot: dict[str, Any] = {}
 
     @classmethod
     async def create(cls, image: str | None = None, layers: Sequence[str] | None = None, *,
@@ -306,14 +294,7 @@ class AsyncSandbox:
                      backend: str | None = None) -> AsyncSandbox:
         """See :meth:`edged.client.Sandbox.create`."""
         t = AsyncTransport(socket, retry=retry)
-        body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
-                           pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                           idle_timeout=idle_timeout, labels=labels,
-                           task_profile=task_profile, seccomp_profile=seccomp_profile,
-                           memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after, network=network,
-                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib,
-                           backend=backend)
+        body = create_body_of(locals())
         try:
             info = await t.json("POST", path_for("sandboxes"), body)
         except BaseException:

@@ -12,7 +12,8 @@ from edged.client._common import (
     ExecResult,
     OutputCallback,
     RetryPolicy,
-    create_body,
+    SandboxBase,
+    create_body_of,
     exec_body,
     fs_call,
     merge_env,
@@ -116,7 +117,7 @@ class Files:
         return dict(self._sbx._t.json(*fs_call(self._sbx.id, "rename", src=src, dst=dst)))
 
 
-class Sandbox:
+class Sandbox(SandboxBase[Transport]):
     """One sandbox on an edged node. Use as a context manager to kill it on exit.
 
     Errors: the :mod:`edged.client.errors` hierarchy (``NotFoundError``,
@@ -125,13 +126,9 @@ class Sandbox:
     """
 
     def __init__(self, info: dict[str, Any], transport: Transport) -> None:
-        self.info = info
-        self.id: str = info["id"]
-        self._t = transport
+        super().__init__(info, transport)
         self.commands = Commands(self)
         self.files = Files(self)
-        #: the answer of the last :meth:`snapshot`
-        self.last_snapshot: dict[str, Any] = {}
 
     @classmethod
     def create(cls, image: str | None = None, layers: Sequence[str] | None = None, *,
@@ -161,14 +158,7 @@ class Sandbox:
         (``memory_bytes`` in MiB). ``retry``: how a full node's 503 is retried, by this
         sandbox's every request (default :class:`~edged.client.RetryPolicy`: 3 times)."""
         t = Transport(socket, retry=retry)
-        body = create_body(image, layers, id=id, cpus=cpus, memory_bytes=memory_bytes,
-                           pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                           idle_timeout=idle_timeout, labels=labels,
-                           task_profile=task_profile, seccomp_profile=seccomp_profile,
-                           memory_request_bytes=memory_request_bytes, qos=qos,
-                           auto_pause_after=auto_pause_after, network=network,
-                           template=template, envs=envs, cpu=cpu, memory_mib=memory_mib,
-                           backend=backend)
+        body = create_body_of(locals())
         return cls(t.json("POST", path_for("sandboxes"), body), t)
 
     @classmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from edged.client._common import ExecCollector, ExecResult, OutputCallback
 from edged.client._http import Transport, path_for
@@ -24,6 +24,24 @@ class _Sandbox(Protocol):
 
     id: str
     _t: Transport
+
+
+SbxT = TypeVar("SbxT")
+
+
+class SessionBase(Generic[SbxT]):
+    """What the sync and async sessions share: their sandbox, the session object ``info``
+    (``id``, ``shell``, ``state``, ``runs``...) and its ``id``."""
+
+    def __init__(self, sbx: SbxT, info: dict[str, Any]) -> None:
+        self._sbx = sbx
+        self.info = info
+        self.id: str = info["id"]
+
+    @property
+    def shell(self) -> str:
+        """The shell's path in the sandbox (``/bin/bash`` or ``/bin/sh``)."""
+        return str(self.info["shell"])
 
 
 def session_body(*, id: str | None, shell: str | None, env: Mapping[str, str] | None,
@@ -50,19 +68,9 @@ def run_body(cmd: str, *, timeout: float | None, output_limit: int | None) -> di
     return body
 
 
-class Session:
+class Session(SessionBase[_Sandbox]):
     """One shell session of a :class:`~edged.client.Sandbox`; a context manager that closes
     it on exit. ``info``: the session object (``id``, ``shell``, ``state``, ``runs``...)."""
-
-    def __init__(self, sbx: _Sandbox, info: dict[str, Any]) -> None:
-        self._sbx = sbx
-        self.info = info
-        self.id: str = info["id"]
-
-    @property
-    def shell(self) -> str:
-        """The shell's path in the sandbox (``/bin/bash`` or ``/bin/sh``)."""
-        return str(self.info["shell"])
 
     def run(self, cmd: str, *, timeout: float | None = None, output_limit: int | None = None,
             on_stdout: OutputCallback | None = None,

@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from edged.client import AsyncSandbox
-from edged.client._common import create_body
+from edged.client._common import create_body_of
 from edged.client._http import path_for
 from edged.client.async_sandbox import AsyncTransport
 from edged.client.errors import NotFoundError, SandboxError
@@ -206,6 +206,7 @@ class AsyncClusterClient:
                      node_labels: Mapping[str, str] | None = None,
                      node: str | None = None) -> AsyncClusterSandbox:
         """See :meth:`ClusterClient.create`."""
+        args = dict(locals())  # the create's own arguments (create_body_of)
         await self._fresh()
         if node == LOCAL:
             node = await self.local_node()
@@ -213,35 +214,21 @@ class AsyncClusterClient:
                 raise ClusterError("node='local': no edged node runs on this Ray node")
         plan = CreatePlan(self.placer, Constraints(backend, dict(node_labels or {}), node),
                           self.max_attempts, id, self.refresh_s)
-        again = True  # no node with room by the reports: read them once more, then say so
-        while (step := plan.next()) is not None or (again and not plan.tried):
-            if step is None:
-                again = False
+        for step in plan.attempts():
+            if step is None:  # no node with room by the reports: read them once more
                 await self.refresh()
                 continue
             t, sid = step
-            body = create_body(image, layers, id=sid, cpus=cpus, memory_bytes=memory_bytes,
-                               pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                               idle_timeout=idle_timeout, labels=labels,
-                               task_profile=task_profile, seccomp_profile=seccomp_profile,
-                               memory_request_bytes=memory_request_bytes, qos=qos,
-                               auto_pause_after=auto_pause_after, network=network,
-                               backend=backend, template=template, envs=envs, cpu=cpu,
-                               memory_mib=memory_mib)
             try:
                 route = await self._route(t.node)
-                info, e, at = await self._create_on(route, body)
+                info, e, at = await self._create_on(route, create_body_of(args, id=sid))
             except BaseException as x:
-                if isinstance(x, SandboxError) and plan.failed(t, x, None):
-                    continue
-                self.placer.failed(t)
-                raise
+                plan.crashed(t, x)
+                continue
             if info is not None:
                 plan.placed(t, info)
                 return AsyncClusterSandbox(info, route, t.node, self.placer)
-            assert e is not None
-            if not plan.failed(t, e, at):
-                raise e
+            plan.refused(t, e, at)
         raise plan.error()
 
     async def connect(self, sandbox_id: str) -> AsyncClusterSandbox:

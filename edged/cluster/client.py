@@ -22,13 +22,13 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
 
 from edged.client import Sandbox
-from edged.client._common import create_body
+from edged.client._common import create_body_of
 from edged.client._http import Transport, path_for
 from edged.client.errors import (
     CapacityExhaustedError,
@@ -88,6 +88,31 @@ class CreatePlan:
     def placed(self, t: Ticket, info: Mapping[str, Any]) -> None:
         """Attempt ``t`` made the sandbox ``info``."""
         self.placer.placed(t, float(info.get("created_at") or time.time()))
+
+    def attempts(self) -> Iterator[tuple[Ticket, str] | None]:
+        """The loop of the sync and async clients' create: the attempts (:meth:`next`) and,
+        once, None where no node has room by the reports, for the caller to read them again
+        (``refresh``) before the next. After the last, raise :meth:`error`."""
+        again = True
+        while (step := self.next()) is not None or (again and not self.tried):
+            if step is None:
+                again = False
+            yield step
+
+    def crashed(self, t: Ticket, x: BaseException) -> None:
+        """Attempt ``t`` raised ``x`` (in the call, not as the node's answer): returns where
+        another node may take the sandbox, else re-raises ``x``."""
+        if isinstance(x, SandboxError) and self.failed(t, x, None):
+            return
+        self.placer.failed(t)
+        raise x
+
+    def refused(self, t: Ticket, e: SandboxError | None, at: float | None) -> None:
+        """The node of attempt ``t`` answered ``e`` (at its time ``at``): returns where
+        another node may take the sandbox, else raises ``e``."""
+        assert e is not None
+        if not self.failed(t, e, at):
+            raise e
 
     def error(self) -> SandboxError:
         """Why no attempt succeeded."""
@@ -333,6 +358,7 @@ class ClusterClient:
         ``max_attempts`` nodes refused, with ``retry_after``), :class:`ClusterError` if no
         node that is up meets the constraints, and any other SDK error at once (a bad
         request is not sent to a second node)."""
+        args = dict(locals())  # the create's own arguments (create_body_of)
         self._fresh()
         if node == LOCAL:
             node = self.local_node()
@@ -340,35 +366,21 @@ class ClusterClient:
                 raise ClusterError("node='local': no edged node runs on this Ray node")
         plan = CreatePlan(self.placer, Constraints(backend, dict(node_labels or {}), node),
                           self.max_attempts, id, self.refresh_s)
-        again = True  # no node with room by the reports: read them once more, then say so
-        while (step := plan.next()) is not None or (again and not plan.tried):
-            if step is None:
-                again = False
+        for step in plan.attempts():
+            if step is None:  # no node with room by the reports: read them once more
                 self.refresh()
                 continue
             t, sid = step
-            body = create_body(image, layers, id=sid, cpus=cpus, memory_bytes=memory_bytes,
-                               pids=pids, disk_bytes=disk_bytes, env=env, timeout=timeout,
-                               idle_timeout=idle_timeout, labels=labels,
-                               task_profile=task_profile, seccomp_profile=seccomp_profile,
-                               memory_request_bytes=memory_request_bytes, qos=qos,
-                               auto_pause_after=auto_pause_after, network=network,
-                               backend=backend, template=template, envs=envs, cpu=cpu,
-                               memory_mib=memory_mib)
             try:
                 route = self._route(t.node)
-                info, e, at = self._create_on(route, body)
+                info, e, at = self._create_on(route, create_body_of(args, id=sid))
             except BaseException as x:
-                if isinstance(x, SandboxError) and plan.failed(t, x, None):
-                    continue
-                self.placer.failed(t)
-                raise
+                plan.crashed(t, x)
+                continue
             if info is not None:
                 plan.placed(t, info)
                 return ClusterSandbox(info, route, t.node, self.placer)
-            assert e is not None
-            if not plan.failed(t, e, at):
-                raise e
+            plan.refused(t, e, at)
         raise plan.error()
 
     def connect(self, sandbox_id: str) -> ClusterSandbox:

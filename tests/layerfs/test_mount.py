@@ -5,6 +5,7 @@ overlayfs), the loop device gone with the mount."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
@@ -90,21 +91,29 @@ def image_dirs(tmp_path: Path) -> Iterator[dict[str, Path]]:
         d.rmdir()
 
 
+@contextlib.contextmanager
+def _mounted(img: Path, mp: Path, *, lazy: bool = False) -> Iterator[str]:
+    """``img`` mounted at ``mp`` (its file read through the mount); yields the mount's
+    source. After the unmount no loop device is left backed by ``img``."""
+    mount_erofs(img, mp)
+    try:
+        assert (mp / "hello").read_text() == "from the layer\n"
+        yield _source(mp)
+    finally:
+        umount(mp, lazy=lazy)
+    assert not _loops_backed_by(img)
+
+
 @pytest.mark.root
 @pytest.mark.mount
 def test_erofs_mounts_file_backed_where_the_probe_says(image_dirs: dict[str, Path]) -> None:
     img, mp = image_dirs["disk"], image_dirs["mnt"]
-    mount_erofs(img, mp)
-    try:
-        assert (mp / "hello").read_text() == "from the layer\n"
+    with _mounted(img, mp) as source:
         if mount.erofs_file_backed():
-            assert _source(mp) == str(img)
+            assert source == str(img)
             assert not _loops_backed_by(img)
         else:  # e.g. the 6.1 LTS kernel of the node VM (scripts/node-vm.sh)
-            assert _source(mp).startswith("/dev/loop"), _source(mp)
-    finally:
-        umount(mp)
-    assert not _loops_backed_by(img)
+            assert source.startswith("/dev/loop"), source
 
 
 @pytest.mark.root
@@ -113,18 +122,12 @@ def test_without_file_backed_mounts_a_loop_device_is_used_and_goes_with_the_moun
         image_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     img, mp = image_dirs["disk"], image_dirs["mnt"]
     monkeypatch.setattr(mount, "_file_backed", False)  # as on a kernel before 6.12
-    mount_erofs(img, mp)
-    try:
-        dev = _source(mp)
+    with _mounted(img, mp, lazy=True) as dev:  # a lazy unmount too lets the kernel detach it
         assert dev.startswith("/dev/loop"), dev
         name = dev.removeprefix("/dev/")
         assert _loops_backed_by(img) == [name]
         assert Path(f"/sys/block/{name}/ro").read_text().strip() == "1"
         assert Path(f"/sys/block/{name}/loop/autoclear").read_text().strip() == "1"
-        assert (mp / "hello").read_text() == "from the layer\n"
-    finally:
-        umount(mp, lazy=True)  # a lazy unmount too lets the kernel detach it
-    assert not _loops_backed_by(img)
     # a mount that fails (no EROFS superblock) leaves no loop device either
     bad = img.with_name("zeros.erofs")
     bad.write_bytes(bytes(8192))
@@ -140,10 +143,5 @@ def test_without_file_backed_mounts_a_loop_device_is_used_and_goes_with_the_moun
 def test_an_image_on_tmpfs_mounts_through_a_loop_device(image_dirs: dict[str, Path]) -> None:
     """A file on tmpfs is refused file-backed (ENOTBLK, also on 6.18): it was an error."""
     img, mp = image_dirs["shm"], image_dirs["mnt"]
-    mount_erofs(img, mp)
-    try:
-        assert (mp / "hello").read_text() == "from the layer\n"
-        assert _source(mp).startswith("/dev/loop")
-    finally:
-        umount(mp)
-    assert not _loops_backed_by(img)
+    with _mounted(img, mp) as source:
+        assert source.startswith("/dev/loop"), source
