@@ -83,6 +83,8 @@ def test_kill_workload_counts_each_process_once() -> None:
     passes = [{proc.pid}, {proc.pid}, set()]  # still listed once after its SIGKILL
 
     class Slow(NoCgroup):
+        kill_workload = SandboxCgroup.kill_workload  # the loop under test (NoCgroup refuses)
+
         def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
             pass
 
