@@ -10,23 +10,25 @@ large file in two layers falls on the same chunks and is stored once.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from layerfs.defaults import DEFAULT_CHUNK_SIZE
+from layerfs.digest import sha256_fd, sha256_while
 from layerfs.errors import InvalidSourceError, NotFoundError
 from layerfs.manifest import InvalidArgumentError, Manifest, check_chunk_size, check_kind
-from layerfs.output import STDOUT, check_output, copy_to_stdout, replace_with
-from layerfs.store import DEFAULT_CHUNK_SIZE, Store, sha256_file
-from layerfs.tree import Tree
+from layerfs.output import STDOUT, check_output, copy_to_stdout, make_durable, replace_with
 from layerfs.writer import WriterInput, WriterOptions, write_image
+
+if TYPE_CHECKING:  # a build from a directory without a store imports neither
+    from layerfs.store import Store
+    from layerfs.tree import Tree
 
 MAX_SOURCE_DATE_EPOCH = (1 << 63) - 1
 """Largest ``SOURCE_DATE_EPOCH`` (seconds): EROFS extended inodes and the writer keep
@@ -62,11 +64,10 @@ class BuildResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary (what ``layerfs build --json`` prints per layer)."""
         st = self.stats
-        stats = (dataclasses.asdict(st) if dataclasses.is_dataclass(st)
-                 and not isinstance(st, type) else dict(vars(st)))
+        stats = st._asdict() if hasattr(st, "_asdict") else dict(vars(st))
         for k, v in stats.items():
             if isinstance(v, bytes):  # the uuid
-                stats[k] = str(uuid.UUID(bytes=v)) if len(v) == 16 else v.hex()
+                stats[k] = _uuid_text(v) if len(v) == 16 else v.hex()
         return {
             "digest": self.digest, "size": self.size, "kind": self.kind,
             "source": self.source, "output": self.output,
@@ -78,6 +79,13 @@ class BuildResult:
             "store_seconds": round(self.store_seconds, 6),
             "image": stats,
         }
+
+
+def _uuid_text(b: bytes) -> str:
+    """The 16 bytes ``b`` as a uuid string (what ``str(uuid.UUID(bytes=b))`` gives,
+    without importing ``uuid``: start-up time)."""
+    h = b.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def writer_options(options: WriterOptions | None, chunk_size: int,
@@ -99,7 +107,7 @@ def writer_options(options: WriterOptions | None, chunk_size: int,
     """
     env = os.environ if environ is None else environ
     opts = options if options is not None else WriterOptions()
-    opts = dataclasses.replace(opts, chunk_align=chunk_size)
+    opts = opts._replace(chunk_align=chunk_size)
     sde = env.get("SOURCE_DATE_EPOCH")
     if clamp_mtime and opts.clamp_mtime_ns is None:
         if sde is None:
@@ -112,7 +120,7 @@ def writer_options(options: WriterOptions | None, chunk_size: int,
                 f"SOURCE_DATE_EPOCH={sde!r} is not a number of seconds from 0 to "
                 f"{MAX_SOURCE_DATE_EPOCH}")
         secs = int(text)
-        opts = dataclasses.replace(opts, clamp_mtime_ns=secs * 1_000_000_000)
+        opts = opts._replace(clamp_mtime_ns=secs * 1_000_000_000)
     return opts
 
 
@@ -128,16 +136,21 @@ def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
     where = (os.path.dirname(job.output) if job.output and job.output != STDOUT
              else scratch)
     fd, tmp = tempfile.mkstemp(prefix=".layerfs-build.", suffix=".erofs", dir=where)
+    durable = store is None and bool(job.output) and job.output != STDOUT
     try:
         t0 = time.monotonic()
         try:
             # Into the temp file itself: the store reads it back and drops it (nothing
-            # to fsync); replace_with() makes an output durable before renaming it.
+            # to fsync); an output is made durable before it is renamed into place.
             stats = write_image(job.tree, fd, opts, writeback=bool(job.output)
                                 and job.output != STDOUT)
+            t1 = time.monotonic()
+            if durable:  # its fsync runs while it is hashed (both without the GIL)
+                digest = sha256_while(fd, make_durable)
+            elif store is None:
+                digest = sha256_fd(fd)
         finally:
             os.close(fd)
-        t1 = time.monotonic()
         manifest = None
         new_chunks = new_bytes = reused = 0
         if store is not None:
@@ -149,12 +162,12 @@ def _emit(job: _Job, *, kind: str, store: Store | None, opts: WriterOptions,
                                              added.reused_chunks)
             digest, size = manifest.digest, manifest.size
         else:
-            digest, size = sha256_file(tmp), os.path.getsize(tmp)
+            size = stats.size
         t2 = time.monotonic()
         if job.output == STDOUT:
             copy_to_stdout(tmp)
         elif job.output:
-            replace_with(tmp, job.output)
+            replace_with(tmp, job.output, durable=durable)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

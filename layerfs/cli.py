@@ -13,14 +13,18 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerfs import cli_remote
+from layerfs.defaults import DEFAULT_LEVEL, default_root
+from layerfs.digest import sha256_file
 from layerfs.errors import LayerfsError, NotFoundError
 from layerfs.manifest import KINDS, Manifest, check_chunk_size
 from layerfs.output import STDOUT, check_output
 from layerfs.progress import Bar, human_bytes
-from layerfs.store import DEFAULT_LEVEL, Store, default_root, sha256_file
+
+if TYPE_CHECKING:  # imported where a command opens it: a build without one does not
+    from layerfs.store import Store
 
 
 class _UsageError(Exception):
@@ -105,6 +109,8 @@ def _emit(args: argparse.Namespace, obj: dict[str, Any], human: str) -> None:
 
 
 def _open_store(args: argparse.Namespace, *, create: bool = False, **kw: Any) -> Store:
+    from layerfs.store import Store
+
     return Store(args.store or default_root(), create=create, **kw)
 
 

@@ -12,10 +12,10 @@ import signal
 import sys
 from typing import Any
 
+from layerfs.defaults import default_root
 from layerfs.errors import LayerfsError
 from layerfs.manifest import check_digest
 from layerfs.progress import human_bytes
-from layerfs.store import Store, default_root
 
 
 def add_parsers(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -89,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio  # here, not at the top: every `layerfs` run would pay ~40 ms for it
 
     from layerfs.remote.server import serve_forever
+    from layerfs.store import Store
 
     store = Store(args.store or default_root(), create=True)
 
@@ -115,6 +116,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
     from layerfs.progress import Bar
     from layerfs.remote import open_remote, push
+    from layerfs.store import Store
 
     store = Store(args.store or default_root(), create=False)
     digest = store.resolve(args.digest)

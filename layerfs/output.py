@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 import sys
-import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -34,6 +32,7 @@ __all__ = [
     "check_output",
     "copy_to_stdout",
     "file_mode",
+    "make_durable",
     "replace_with",
 ]
 
@@ -101,6 +100,8 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[int]:
 
     Raises :class:`OutputError` (see :func:`check_output`), before anything is created.
     """
+    import tempfile  # here, not at the top: a build into an fd never needs it
+
     p = os.fspath(path)
     if p == STDOUT:
         raise OutputError("-o -: this operation cannot write to stdout")
@@ -120,20 +121,28 @@ def atomic_output(path: str | os.PathLike[str]) -> Iterator[int]:
         raise
 
 
-def replace_with(tmp: str, path: str | os.PathLike[str]) -> None:
+def make_durable(fd: int) -> None:
+    """Give the finished temp file open at ``fd`` mode :func:`file_mode` and fsync it
+    (what :func:`replace_with` does first, for a caller that does it meanwhile)."""
+    os.fchmod(fd, file_mode())
+    os.fsync(fd)
+
+
+def replace_with(tmp: str, path: str | os.PathLike[str], *, durable: bool = False) -> None:
     """Give the finished file ``tmp`` (in the same directory as ``path``) mode
-    :func:`file_mode`, make it durable and rename it over ``path``, which is checked
-    again with :func:`check_output` just before (it may have been replaced since the
-    work began: a rename must never replace a device or a link that appeared
-    meanwhile). On error ``tmp`` is left for the caller to remove."""
+    :func:`file_mode`, make it durable (both skipped with ``durable``: the caller ran
+    :func:`make_durable` on it) and rename it over ``path``, which is checked again
+    with :func:`check_output` just before (it may have been replaced since the work
+    began: a rename must never replace a device or a link that appeared meanwhile). On
+    error ``tmp`` is left for the caller to remove."""
     p = os.fspath(path)
     dest = os.path.abspath(p)
-    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fchmod(fd, file_mode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if not durable:
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            make_durable(fd)
+        finally:
+            os.close(fd)
     check_output(p)
     os.rename(tmp, dest)
     dfd = os.open(os.path.dirname(dest), os.O_RDONLY | os.O_DIRECTORY)
@@ -146,6 +155,8 @@ def replace_with(tmp: str, path: str | os.PathLike[str]) -> None:
 def copy_to_stdout(src: str | os.PathLike[str], *, stdout: BinaryIO | None = None) -> None:
     """Copy the file ``src`` to ``stdout`` (default ``sys.stdout.buffer``), refusing a
     terminal (:class:`OutputError`)."""
+    import shutil
+
     out = stdout if stdout is not None else sys.stdout.buffer
     check_output(STDOUT, stdout=out)
     out.flush()

@@ -66,6 +66,11 @@ from typing import IO, Any, BinaryIO, TypeVar
 
 import zstandard
 
+from layerfs.defaults import DEFAULT_CHUNK_SIZE as DEFAULT_CHUNK_SIZE
+from layerfs.defaults import DEFAULT_LEVEL as DEFAULT_LEVEL
+from layerfs.defaults import DEFAULT_ROOT as DEFAULT_ROOT
+from layerfs.defaults import default_root as default_root
+from layerfs.digest import sha256_file as sha256_file
 from layerfs.errors import CorruptError, LayerfsError, NotFoundError, StoreError
 from layerfs.fsutil import atomic_write, fsync_dir, write_replace
 from layerfs.manifest import (
@@ -81,15 +86,6 @@ from layerfs.manifest import (
 from layerfs.output import atomic_output
 
 LAYOUT_VERSION = "1"
-DEFAULT_ROOT = "/var/lib/edged/layers"
-DEFAULT_CHUNK_SIZE = 256 << 10
-"""Chunk size of layers (bytes), chosen from bench/bench_lazy_coldstart.py (README): a cold
-``import numpy`` from a 1.3 GB image fetched 3.0% / 3.7% / 4.6% / 5.9% of it at 128 KiB /
-256 KiB / 512 KiB / 1 MiB chunks, in 313 / 195 / 120 / 77 requests, with 1079 / 540 /
-272 / 136 KiB of manifests. 1 MiB misses the 5% goal; 256 KiB stays well under it, and
-its cold pytest start was the quickest (128 KiB's extra requests cost more than its
-smaller over-fetch saves), at half 128 KiB's requests and manifest bytes."""
-DEFAULT_LEVEL = 3
 _STORE_DIRS = ("chunks", "manifests", "tmp")
 
 Progress = Callable[[int, int], None]
@@ -107,11 +103,6 @@ class RejectedError(LayerfsError, ValueError):
     def __init__(self, message: str, missing: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.missing = list(missing)
-
-
-def default_root() -> str:
-    """The store root: ``$LAYERFS_STORE`` if set, else ``/var/lib/edged/layers``."""
-    return os.environ.get("LAYERFS_STORE") or DEFAULT_ROOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,15 +163,6 @@ class Usage:
     chunks: int
     chunk_bytes: int
     layers: int
-
-
-def sha256_file(path: str | os.PathLike[str]) -> str:
-    """``sha256:<hex>`` of the file at ``path``, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return "sha256:" + h.hexdigest()
 
 
 def _ordered_map(pool: ThreadPoolExecutor, fn: Callable[[T], R], items: Iterable[T],

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from layerfs.errors import ImageFormatError
 from layerfs.native import ffi, lib, new_error, raise_error
-from layerfs.output import atomic_output
-from layerfs.tree import Inode, Tree
+
+if TYPE_CHECKING:  # imported where used: a directory build needs neither (start-up time)
+    from layerfs.tree import Inode, Tree
 
 __all__ = ["ImageStats", "WriterInput", "WriterOptions", "write_image"]
 
@@ -39,9 +39,9 @@ for _s, _c in ((INODE, "struct lfs_wr_inode"), (DIRENT, "struct lfs_wr_dirent"),
         raise ImportError(f"layerfs.writer: {_c} is {ffi.sizeof(_c)} bytes, not {_s.size}")
 
 
-@dataclass(frozen=True, slots=True)
-class WriterOptions:
-    """How to write an image.
+class WriterOptions(NamedTuple):
+    """How to write an image (immutable; ``opts._replace(chunk_align=0)`` for a
+    changed copy).
 
     - ``block_size``: bytes; only 4096 is supported (EROFS allows 512..PAGE_SIZE).
     - ``chunk_align``: bytes, a power of two >= ``block_size``, or 0. Regular files of
@@ -68,12 +68,11 @@ class WriterOptions:
     threaded: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class ImageStats:
-    """What :func:`write_image` wrote: ``size`` (image bytes), ``inodes``, ``files``
-    (regular files), ``data_bytes`` (sum of regular file sizes), ``meta_bytes``
-    (superblock, inodes and inline data, block-rounded), ``blocks``, the ``epoch``
-    chosen (seconds) and the ``uuid`` written."""
+class ImageStats(NamedTuple):
+    """What :func:`write_image` wrote (``stats._asdict()`` for a dict): ``size`` (image
+    bytes), ``inodes``, ``files`` (regular files), ``data_bytes`` (sum of regular file
+    sizes), ``meta_bytes`` (superblock, inodes and inline data, block-rounded),
+    ``blocks``, the ``epoch`` chosen (seconds) and the ``uuid`` written."""
 
     size: int
     inodes: int
@@ -274,9 +273,12 @@ def write_image(tree: Tree | WriterInput, out: str | os.PathLike[str] | int,
     vanished or shrank (the message names it).
     """
     options = options or WriterOptions()
-    flat = _Flat(tree) if isinstance(tree, Tree) else tree
+    # A Tree has no writer_input (and is not imported here: start-up time).
+    flat = cast("WriterInput", tree) if hasattr(tree, "writer_input") else _Flat(tree)
     if isinstance(out, int):
         return _write_fd(flat, out, options, writeback=bool(writeback))
+    from layerfs.output import atomic_output
+
     with atomic_output(out) as fd:
         stats = _write_fd(flat, fd, options, writeback=writeback is not False)
     return stats

@@ -23,12 +23,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layerfs.errors import InvalidSourceError
 from layerfs.native import ffi, lib, new_error, raise_error
-from layerfs.tree import Data, Inode, SourceId, Tree
-from layerfs.writer import DIRENT, EXTENT, INODE, XATTR
+
+if TYPE_CHECKING:  # imported in tree(): a build from the scan needs neither module
+    from layerfs.tree import Tree
 
 __all__ = ["DirScan", "load_directory", "scan_directory"]
 
@@ -51,6 +52,9 @@ class DirScan:
 
     def tree(self) -> Tree:
         """The scan as a new :class:`~layerfs.tree.Tree` (hardlinks as shared inodes)."""
+        from layerfs.tree import Data, Inode, SourceId, Tree
+        from layerfs.writer import DIRENT, EXTENT, INODE, XATTR
+
         inp = self.writer_input()
 
         def table(ptr: Any, count: int, fmt: Any) -> list[tuple[Any, ...]]:
