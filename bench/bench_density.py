@@ -818,7 +818,7 @@ def report(out: dict[str, Any]) -> None:
     waves = out["waves"]
     if waves:
         print()
-        print(f"{'':<40}" + "".join(f"{w['workload']:>16}" for w in waves))
+        print(f"{'':<40}" + "".join(f"{w['workload']:>20}" for w in waves))
         for name, f in rows:
             cells = []
             for w in waves:
@@ -835,7 +835,7 @@ def report(out: dict[str, Any]) -> None:
                     if w.get("error"):
                         print(f"wave {w['workload']} ended early: {w['error']}")
                 continue
-            print(f"{name:<40}" + "".join(f"{c:>16}" for c in cells))
+            print(f"{name:<40}" + "".join(f"{c:>20}" for c in cells))
         for w in waves:
             kc = w.get("kernel_by_cache") or {}
             shown = set()
