@@ -16,6 +16,7 @@
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <termios.h>
 #include <unistd.h>
@@ -144,6 +145,25 @@ static void kill_tree(struct sbx *s, struct exec *e)
 		sweep_session(e->pid);
 }
 
+/* A guest's upper disk, full at this exec's end: only the guest sees it (what
+ * its page cache holds is not yet in the host's file). */
+static void check_upper(struct sbx *s, struct exec *e)
+{
+	struct statfs st;
+	int full;
+
+	if (s->pol.upper_fd < 0 || fstatfs(s->pol.upper_fd, &st) < 0)
+		return;
+	full = st.f_bavail == 0 || (st.f_files > 0 && st.f_ffree == 0);
+	if (full && !s->pol.upper_full && ctl_connected(s)) {
+		struct sbx_event ev = {.kind = SBX_EV_DISK_FULL,
+				       .args = {(uint64_t)st.f_blocks * (uint64_t)st.f_bsize}};
+
+		ctl_send(s, SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
+	}
+	s->pol.upper_full = full;
+}
+
 static void exec_finish(struct sbx *s, struct exec *e)
 {
 	struct sbx_end end = {.exit_code = -1};
@@ -175,6 +195,7 @@ static void exec_finish(struct sbx *s, struct exec *e)
 		ctl_send(s, SBX_EVENT, e->id, &ev, sizeof(ev), NULL, 0);
 		e->ev_dropped = 0;
 	}
+	check_upper(s, e);
 	ctl_send(s, SBX_END, e->id, &end, sizeof(end), NULL, 0);
 	exec_free(s, e);
 	s->interest_dirty = 1;

@@ -15,6 +15,7 @@
 #include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/reboot.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -573,6 +574,9 @@ void sbx_guest_boot(struct sbx_guest *g)
 
 	memset(g, 0, sizeof(*g));
 	g->port = g->landlock_fd = g->seccomp_fd = g->cgroup_fd = g->scratch_fd = -1;
+	/* The guest's PID 1 is named as a container's is (the kernel ran it as
+	 * /init): what tests/security/attack.c checks before it runs. */
+	prctl(PR_SET_NAME, "sbx-init");
 	/* step 1: the template's part */
 	must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
 	must_mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);

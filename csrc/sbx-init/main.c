@@ -323,7 +323,7 @@ int main(int argc, char **argv)
 	s->ctl.on_frame = on_frame;
 	s->ctl.on_drop = on_drop;
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
-	s->pol.ll_ruleset = s->pol.scratch_fd = -1;
+	s->pol.ll_ruleset = s->pol.scratch_fd = s->pol.upper_fd = -1;
 	s->spare.sock = -1;
 	while ((opt = getopt(argc, argv, "gl:c:f:m:u:L:S:U:A:P:G:")) != -1) {
 		switch (opt) {
@@ -375,7 +375,7 @@ int main(int argc, char **argv)
 		s->cg.v2 = guest.cgroup_fd;
 		memcpy(s->pol.lowers, guest.lowers, sizeof(int) * (size_t)guest.n_lowers);
 		s->pol.n_lowers = guest.n_lowers;
-		s->pol.scratch_fd = guest.scratch_fd;
+		s->pol.scratch_fd = s->pol.upper_fd = guest.scratch_fd;
 		s->pol.grader_paths = guest.grader_paths;
 		s->pol.restrict_caps = !!(guest.flags & SBX_BOOT_CONFINE_CAPS);
 		s->pol.caps = guest.caps;

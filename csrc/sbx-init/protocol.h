@@ -222,6 +222,9 @@ _Static_assert(sizeof(struct sbx_error) == 8, "sbx_error is 8 bytes");
 #define SBX_EV_DROPPED 2u /* only `dropped` is set: denials not sent one by one (rate
 			   * limit or busy client) since the last event, sent before an
 			   * exec's SBX_END */
+#define SBX_EV_DISK_FULL 3u /* a guest's upper disk has no free block or inode at an
+			     * exec's end (sent once until it has room again; before the
+			     * SBX_END): args[0] its size in bytes */
 
 struct sbx_event {
 	uint32_t kind;    /* SBX_EV_* */

@@ -112,6 +112,10 @@ struct sbx_policy {
 	int lowers[SBX_MAX_LOWERS]; /* the layers for grader views (detached, bottom first) */
 	int n_lowers;             /* 0: no grader views in this sandbox */
 	int scratch_fd;           /* the scratch dir (upper/, work/, empty/), -1: none */
+	int upper_fd;             /* a guest: its upper disk's root, statfs'd at each exec's
+				   * end (SBX_EV_DISK_FULL), -1: none (a container's is the
+				   * host's to watch) */
+	int upper_full;           /* upper_fd was full at the last exec's end */
 	const char *grader_paths; /* ':'-separated paths a grader view replaces */
 	int restrict_caps;        /* each exec drops to `caps` (a guest: guest.c) */
 	uint64_t caps;

@@ -32,6 +32,11 @@ def record_event(sink: EventSink | None, sandbox_id: str, exec_id: int,
         sink(sandbox_id, "seccomp_denied",
              detail={"dropped_before": dropped, "exec_id": exec_id, "summary": True})
         return
+    if kind == P.EV_DISK_FULL:
+        # a microVM guest's upper disk, seen full by the guest (its page cache is not yet
+        # in the host's file)
+        sink(sandbox_id, "disk_full", detail={"bytes": args[0], "exec_id": exec_id})
+        return
     if kind != P.EV_SECCOMP:
         sink(sandbox_id, "protocol_violation", detail={"frame": "event", "kind": kind})
         return

@@ -74,6 +74,7 @@ DONE = 0x88
 #: SBX_EVENT kinds
 EV_SECCOMP = 1
 EV_DROPPED = 2  # only ``dropped``: denials not sent one by one, before an exec's END
+EV_DISK_FULL = 3  # a guest's upper disk is full at an exec's end; args[0]: its bytes
 
 EXEC_STDIN = 0x1
 EXEC_PTY = 0x2

@@ -8,6 +8,9 @@
  *                       each also with the high 32 bits of the request set
  *   ctl                 reach sbx-init (PID 1): /proc/1/{mem,fd}, ptrace,
  *                       process_vm_writev, signals, inherited fds, abstract sockets
+ *   ports               reach a microVM guest's control port, consoles and disks
+ *                       (by name, and by nodes made from sysfs's numbers) and
+ *                       write a forged frame into whatever opens
  *   host                host-level syscalls (mount, modules, kexec, keys, bpf, ...)
  *   userns DIR          make a user+mount namespace, then remount DIR read-write,
  *                       unmount it and write into it
@@ -40,6 +43,7 @@
 #include <sys/ptrace.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
@@ -211,6 +215,83 @@ static int do_ctl(void)
 	return 0;
 }
 
+/* Open the device node of "maj:min" (a sysfs dev file's text) made at path;
+ * on success write a forged frame into it (an exec request's shape). */
+static void forge(const char *label, const char *path, const char *majmin)
+{
+	static const char frame[] = "\x20\x00\x00\x00\x01\x00EXEC /bin/sh -c reboot";
+	unsigned maj, min;
+	int fd;
+
+	if (sscanf(majmin, "%u:%u", &maj, &min) != 2)
+		return;
+	unlink(path);
+	if (mknod(path, S_IFCHR | 0600, makedev(maj, min)) < 0 && errno != EEXIST) {
+		char l[128];
+
+		snprintf(l, sizeof(l), "mknod_%.100s", label);
+		report(l, -1);
+		return;
+	}
+	fd = open(path, O_RDWR | O_NONBLOCK);
+	report(label, fd < 0 ? -1 : write(fd, frame, sizeof(frame)));
+	if (fd >= 0)
+		close(fd);
+	unlink(path);
+}
+
+/* Reach the guest's control port (sbx-init's virtio-serial channel), the
+ * consoles and the disks: by their /dev names, and by nodes made from what
+ * sysfs says their numbers are.  Each open that works writes a forged frame. */
+static int do_ports(void)
+{
+	static const char *const classes[] = {"/sys/class/virtio-ports", "/sys/class/tty",
+					      "/sys/block"};
+	static const char *const names[] = {"/dev/vport0p1", "/dev/vport1p1", "/dev/vport2p1",
+					    "/dev/hvc0", "/dev/ttyS0", "/dev/console",
+					    "/dev/vda", "/dev/vdb", "/dev/mem", "/dev/port"};
+	char path[512], majmin[64], label[128];
+	size_t i;
+
+	for (i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+		int fd = open(names[i], O_RDWR | O_NONBLOCK);
+
+		snprintf(label, sizeof(label), "open_%s", names[i] + 5);
+		report(label, fd < 0 ? -1 : write(fd, "forged", 6));
+		if (fd >= 0)
+			close(fd);
+	}
+	for (i = 0; i < sizeof(classes) / sizeof(classes[0]); i++) {
+		DIR *d = opendir(classes[i]);
+		struct dirent *de;
+
+		printf("info_%s %s\n", strrchr(classes[i], '/') + 1,
+		       d ? "listed" : strerrorname_np(errno));
+		while (d && (de = readdir(d))) {
+			FILE *f;
+
+			if (de->d_name[0] == '.' || (i == 1 && strncmp(de->d_name, "hvc", 3) &&
+						     strncmp(de->d_name, "ttyS", 4) &&
+						     strcmp(de->d_name, "console")))
+				continue;
+			snprintf(path, sizeof(path), "%s/%s/dev", classes[i], de->d_name);
+			f = fopen(path, "r");
+			if (!f)
+				continue;
+			if (fgets(majmin, sizeof(majmin), f)) {
+				snprintf(label, sizeof(label), "node_%.100s", de->d_name);
+				snprintf(path, sizeof(path), "/tmp/.forge-%.100s", de->d_name);
+				forge(label, path, majmin);
+			}
+			fclose(f);
+		}
+		if (d)
+			closedir(d);
+	}
+	fflush(stdout);
+	return 0;
+}
+
 static int do_host(void)
 {
 	struct perf_event_attr pe;
@@ -366,6 +447,21 @@ static int do_denyflood(const char *count)
 /* Whether this runs inside a sandbox: PID 1 of its pid namespace is sbx-init,
  * and that namespace is not the host's (the initial pid namespace has the fixed
  * inode PROC_PID_INIT_INO, 0xEFFFFFFC: include/linux/proc_ns.h). */
+static int in_guest(void)
+{
+	char line[4096] = "";
+	int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+	ssize_t n = fd >= 0 ? read(fd, line, sizeof(line) - 1) : -1;
+
+	if (fd >= 0)
+		close(fd);
+	if (n <= 0)
+		return 0;
+	line[strcspn(line, "\n")] = 0;
+	n = (ssize_t)strlen(line);
+	return strstr(line, "rdinit=/init ") && n >= 6 && !strcmp(line + n - 6, " -- -g");
+}
+
 static int inside_sandbox(void)
 {
 	char comm[32] = "";
@@ -377,7 +473,11 @@ static int inside_sandbox(void)
 		close(fd);
 	if (n <= 0 || strcmp(comm, "sbx-init\n") != 0)
 		return 0;
-	return stat("/proc/self/ns/pid", &st) == 0 && st.st_ino != 0xEFFFFFFCu;
+	if (stat("/proc/self/ns/pid", &st) == 0 && st.st_ino != 0xEFFFFFFCu)
+		return 1;
+	/* a microVM's guest: sbx-init is PID 1 of the guest kernel itself, which
+	 * edged booted with sbx-init's guest mode on its command line */
+	return in_guest();
 }
 
 int main(int argc, char **argv)
@@ -395,6 +495,8 @@ int main(int argc, char **argv)
 		return do_ctl();
 	if (argc == 2 && !strcmp(argv[1], "host"))
 		return do_host();
+	if (argc == 2 && !strcmp(argv[1], "ports"))
+		return do_ports();
 	if (argc == 3 && !strcmp(argv[1], "userns"))
 		return do_userns(argv[2]);
 	if (argc == 2 && !strcmp(argv[1], "mem"))
@@ -409,7 +511,7 @@ int main(int argc, char **argv)
 		return do_forkchurn();
 	if (argc == 3 && !strcmp(argv[1], "denyflood"))
 		return do_denyflood(argv[2]);
-	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | host | mem | fds | inotify"
+	fprintf(stderr, "usage: attack protect PATH | ioctl SRC DST | ctl | ports | host | mem | fds | inotify"
 			" | forkbomb | forkchurn | denyflood N\n");
 	return 2;
 }

@@ -32,7 +32,12 @@ ENV = {"PATH": "/usr/bin:/bin"}
 @pytest.fixture(scope="session")
 def attack_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tests/security/attack.c, linked statically (the rootfs has no libc)."""
-    out = tmp_path_factory.mktemp("attack") / "attack"
+    return build_attack(tmp_path_factory.mktemp("attack") / "attack")
+
+
+def build_attack(out: Path) -> Path:
+    """Build tests/security/attack.c statically as ``out``; skips the test without a C
+    compiler or a static libc."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         pytest.skip("needs a C compiler for the attack tool")

@@ -93,8 +93,6 @@ VMM_PIDS = 256
 #: QEMU's microvm machine has 8 virtio-mmio transports (hw/i386/microvm.c,
 #: VIRTIO_NUM_TRANSPORTS): one is the control port's virtio-serial, one the upper disk.
 MAX_LAYERS = 6
-#: An upper disk this full (its allocated bytes against its size) is recorded disk_full.
-DISK_FULL_SHARE = 0.97
 
 
 @dataclass
@@ -117,7 +115,6 @@ class _Vm:
     #: why its VMM ended, once it has (see MicroVmBackend.on_failure)
     dead: dict[str, object] | None = None
     throttled: int = 0
-    disk_full: bool = False
     policy: guest_policy.GuestPolicy | None = None
 
 
@@ -355,7 +352,9 @@ class MicroVmBackend:
 
     def _poll_limits(self, vm: _Vm) -> None:
         """After an exec's end: the VMM's CPU quota throttled since the last one
-        (``cpu_throttled``) and a newly full upper disk (``disk_full``)."""
+        (``cpu_throttled``). A full upper disk (``disk_full``) is the guest's sbx-init's to
+        tell (an event before the exec's end): what the guest's page cache holds is not yet
+        in the host's file, which lagged the guest's ENOSPC by seconds."""
         if self.on_event is None:
             return
         try:
@@ -365,11 +364,6 @@ class MicroVmBackend:
                     self.on_event(vm.id, "cpu_throttled",
                                   detail={"count": n - vm.throttled, "total": n})
                 vm.throttled = n
-            st = os.stat(vm.data_dir / "upper.img")
-            full = st.st_blocks * 512 >= DISK_FULL_SHARE * st.st_size
-            if full and not vm.disk_full:
-                self.on_event(vm.id, "disk_full", detail={"bytes": st.st_size})
-            vm.disk_full = full
         except Exception as exc:  # a monitoring failure must not break the exec stream
             log.warning("sandbox %s: limit counters: %s", vm.id, exc)
 
