@@ -281,6 +281,17 @@ class Hierarchy(abc.ABC):
         with ``bpf`` also its own v2 directory (``bpf_dir``) for cgroup BPF, which the spawner
         then joins. Raises BackendError (the half-made cgroups removed)."""
 
+    def reclass(self, cg: SandboxCgroup, qos: str) -> None:
+        """Put a sandbox's running tasks in CPU class ``qos`` (as :meth:`create` would have),
+        its limits kept: e.g. a best-effort microVM's VMM runs normal while it starts (a
+        SCHED_IDLE VMM on a busy host was starved past every bound of its start) and idle
+        after. Here the class is the cgroup's own setting (:meth:`SandboxCgroup.set_qos`).
+        Raises BackendError."""
+        try:
+            cg.set_qos(qos)
+        except OSError as exc:
+            raise BackendError(f"cgroup {cg.dirs}: CPU class {qos}: {exc}") from exc
+
     def create_pooled(self, tag: str, root_uid: int, *,
                       qos: str = "best_effort") -> SandboxCgroup | None:
         """Cgroups ``.pool-<tag>`` for a pooled spawner, made ahead of demand without limits

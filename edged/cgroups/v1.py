@@ -273,6 +273,40 @@ class V1Hierarchy(Hierarchy):
             raise BackendError(f"cgroup for sandbox {sandbox_id}: {exc}") from exc
         return cg
 
+    def reclass(self, cg: SandboxCgroup, qos: str) -> None:
+        """The cpu cgroup's class is its parent (see the module): a cpu cgroup of the same
+        limits is made beneath the other parent, the tasks move there (a process at a time:
+        cgroup.procs moves every thread of it), the old one goes. Raises BackendError (the
+        tasks then stay where they were, or are already in the new cgroup)."""
+        src = cg.dirs["cpu"]
+        dst = self.path_of(src.name, qos).dirs["cpu"]
+        if src == dst:
+            return super().reclass(cg, qos)
+        made = False
+        try:
+            dst.mkdir()
+            made = True
+            for f in ("cpu.cfs_period_us", "cpu.cfs_quota_us", "cpu.shares"):
+                fs.write(dst / f, fs.read(src / f).strip())
+            if not dst.parent.name.endswith("-idle"):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.write(dst / "cpu.idle", "0")
+            for _ in range(3):  # a task forked during the move lands in src: again
+                pids = fs.procs(src)
+                if not pids:
+                    break
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        fs.write(dst / "cgroup.procs", str(pid))
+            src.rmdir()
+        except OSError as exc:
+            if made and not fs.procs(dst):
+                with contextlib.suppress(OSError):
+                    dst.rmdir()
+            raise BackendError(f"cgroup {src}: to CPU class {qos}: {exc}") from exc
+        cg.dirs["cpu"] = dst
+        cg.join = [dst if d == src else d for d in cg.join]
+
     def create_pooled(self, tag: str, root_uid: int, *,
                       qos: str = "best_effort") -> SandboxCgroup | None:
         """In the cpu parent of class ``qos`` (a claim of the other class moves the tasks

@@ -12,7 +12,8 @@ Per sandbox, on the host:
   ``disk_bytes``) and, while paused, ``snapshot`` (on disk: a paused sandbox keeps no host
   memory);
 - the VMM's cgroups (:mod:`edged.cgroups`, beneath the daemon's own, ``<subdir>-vm``): the
-  sandbox's CPU quota and class, and a memory limit of twice the guest's RAM plus the
+  sandbox's CPU quota and class (the normal class while the VMM starts, resumes, is
+  snapshotted or killed: :meth:`MicroVmBackend._settle`), and a memory limit of twice the guest's RAM plus the
   VMM's own overhead (:data:`VMM_OVERHEAD_BYTES`; twice, see :meth:`_vmm_resources`);
   inside the guest, the workload's cgroup has the sandbox's memory and pids limits;
 - the VMM runs as the first uid of a slot of the host-wide uid grid
@@ -88,6 +89,9 @@ GUEST_HEADROOM_MIB = 96
 #: device model, TCG's translation cache (:attr:`Machine.tb_size_mib`) and soft TLB, the
 #: host page cache of the upper disk's writes.
 VMM_OVERHEAD_BYTES = 160 << 20
+#: The CPU class a VMM starts, resumes and is snapshotted in (then its sandbox's):
+#: :meth:`MicroVmBackend._settle`.
+STARTING_QOS = "latency_sensitive"
 #: Tasks of one VMM (QEMU's main loop, vCPU, RCU and I/O worker threads).
 VMM_PIDS = 256
 #: QEMU's microvm machine has 8 virtio-mmio transports (hw/i386/microvm.c,
@@ -466,9 +470,10 @@ class MicroVmBackend:
                         lowers=list(spec.lowers), task_profile=spec.task_profile,
                         resources=dataclasses.asdict(spec.resources), qos=spec.qos)
             self._write_meta(vm)
+            # normal CPU class while it starts, the sandbox's once it runs (see _settle)
             vm.cg = await asyncio.to_thread(
                 self.cgroups.create, sid, self._vmm_resources(machine, spec.resources), 0,
-                qos=spec.qos)
+                qos=STARTING_QOS)
             if self.templates.find(machine) is None:
                 tjail, tslot = await self._template_jail()
             else:
@@ -480,6 +485,7 @@ class MicroVmBackend:
                         disks=[[d.path, d.serial, d.read_only] for d in vm.disks])
             self._write_meta(vm)
             await asyncio.to_thread(self.uid_slots.bind, vm.slot, sid, vm.guest.vm.pid)
+            await self._settle(vm, spec.qos)
             self._drop_qmp(vm.guest)
             self._vms[sid] = vm
             self._watch(vm)
@@ -495,6 +501,15 @@ class MicroVmBackend:
         finally:
             self._busy.discard(sid)
             self._free_slot(tslot)
+
+    async def _settle(self, vm: _Vm, qos: str) -> None:
+        """Move the VMM's CPU cgroup to class ``qos``. A VMM starts (and is snapshotted) in
+        :data:`STARTING_QOS` and runs in its sandbox's class: a best-effort VMM is
+        SCHED_IDLE, and one that started so on a busy host got no CPU for longer than the
+        QMP and boot bounds (30 s at a load average of 60), so creates, resumes and pauses
+        of best-effort microVMs failed. Raises BackendError."""
+        if vm.cg is not None:
+            await asyncio.to_thread(self.cgroups.reclass, vm.cg, qos)
 
     @staticmethod
     def _drop_qmp(guest: GuestVm) -> None:
@@ -537,7 +552,14 @@ class MicroVmBackend:
         vm, guest = self._running(sandbox_id)
         self._busy.add(sandbox_id)
         try:
-            await guest.pause()
+            qos = vm.meta.get("qos", "best_effort")
+            await self._settle(vm, STARTING_QOS)  # the snapshot in the normal class too
+            try:
+                await guest.pause()
+            except BaseException:
+                with contextlib.suppress(BackendError):
+                    await self._settle(vm, qos)
+                raise
             vm.paused = True
             self._unwatch(vm)
             vm.meta.update(state="paused", pid=None, starttime=None, slot=None)
@@ -563,7 +585,7 @@ class MicroVmBackend:
             res = Resources(**vm.meta.get("resources", {}))
             cg = await asyncio.to_thread(self.cgroups.create, sandbox_id,
                                          self._vmm_resources(vm.machine, res), 0,
-                                         qos=vm.meta.get("qos", "best_effort"))
+                                         qos=STARTING_QOS)
             jail = self._jail(slot, cg)
             on_end = functools.partial(self._poll_limits, vm)
             if vm.guest is None:  # adopted while paused: a new client
@@ -582,6 +604,10 @@ class MicroVmBackend:
         finally:
             self._busy.discard(sandbox_id)
         vm.slot, vm.cg, vm.paused = slot, cg, False
+        try:
+            await self._settle(vm, vm.meta.get("qos", "best_effort"))
+        except BackendError as exc:  # it runs; only its class is not yet the sandbox's
+            log.warning("sandbox %s: %s", sandbox_id, exc)
         pid = vm.guest.vm.pid
         vm.meta.update(state="running", pid=pid, starttime=starttime(pid), slot=slot)
         self._write_meta(vm)
@@ -605,6 +631,8 @@ class MicroVmBackend:
             if vm is not None:
                 self._unwatch(vm)
                 if vm.guest is not None:
+                    with contextlib.suppress(BackendError):  # a dying VMM gets CPU too
+                        await self._settle(vm, STARTING_QOS)
                     await vm.guest.destroy()
                 meta = meta or vm.meta
             await self._teardown(sandbox_id, meta)
