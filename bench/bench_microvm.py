@@ -1,8 +1,8 @@
 """MicroVM sandboxes: create→first exec from a template clone vs a cold boot vs a container,
 exec round trips, host memory per idle microVM, pause→resume. One run, one machine.
 
-    .venv/bin/python bench/bench_microvm.py [--n 20] [--cold 3] [--idle 20] [--many 0]
-                                            [--json]
+    .venv/bin/python bench/bench_microvm.py [--n 20] [--cold 3] [--idle 20] [--many 100]
+                                            [--cold-idle 10] [--tb-alt 16] [--json]
 
 Needs root, QEMU and the guest kit (scripts/install.sh). Guest: Debian's cloud kernel, the
 initramfs with this checkout's sbx-init, 256 MiB, 1 vCPU, TCG (KVM where the probe finds it
@@ -16,7 +16,9 @@ working), one busybox EROFS layer disk + a 1 GiB sparse ext4 upper disk. What is
 - host memory per idle microVM: MemAvailable before and after N clones are up and idle
   (each wrote 60 MiB to its tmpfs and removed it: memory the guest freed), divided by N, and
   the QEMU processes' PSS/RSS: template clones (sharing the template's RAM) with and without
-  free page reporting, and cold boots (anonymous RAM, nothing shared) with and without it.
+  free page reporting and at a smaller TCG translation cache (``--tb-alt``), ``--many``
+  clones (e.g. 100: the figure at scale), and cold boots (anonymous RAM, nothing shared)
+  with and without free page reporting.
   MemAvailable is node-wide: other work on the machine moves it (the PSS sum is each VM's
   own);
 - pause → resume: snapshot to a file and VMM exit, then restore to a first exec; what a
@@ -89,6 +91,15 @@ def rollup(pid: int) -> dict[str, int]:
             k, v, *_ = line.split()
             out[k.rstrip(":")] = int(v) * 1024
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (s; /proc/<pid>/stat fields 14-15)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def spec(i: int) -> boot.BootSpec:
@@ -183,11 +194,16 @@ async def idle_memory(start: Any, count: int, settle_s: float) -> dict[str, Any]
                 assert end.exit_code == 0, (end, err)
 
         await asyncio.gather(*(one(i) for i in range(count)))
-        await asyncio.sleep(settle_s)
+        await asyncio.sleep(settle_s / 2)
+        cpu0, t0 = sum(cpu_seconds(g.vm.pid) for g in vms), time.monotonic()
+        await asyncio.sleep(settle_s / 2)
+        cpu = sum(cpu_seconds(g.vm.pid) for g in vms) - cpu0
         after = mem_available()
         rolls = [rollup(g.vm.pid) for g in vms]
         return {
             "vms": count,
+            # what idle guests cost the host's CPU (their timers, under TCG)
+            "cpu_per_idle_vm_pct": 100 * cpu / (time.monotonic() - t0) / count,
             "memavailable_drop_per_vm_mib": (before - after) / count / 2**20,
             "pss_per_vm_mib": statistics.mean(r.get("Pss", 0) for r in rolls) / 2**20,
             "rss_per_vm_mib": statistics.mean(r.get("Rss", 0) for r in rolls) / 2**20,
@@ -200,7 +216,8 @@ async def idle_memory(start: Any, count: int, settle_s: float) -> dict[str, Any]
 
 
 async def bench_memory(templates: Templates, machine: Machine, layer: Path, work: Path,
-                       idle: int, many: int, settle_s: float) -> dict[str, Any]:
+                       idle: int, many: int, settle_s: float, cold_idle: int = 10,
+                       tb_alt: int = 16) -> dict[str, Any]:
     out: dict[str, Any] = {}
     fpr = dataclasses.replace(machine, free_page_reporting=True)
     t = await templates.get(machine)
@@ -221,10 +238,14 @@ async def bench_memory(templates: Templates, machine: Machine, layer: Path, work
     out["clone"] = await idle_memory(clone_of(t, "c"), idle, settle_s)
     # QEMU 7.2 cannot discard a clone's private file RAM (see vmm.Machine): no gain expected
     out["clone_fpr"] = await idle_memory(clone_of(t_fpr, "f"), idle, settle_s)
-    out["cold_no_sharing"] = await idle_memory(cold_of(machine, "k"), max(2, idle // 2),
-                                               settle_s)
-    out["cold_no_sharing_fpr"] = await idle_memory(cold_of(fpr, "q"), max(2, idle // 2),
-                                                   settle_s)
+    if tb_alt and machine.accel == "tcg":
+        # TCG's translation cache per VM (its own template: the size is part of the machine)
+        alt = dataclasses.replace(machine, tb_size_mib=tb_alt)
+        out[f"clone_tb{tb_alt}"] = await idle_memory(clone_of(await templates.get(alt), "t"),
+                                                     idle, settle_s)
+    cold = max(2, min(idle // 2, cold_idle))
+    out["cold_no_sharing"] = await idle_memory(cold_of(machine, "k"), cold, settle_s)
+    out["cold_no_sharing_fpr"] = await idle_memory(cold_of(fpr, "q"), cold, settle_s)
     if many:
         out[f"clone_{many}"] = await idle_memory(clone_of(t, "M"), many, settle_s)
     return out
@@ -277,26 +298,34 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         templates = Templates(vmm, tmp / "templates", tmp / "run")
         res: dict[str, Any] = {"accel": probe.accel, "accel_reason": probe.reason,
                                "loadavg_start": Path("/proc/loadavg").read_text().split()[:3]}
-        res["microvm"] = await bench_create(templates, machine, layer, tmp / "c", args.n,
-                                            args.cold)
-        res["container"] = await bench_container(layer, tmp / "k", args.n)
+        if args.only != "memory":
+            res["microvm"] = await bench_create(templates, machine, layer, tmp / "c", args.n,
+                                                args.cold)
+            res["container"] = await bench_container(layer, tmp / "k", args.n)
         res["memory"] = await bench_memory(templates, machine, layer, tmp / "m", args.idle,
-                                           args.many, args.settle)
-        res["pause"] = await bench_pause(templates, machine, layer, tmp / "p")
+                                           args.many, args.settle, args.cold_idle,
+                                           args.tb_alt)
+        if args.only != "memory":
+            res["pause"] = await bench_pause(templates, machine, layer, tmp / "p")
         res["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
         templates.close()
-        mv, ct = res["microvm"], res["container"]
-        res["ratios"] = {
-            "clone_vs_cold_p50": mv["clone"]["p50_ms"] / mv["cold"]["p50_ms"],
-            "clone_vs_container_p50": mv["clone"]["p50_ms"] / ct["create"]["p50_ms"],
-            "guest_vs_container_exec_rt_p50":
-                mv["guest_exec_rt"]["p50_ms"] / ct["exec_rt"]["p50_ms"],
-        }
-        per_vm = res["memory"]["clone"]["pss_per_vm_mib"]
+        if args.only != "memory":
+            mv, ct = res["microvm"], res["container"]
+            res["ratios"] = {
+                "clone_vs_cold_p50": mv["clone"]["p50_ms"] / mv["cold"]["p50_ms"],
+                "clone_vs_container_p50": mv["clone"]["p50_ms"] / ct["create"]["p50_ms"],
+                "guest_vs_container_exec_rt_p50":
+                    mv["guest_exec_rt"]["p50_ms"] / ct["exec_rt"]["p50_ms"],
+            }
+        top = res["memory"].get(f"clone_{args.many}", res["memory"]["clone"])
+        per_vm, cpu_pct = top["pss_per_vm_mib"], top["cpu_per_idle_vm_pct"]
         res["wall"] = {
+            "at_vms": top["vms"],
             "idle_vms_by_pss": int(mem_available() / (per_vm * 2**20)) if per_vm else None,
+            "idle_vms_by_cpu": int(100 * (os.cpu_count() or 1) / cpu_pct) if cpu_pct else None,
             "cause": "per-VM QEMU heap and TCG state (anonymous memory of each VMM), "
-                     "not guest RAM: see anon_per_vm_mib",
+                     "not guest RAM: see anon_per_vm_mib; and each idle guest's timer "
+                     "CPU under TCG: cpu_per_idle_vm_pct",
         }
         return res
     finally:
@@ -309,7 +338,13 @@ def main() -> int:
     ap.add_argument("--cold", type=int, default=3, help="cold boots")
     ap.add_argument("--idle", type=int, default=20, help="idle VMs for the memory figures")
     ap.add_argument("--many", type=int, default=0, help="also measure this many idle clones")
+    ap.add_argument("--cold-idle", type=int, default=10,
+                    help="idle cold boots for the no-sharing memory rows (at most --idle/2)")
+    ap.add_argument("--tb-alt", type=int, default=16,
+                    help="also idle clones at this TCG translation cache (MiB; 0: not)")
     ap.add_argument("--settle", type=float, default=8.0, help="idle seconds before measuring")
+    ap.add_argument("--only", choices=("all", "memory"), default="all",
+                    help="memory: only the idle-memory rows")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -319,9 +354,24 @@ def main() -> int:
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    mv, ct = res["microvm"], res["container"]
     print(f"accel: {res['accel']} ({res['accel_reason'][:80]}); loadavg "
           f"{' '.join(res['loadavg_start'])} -> {' '.join(res['loadavg_end'])}")
+    if args.only != "memory":
+        print_speed(res)
+    print(f"{'idle memory per VM (MiB)':32} {'MemAvail':>9} {'PSS':>7} {'RSS':>7} {'anon':>7} "
+          f"{'CPU %':>6}")
+    for name, m in res["memory"].items():
+        print(f"{name + ' x' + str(m['vms']):32} {m['memavailable_drop_per_vm_mib']:9.1f} "
+              f"{m['pss_per_vm_mib']:7.1f} {m['rss_per_vm_mib']:7.1f} "
+              f"{m['anon_per_vm_mib']:7.1f} {m['cpu_per_idle_vm_pct']:6.2f}")
+    w = res["wall"]
+    print(f"wall (from {w['at_vms']} idle VMs): ~{w['idle_vms_by_pss']} by the memory available "
+          f"now, ~{w['idle_vms_by_cpu']} by CPU; {w['cause']}")
+    return 0
+
+
+def print_speed(res: dict[str, Any]) -> None:
+    mv, ct = res["microvm"], res["container"]
     print(f"{'create -> first exec':32} {'p50 ms':>9} {'p99 ms':>9} {'n':>4}")
     for name, s in (("template clone", mv["clone"]), ("cold boot", mv["cold"]),
                     ("container", ct["create"])):
@@ -330,20 +380,12 @@ def main() -> int:
         f"{k} {v:.1f}" for k, v in mv["clone_phases_p50_ms"].items()))
     print(f"exec round trip p50: guest {mv['guest_exec_rt']['p50_ms']:.2f} ms, container "
           f"{ct['exec_rt']['p50_ms']:.2f} ms")
-    print(f"{'idle memory per VM (MiB)':32} {'MemAvail':>9} {'PSS':>7} {'RSS':>7} {'anon':>7}")
-    for name, m in res["memory"].items():
-        print(f"{name + ' x' + str(m['vms']):32} {m['memavailable_drop_per_vm_mib']:9.1f} "
-              f"{m['pss_per_vm_mib']:7.1f} {m['rss_per_vm_mib']:7.1f} "
-              f"{m['anon_per_vm_mib']:7.1f}")
     p = res["pause"]
     print(f"pause p50 {p['pause']['p50_ms']:.0f} ms, resume->exec p50 "
           f"{p['resume_to_exec']['p50_ms']:.0f} ms, snapshot {p['snapshot_mib']:.1f} MiB, "
           f"freed {p['memavailable_freed_by_pause_mib']:.1f} MiB; PSS before "
           f"{p['pss_before_pause_mib']:.1f} -> after resume {p['pss_after_resume_mib']:.1f} MiB")
     print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in res["ratios"].items()))
-    print(f"wall: ~{res['wall']['idle_vms_by_pss']} idle VMs in the memory available now; "
-          f"{res['wall']['cause']}")
-    return 0
 
 
 if __name__ == "__main__":
