@@ -41,6 +41,17 @@ def test_record_event_dropped_summary() -> None:
                                                       "summary": True}
 
 
+def test_record_event_disk_full_from_a_guest() -> None:
+    # a microVM guest's sbx-init tells of its full upper disk (the host's file lags the
+    # guest's page cache): was a protocol_violation before the kind existed
+    led = Ledger(None)
+    events.record_event(led.record, "s", 5, P.EVENT_S.pack(P.EV_DISK_FULL, 0, 0, 0, 16 << 20,
+                                                           *(0,) * 5, 0, 0, 0, b""))
+    ev = led.events("s")
+    assert [e.kind for e in ev] == ["disk_full"]
+    assert ev[0].detail == {"bytes": 16 << 20, "exec_id": 5}
+
+
 def test_record_end_only_limit_hits() -> None:
     led = Ledger(None)
     for reason in ("exited", "oom", "timeout", "output_limit", "killed", "signalled"):
