@@ -14,7 +14,8 @@ Per sandbox, on the host:
 - the VMM's cgroups (:mod:`edged.cgroups`, beneath the daemon's own, ``<subdir>-vm``): the
   sandbox's CPU quota and class (the normal class while the VMM starts, resumes, is
   snapshotted or killed: :meth:`MicroVmBackend._settle`), and a memory limit of twice the
-  guest's RAM plus the VMM's own overhead (:data:`VMM_OVERHEAD_BYTES`; twice, see :meth:`_vmm_resources`);
+  guest's RAM plus the VMM's own overhead (:data:`VMM_OVERHEAD_BYTES`; twice, see
+  :meth:`_vmm_resources`);
   inside the guest, the workload's cgroup has the sandbox's memory and pids limits;
 - the VMM runs as the first uid of a slot of the host-wide uid grid
   (:mod:`edged.backends.uidslots`: no container's ids and no other VMM share it), in
