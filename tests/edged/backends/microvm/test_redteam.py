@@ -26,7 +26,7 @@ import hashlib
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +91,15 @@ async def alive(b: MicroVmBackend, sid: str, pid: int) -> None:
     assert (out, end.reason, end.exit_code) == ("alive\n", "exited", 0), (err, end)
     vm = b._get(sid)
     assert vm.dead is None and vm.guest is not None and vm.guest.vm.pid == pid
+
+
+@pytest.fixture
+def sentinel() -> Iterator[subprocess.Popen[bytes]]:
+    """A host process the test started: no guest may reach it."""
+    proc = subprocess.Popen(["sleep", "600"])
+    yield proc
+    proc.kill()
+    proc.wait()
 
 
 def _host_ok(sentinel: subprocess.Popen[bytes]) -> None:
@@ -192,9 +201,9 @@ def test_forged_control_frames_reach_nothing(make_backend: MakeBackend, attack_l
 
 
 def test_bombs_end_typed_and_the_guest_goes_on(make_backend: MakeBackend,
-                                              attack_layer: Path, ledger: Ledger) -> None:
+                                              attack_layer: Path, ledger: Ledger,
+                                              sentinel: subprocess.Popen[bytes]) -> None:
     b = make_backend(on_event=ledger.record)
-    sentinel = subprocess.Popen(["sleep", "600"])
 
     async def echo_after_bomb(sid: str) -> str:
         """``echo alive`` beside what a bomb left: a typed refusal (pids_exhausted) or a
@@ -243,19 +252,15 @@ def test_bombs_end_typed_and_the_guest_goes_on(make_backend: MakeBackend,
         finally:
             await b.destroy("bomb")
 
-    try:
-        run(body())
-    finally:
-        sentinel.kill()
-        sentinel.wait()
+    run(body())
     kinds = {e.kind for e in ledger.events("bomb", limit=10_000)}
     assert "disk_full" in kinds, kinds
 
 
-def test_kill_all_as_the_workload_user_and_guest_root(make_backend: MakeBackend,
-                                                      attack_layer: Path) -> None:
+def test_kill_all_as_the_workload_user_and_guest_root(
+        make_backend: MakeBackend, attack_layer: Path,
+        sentinel: subprocess.Popen[bytes]) -> None:
     b = make_backend()
-    sentinel = subprocess.Popen(["sleep", "600"])
 
     async def body() -> None:
         await b.create(spec(attack_layer, "k"))
@@ -286,8 +291,4 @@ def test_kill_all_as_the_workload_user_and_guest_root(make_backend: MakeBackend,
             await b.destroy("k")
             await b.destroy("kroot")
 
-    try:
-        run(body())
-    finally:
-        sentinel.kill()
-        sentinel.wait()
+    run(body())
