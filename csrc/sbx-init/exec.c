@@ -475,6 +475,13 @@ void exec_on_errpipe(struct sbx *s, struct exec *e)
 		return; /* EOF follows at execve (close-on-exec), or the failure */
 	}
 	ep_close(s, &e->errpipe);
+	if (n <= 0 && !e->execd && e->reason) {
+		/* Its timeout passed (or a KILL / KILL_ALL came) before the program
+		 * started: under CPU pressure the child may not reach execve within
+		 * a short timeout.  That is the exec's end, for the reason that
+		 * killed it, not a failure to start: STARTED, then END. */
+		e->execd = 1;
+	}
 	if (n <= 0 && !e->execd) {
 		e->failed = 1;
 		kill_tree(s, e);

@@ -24,7 +24,9 @@
  * pipes is sent for a short grace after that, then the exec ends.  An exec
  * whose program never started (fork failed: EAGAIN at the pids limit; its
  * process died before execve: ECHILD; the program could not be run: its
- * errno) is answered with SBX_ERROR, never with STARTED.
+ * errno) is answered with SBX_ERROR, never with STARTED.  One whose timeout
+ * passed, or that was killed (SBX_KILL, SBX_KILL_ALL), before its program
+ * started is not a failure to start: STARTED, then END with that reason.
  *
  * Validation: a frame with an unknown type, a wrong payload size, bad strings
  * or an unknown exec id is answered with SBX_ERROR (exec_id echoed) and

@@ -197,3 +197,42 @@ def test_a_spare_killed_under_the_exec_never_passes_for_a_run(
             tally.assert_none_lost()
 
     run(body)
+
+
+def test_a_timeout_racing_the_start_ends_timeout_and_keeps_output(
+        backend: ContainerBackend, busybox_tree: Path) -> None:
+    # Bug (issue 9, item 1): a timeout that passed before the exec's child reached execve (a
+    # short timeout at a starved CPU quota) was answered "its process ended before it could
+    # start the program" (BackendError, a 500), not as the timeout it was: 1-6 of 40 execs
+    # at cpus 0.05 with 1-20 ms timeouts. Every exec here must end `timeout`, and one whose
+    # program got as far as its marker (written after its echo) must have delivered the echo
+    # (at load 120 test_timeout_kills_daemonized_tree saw no "started": its 0.5 s had passed
+    # before the shell's echo; no output was lost).
+    async def body() -> None:
+        async with sandboxes(backend, busybox_tree, 1, cpus=0.05) as sids:
+            sid, ends, outs, errors = sids[0], {}, {}, []
+
+            async def one(i: int) -> None:
+                try:
+                    h = await backend.exec(sid, ExecSpec(
+                        argv=("sh", "-c", f"echo started; touch /tmp/m{i}; sleep 5"),
+                        env=ENV, timeout_s=0.001))
+                except BackendError as exc:
+                    errors.append(f"#{i}: {exc}")
+                    return
+                out, _err, end = await collect(h)
+                ends[i], outs[i] = end, out
+
+            for k in range(0, 40, 8):
+                await asyncio.gather(*(one(i) for i in range(k, k + 8)))
+            h = await backend.exec(sid, ExecSpec(argv=("ls", "/tmp"), env=ENV))
+            listing, _, _ = await collect(h)
+            marked = {int(m[1:]) for m in listing.decode().split() if m.startswith("m")}
+        assert not errors, f"{len(errors)} of 40 timed-out execs reported as failures: " \
+                           f"{errors[:3]}"
+        assert {e.reason for e in ends.values()} == {"timeout"}, ends
+        lost = [i for i in marked if outs[i] != b"started\n"]
+        assert not lost, f"output lost by execs that wrote it: {[(i, outs[i]) for i in lost]}"
+        assert all(out in (b"", b"started\n") for out in outs.values()), outs
+
+    run(body)
