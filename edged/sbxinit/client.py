@@ -291,7 +291,7 @@ class SbxClient:
         except (TimeoutError, OSError, BackendError) as exc:
             await self.close()
             raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init after "
-                               f"the transport came back: {str(exc) or 'timed out'}") from exc
+                               f"the transport came back: {_why(exc, timeout_s)}") from exc
         self.info = Hello(version, P.CGROUP_MODES.get(mode, str(mode)), execs)
         return self.info
 
@@ -313,9 +313,8 @@ class SbxClient:
             version, mode, execs, _r = await asyncio.wait_for(asyncio.shield(self._hello),
                                                              timeout_s)
         except (TimeoutError, OSError) as exc:
-            why = f"timed out after {timeout_s:g} s" if isinstance(exc, TimeoutError) else exc
             raise BackendError(f"sandbox {self.sandbox_id}: no hello from sbx-init: "
-                               f"{why}") from exc
+                               f"{_why(exc, timeout_s)}") from exc
         if version != P.VERSION:
             raise BackendError(f"sandbox {self.sandbox_id}: sbx-init speaks protocol "
                                f"{version}, not {P.VERSION}")
@@ -610,6 +609,14 @@ class SbxClient:
         self._lost()
 
 
+def _why(exc: BaseException, timeout_s: float) -> str:
+    """Why a wait of ``timeout_s`` seconds ended, in words: ``str(TimeoutError())`` is
+    empty, so a timeout says what it waited for and how long."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout_s:g} s"
+    return str(exc) or type(exc).__name__
+
+
 # -- transports ------------------------------------------------------------------------------
 
 async def connect_unix(path: str | os.PathLike[str], sandbox_id: str, *,
@@ -621,8 +628,8 @@ async def connect_unix(path: str | os.PathLike[str], sandbox_id: str, *,
         reader, writer = await asyncio.wait_for(
             asyncio.open_unix_connection(str(path), limit=READ_LIMIT), timeout_s)
     except (TimeoutError, OSError) as exc:
-        raise BackendError(f"sandbox {sandbox_id}: connect to sbx-init: "
-                           f"{str(exc) or 'timed out'}") from exc
+        raise BackendError(f"sandbox {sandbox_id}: connect to sbx-init {path}: "
+                           f"{_why(exc, timeout_s)}") from exc
     client = SbxClient(sandbox_id, reader, writer, sink, on_end)
     try:
         await client.hello(timeout_s)

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 import edged
-from edged.errors import BadRequest, NotFound
+from edged.errors import BackendError, BadRequest, NotFound
 from edged.sbxinit import SbxClient, open_fds
 from edged.sbxinit import protocol as P
+from edged.sbxinit.client import connect_unix
 from edged.security.ledger import Ledger
 from tests.edged.execs import collect, gone
 
@@ -140,6 +141,48 @@ def test_a_misbehaving_sbx_init_is_a_recorded_violation(garbage: bytes) -> None:
     asyncio.run(asyncio.wait_for(body(), 10))
     ev = led.events("bad")
     assert [e.kind for e in ev] == ["protocol_violation"] and ev[0].detail["from"] == "sbx-init"
+
+
+def test_a_silent_sbx_init_times_out_saying_what_and_how_long(tmp_path: Path) -> None:
+    """Bug (issue 9, item 2): str(TimeoutError()) is empty, and the reattach after a pause
+    said only "... came back: timed out"; every wait on sbx-init that times out names what
+    it waited for and for how long."""
+    async def body() -> None:
+        a, b = socket.socketpair()
+        c = SbxClient("mute", *await asyncio.open_unix_connection(sock=a))
+        with pytest.raises(BackendError, match=r"no hello from sbx-init: no answer within "
+                                               r"0\.05 s"):
+            await c.hello(0.05)
+        # a peer that answers QUIESCE (DONE) and nothing else: the reattach gets no hello
+        peer = await asyncio.open_unix_connection(sock=b)
+
+        async def answer_quiesce() -> None:
+            while True:  # the HELLO above first (no payload)
+                _n, type_, _f, rid, _r = P.HDR.unpack(await peer[0].readexactly(P.HDR.size))
+                if type_ == P.QUIESCE:
+                    peer[1].write(P.frame(P.DONE, rid, P.DONE_S.pack(0, 0)))
+                    return
+
+        answering = asyncio.create_task(answer_quiesce())
+        await c.quiesce(5)
+        await answering
+        await c.detach()
+        x, y = socket.socketpair()
+        with pytest.raises(BackendError, match=r"after the transport came back: no answer "
+                                               r"within 0\.05 s"):
+            await c.reattach(*await asyncio.open_unix_connection(sock=x), timeout_s=0.05)
+        peer[1].close()
+        y.close()
+        # connect_unix to a socket that accepts and never answers
+        path = tmp_path / "mute.sock"
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+        server.listen()
+        with pytest.raises(BackendError, match=r"no answer within 0\.05 s"):
+            await connect_unix(path, "mute", timeout_s=0.05)
+        server.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
 
 
 async def _chunks(*parts: bytes) -> AsyncIterator[bytes]:
