@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from edged.backends.base import ExecEnd, ExecSpec
+from tests.edged.execs import PATIENCE_S
 from tests.security.conftest import Node, execv, kinds, run, sh, spec
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -40,9 +41,11 @@ def _inotify_init() -> int:
 
 
 def _host_ok() -> None:
+    """The host still forks and runs a program; generous in time, as other work may load
+    the machine (load 100 on 2 cores is seen), but a host the sandbox starved would not."""
     t0 = time.monotonic()
     assert os.system("true") == 0
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 10.0
 
 
 def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
@@ -89,9 +92,14 @@ def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
             assert end.reason == "timeout"
             used = ((await b.stats("victim"))["cpu_usage_ns"] - st0["cpu_usage_ns"]) / 1e9
             assert used < 0.5 * (time.monotonic() - t0) * 1.5 + 0.2, used
-            # and throttled, as recorded, at the smallest quota
-            _, _, end = await sh(b, "hog", "while :; do :; done", timeout_s=1)
-            assert end.reason == "timeout"
+            # and throttled, as recorded (at an exec's end), at the smallest quota; on a
+            # loaded host the hog may not run a whole 1 ms in any period of one exec's
+            # second: each try is a second more, until it is recorded
+            deadline = time.monotonic() + PATIENCE_S
+            while "cpu_throttled" not in kinds(ledger, "hog"):
+                assert time.monotonic() < deadline, "the hog was never throttled"
+                _, _, end = await sh(b, "hog", "while :; do :; done", timeout_s=1)
+                assert end.reason == "timeout"
             # output flood: cut at the limit
             out, _, end = await victim("out", "yes", output_limit=1 << 20)
             assert end.reason == "output_limit" and len(out) <= 1 << 20
@@ -142,10 +150,10 @@ def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
             await b.destroy("bystander")
             await b.destroy("hog")
 
-    run(body)
+    run(body, timeout=300)
     k = kinds(ledger, "victim")
     assert {"pids_limit", "oom_kill", "disk_full", "output_limit", "timeout"} <= k, k
-    assert "cpu_throttled" in kinds(ledger, "hog")
+    assert "cpu_throttled" in kinds(ledger, "hog")  # (waited for above)
     assert not ledger.known("bystander")  # not a single event for the bystander
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from edged.errors import BackendError, PidsExhausted
+from tests.edged.execs import eventually
 from tests.security.conftest import Node, execv, run, sh, spec
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
@@ -48,8 +49,10 @@ def test_kill_processes_then_grader(node: Node, rootfs: Path) -> None:
             await _fill_pids(node, "left")
             killed = await b.kill_processes("left")
             assert killed >= 10, killed  # the bomb held the rest of the 48 pids
-            st = await b.stats("left")
-            assert st["pids"] <= 3, st  # sbx-init (and the spare child it forks ahead)
+            # sbx-init (and the spare child it forks ahead); the killed tasks are gone from
+            # pids.current once they have exited, a while later on a loaded host (46 seen)
+            await eventually(lambda: b.stats("left"), lambda st: st["pids"] <= 3,
+                             "the killed tasks gone from the pids count")
             out, _, end = await sh(b, "left", GRADER, trusted=True)
             assert end.reason == "exited" and end.exit_code == 0, end
             assert out == "mine\n", out

@@ -4,6 +4,7 @@ stdin, PTY, pause/resume, files, adoption after a restart, leftovers, leaks."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -19,7 +20,7 @@ from edged.backends.container import ContainerBackend
 from edged.errors import BadRequest, Conflict, InvalidState, NotFound, PidsExhausted
 from edged.sbxinit import protocol as P
 from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
-from tests.edged.execs import collect, gone
+from tests.edged.execs import collect, eventually, gone
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -163,14 +164,26 @@ def test_timeout_kills_daemonized_tree(backend: ContainerBackend, busybox_tree: 
     async def body() -> None:
         await backend.create(spec((str(busybox_tree),)))
         try:
-            script = ("(setsid sh -c 'sleep 1000 & sleep 1000' &); "   # daemonized: new session,
-                      "(sleep 1001 &); echo started; sleep 1000")      # parent gone
-            t0 = time.monotonic()
-            out, _, end = await sh(backend, "sb1", script, timeout_s=0.5)
-            assert end.reason == "timeout" and out == b"started\n"  # partial output kept
-            assert 0.5 <= time.monotonic() - t0 < 5
-            out, _, _ = await sh(backend, "sb1", "ps -o pid,comm | grep -c sleep || true")
-            assert out.strip() == b"0", "a sleeper survived the timeout"
+            # The timeout must pass after the script's echo for its partial output to be
+            # there: at load 120 a shell did not reach it within 0.5 s. The script marks
+            # that it got so far; without the mark the timeout is doubled and tried again.
+            timeout = 0.5
+            while True:
+                script = ("rm -f /tmp/at; (setsid sh -c 'sleep 1000 & sleep 1000' &); "
+                          "(sleep 1001 &); echo started; touch /tmp/at; sleep 1000")
+                t0 = time.monotonic()  # daemonized: new session, parent gone
+                out, _, end = await sh(backend, "sb1", script, timeout_s=timeout)
+                took = time.monotonic() - t0
+                assert end.reason == "timeout" and timeout <= took < timeout + 30, (end, took)
+                at, _, _ = await sh(backend, "sb1", "test -e /tmp/at && echo y || true")
+                if at == b"y\n":
+                    assert out == b"started\n"  # partial output kept
+                    break
+                assert out in (b"", b"started\n")
+                timeout *= 2
+                assert timeout < 60, "the script never got as far as its echo"
+            await eventually(lambda: sh(backend, "sb1", "ps -o comm | grep -c sleep || true"),
+                             lambda r: r[0].strip() == b"0", "every sleeper killed by the timeout")
         finally:
             await backend.destroy("sb1")
 
@@ -234,20 +247,17 @@ def test_thousand_zombies_reaped(backend: ContainerBackend, busybox_tree: Path) 
         await backend.create(spec((str(busybox_tree),), pids=4096))
         try:
             # 1,000 children that exit unwaited; their parent exits: all go to PID 1
-            out, _, end = await sh(
+            _, _, end = await sh(
                 backend, "sb1",
                 "i=0; while [ $i -lt 1000 ]; do true & i=$((i+1)); done; exec sleep 0.2")
             assert end.exit_code == 0
-            deadline = time.monotonic() + 5
-            while True:
-                out, _, _ = await sh(backend, "sb1",
-                                     "cat /proc/[0-9]*/stat 2>/dev/null | grep -c ') Z ' || true")
-                if out.strip() == b"0" or time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.05)
-            assert out.strip() == b"0"
-            st = await backend.stats("sb1")
-            assert st["pids"] <= 3
+            await eventually(
+                lambda: sh(backend, "sb1",
+                           "cat /proc/[0-9]*/stat 2>/dev/null | grep -c ') Z ' || true"),
+                lambda r: r[0].strip() == b"0", "every zombie reaped")
+            # sbx-init and, for a moment after an exec, its exec's spare child
+            await eventually(lambda: backend.stats("sb1"), lambda st: st["pids"] <= 3,
+                             "the sandbox's tasks back to sbx-init and its spare")
         finally:
             await backend.destroy("sb1")
 
@@ -316,18 +326,22 @@ def test_pause_resume(backend: ContainerBackend, busybox_tree: Path) -> None:
             h = await backend.exec("sb1", ExecSpec(
                 argv=("sh", "-c", "while true; do echo . >> /tmp/n; done"),
                 env=ENV))
-            await asyncio.sleep(0.2)
+
+            async def n() -> bytes:
+                with contextlib.suppress(NotFound):
+                    return await read_file(backend, "sb1", "/tmp/n")
+                return b""
+
+            await eventually(n, lambda got: len(got) > 0, "the loop writing")
             await backend.pause("sb1")
             a = await read_file(backend, "sb1", "/tmp/n")
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # a frozen loop writes nothing, however long we look
             b = await read_file(backend, "sb1", "/tmp/n")
             assert a == b, "a frozen process made progress"
             with pytest.raises(InvalidState):
                 await backend.exec("sb1", ExecSpec(argv=("true",), env=ENV))
             await backend.resume("sb1")
-            await asyncio.sleep(0.2)
-            c = await read_file(backend, "sb1", "/tmp/n")
-            assert len(c) > len(b) > 0
+            await eventually(n, lambda c: len(c) > len(b), "the loop writing again after resume")
             await h.kill()
             _, _, end = await collect(h)
             assert end.reason == "killed"
@@ -367,12 +381,13 @@ def test_files_and_kill_all_through_sbx_init(backend: ContainerBackend, busybox_
             assert secret.read_text() == "host secret"
             h = await backend.exec("sb1", ExecSpec(argv=(
                 "sh", "-c", "(setsid sh -c 'sleep 1000 & sleep 1000' &); sleep 1000"), env=ENV))
-            await asyncio.sleep(0.3)
+            await eventually(lambda: sh(backend, "sb1", "ps -o comm | grep -c sleep || true"),
+                             lambda r: int(r[0]) >= 3, "the three sleepers running")
             assert await conn.kill_all() >= 3  # its sleeps (a shell may exec its last one)
             _, _, end = await collect(h)
             assert end.reason == "killed"
             out, _, _ = await sh(backend, "sb1", "ps -o comm | grep -c sleep || true")
-            assert out.strip() == b"0", "a sleeper survived KILL_ALL"
+            assert out.strip() == b"0", "a sleeper survived KILL_ALL"  # KILL_ALL waits
         finally:
             await backend.destroy("sb1")
 
