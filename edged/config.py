@@ -313,7 +313,8 @@ _HELP = {
     "reaper_interval_s": "seconds between passes that stop expired sandboxes",
     "on_shutdown": "'stop': destroy every sandbox at shutdown; 'keep': leave them running",
     "on_start": "'adopt' the live sandboxes found at start, or 'destroy' them",
-    "shutdown_timeout_s": "the whole shutdown ends within this (requests get half of it)",
+    "shutdown_timeout_s": "the whole shutdown ends within this (requests get half of it); "
+                          "destroys still under way then get up to 45 s more",
     "log_level": "debug, info, warning or error",
     "spawner_pool": "container spawners started ahead of demand (0 = none)",
     "layer_linger_s": "seconds a layer stays mounted after its last sandbox (0 = unmount)",

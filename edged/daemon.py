@@ -49,6 +49,10 @@ from edged.security.ledger import Ledger
 log = logging.getLogger("edged")
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: Seconds a graceful stop waits, past ``shutdown_timeout_s``, for destroys still under way
+#: (rather than leave their sandboxes, layer mounts and lazy server behind): the default
+#: 30 s and this stay inside the systemd unit's TimeoutStopSec (90 s).
+SHUTDOWN_OVERRUN_S = 45.0
 
 
 class JsonFormatter(logging.Formatter):
@@ -410,7 +414,10 @@ class Server:
             if self.manager.layer_service is not None:
                 await self.manager.layer_service.stop()
             left = max(0.5, deadline - loop.time())
-            await self.manager.shutdown(min(1.0, left) if self.force_exit else left)
+            if self.force_exit:
+                await self.manager.shutdown(min(1.0, left))
+            else:  # slow destroys are waited for, within systemd's TimeoutStopSec slack
+                await self.manager.shutdown(left, overrun_s=SHUTDOWN_OVERRUN_S)
             # pools and control connections; kept sandboxes live on
             await self.manager.backends.close()
             if self.manager.net is not None:

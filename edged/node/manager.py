@@ -964,10 +964,16 @@ class SandboxManager:
         self._update_gauges()
         return out
 
-    async def shutdown(self, timeout_s: float) -> None:
-        """Stop the reaper; with ``on_shutdown = "stop"`` destroy every sandbox (at most
-        ``timeout_s`` seconds) and unmount every layer; with ``"keep"`` leave them running for
-        the next daemon to re-adopt."""
+    async def shutdown(self, timeout_s: float, overrun_s: float = 0.0) -> None:
+        """Stop the reaper; with ``on_shutdown = "stop"`` destroy every sandbox and unmount
+        every layer, and stop the layer source; with ``"keep"`` leave them running for the
+        next daemon to re-adopt.
+
+        Destroys still under way after ``timeout_s`` seconds (slow under load: a throttled
+        sandbox takes long to die) are not cut short, which would leave the sandboxes, their
+        layer mounts and the lazy server behind: they are waited for up to ``overrun_s``
+        seconds more (each destroy is bounded itself). Only sandboxes still there after that
+        are left, and the layers they use with them (logged as an error)."""
         await self.stop_reaper()
         await self._flush_background()
         if self.config.on_shutdown != "stop":
@@ -986,10 +992,22 @@ class SandboxManager:
             except EdgedError as e:
                 log.warning("shutdown: sandbox %s: %s", sid, e)
 
-        try:
-            await asyncio.wait_for(asyncio.gather(*(stop(s) for s in ids)), timeout_s)
-        except TimeoutError:
-            log.error("shutdown: sandboxes still stopping after %.1f s", timeout_s)
+        tasks = [asyncio.ensure_future(stop(s)) for s in ids]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+            if pending and overrun_s > 0:
+                log.warning("shutdown: %d sandboxes still stopping after %.1f s: waiting up "
+                            "to %.0f s more", len(pending), timeout_s, overrun_s)
+                _, pending = await asyncio.wait(pending, timeout=overrun_s)
+            if pending:
+                log.error("shutdown: %d sandboxes still stopping after %.1f s: left running "
+                          "with their layers", len(pending), timeout_s + overrun_s)
+                for t in pending:
+                    t.cancel()
+                await asyncio.wait(pending)
+            for t in tasks:
+                if not t.cancelled() and t.exception() is not None:
+                    log.error("shutdown: stopping a sandbox: %r", t.exception())
         await self._flush_background()
         if not self._sandboxes:
             await self.layers.close()
