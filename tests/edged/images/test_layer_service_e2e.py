@@ -254,6 +254,37 @@ def test_a_server_left_without_its_supervisor_is_put_under_a_new_one(
     assert not (cache / "server.pid").exists()
 
 
+def test_a_wedged_server_is_killed_and_replaced(node_of, layer_store, sums) -> None:
+    """Bug (issue 9, item 4): a lazy server that runs but does not answer (here stopped:
+    SIGSTOP; a deadlock looks the same) was never killed: its supervisor saw it alive, the
+    daemon's restarts failed one after another ("supervisor runs but its server does not
+    answer"), creates were refused and reads in running sandboxes waited for ever. The
+    health check's restart kills it; its supervisor starts another on the same connection
+    and the waiting read is answered."""
+    _, d = layer_store
+    node = node_of(layers_check_interval_s=0.2)
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="wedge-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    srv = _pid(cache, "server")
+    os.kill(srv, signal.SIGSTOP)
+    try:
+        # unread data: the read waits for a server that answers (5 s health probe, 10 s
+        # for the supervisor's server, then the kill and 10 s for the next one)
+        out = a.exec("md5sum /data/r2", timeout=150).stdout
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv, signal.SIGCONT)
+    assert out.split()[0] == sums["r2"]
+    _wait(lambda: _gone(srv), 10)  # killed, not merely woken by the SIGCONT above
+    assert _pid(cache, "server") != srv
+    assert node.server.manager.layer_service.available
+    assert _fuse_mounts(cache) == 1  # the same connection, never a second mount
+    a.kill()
+    node.stop()
+    assert _mounts_under(cache) == []
+
+
 def test_a_test_stopped_after_the_kill_leaves_no_dead_mount(real_node, layer_store) -> None:  # noqa: F811
     """What the test above leaves if it stops right after the kill (an assertion failed
     at load): the sweep must leave no mount under the cache and no kept sandbox (before,
