@@ -13,9 +13,13 @@ What running sandboxes see (tested in ``tests/edged/images/test_layer_service_e2
   connection's fd, so the connection lives on; reads of data not yet in memory wait in the
   kernel, the restarted server answers them (``--resumed``: FUSE_NOTIFY_RESEND) and the
   sandboxes carry on, a few seconds late. A server whose supervisor alone was killed is
-  replaced by one under a new supervisor (nothing would restart it otherwise). Reads wait
-  for as long as the service is down: the kernel's FUSE request timeout
-  (``/proc/sys/fs/fuse/default_request_timeout``) is 0, none, unless the host sets one.
+  replaced by one under a new supervisor (nothing would restart it otherwise). A server
+  that runs but does not answer (stopped, deadlocked) is killed once it has not answered
+  the health check (5 s) and then the restart's wait (10 s); its supervisor starts another
+  (:func:`layerfs.lazy.client.start`). Reads wait for as long as the service is down, by
+  choice: the daemon brings it back, and a read that failed instead (the kernel's FUSE
+  request timeout, ``/proc/sys/fs/fuse/default_request_timeout``, 0 = none, a host-wide
+  setting edged leaves alone) would be a wrong result in the sandbox, not a late one.
 - Every holder of the connection gone (the daemon too, e.g. the node's services killed
   together): the kernel aborts the connection, and nothing brings it back. The layer mounts
   over it are detached; the sandboxes using them keep what the page cache has, the rest of

@@ -19,6 +19,7 @@ import contextlib
 import errno
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -31,6 +32,8 @@ from layerfs.errors import LayerfsError, NotFoundError
 from layerfs.lazy import DEFAULT_CACHE as DEFAULT_CACHE  # re-exported, used by others
 from layerfs.lazy import default_cache as default_cache
 from layerfs.lazy.cache import ChunkCache
+
+log = logging.getLogger("layerfs.lazy")
 
 
 class LazyServerError(LayerfsError, OSError):
@@ -208,9 +211,13 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     that connection, since nothing would restart it if it died too. Without ``fuse_fd``
     it is left serving (ending it would abort the connection).
 
+    A server that runs under its supervisor and does not answer for ``wait`` seconds is
+    wedged (stopped, deadlocked): it is killed (SIGKILL) and its supervisor's next one
+    waited for, ``wait`` seconds more.
+
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
     within ``wait`` seconds."""
-    client = LazyClient(cache)
+    client = LazyClient(cache, timeout=min(5.0, wait))  # a wedged one must not hold us
     if client.alive():
         if fuse_fd is None or _running_supervisor(client.cache) is not None:
             return None
@@ -219,17 +226,22 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     if running is not None:
         # Its server is restarting (or still starting): a second supervisor would stack
         # another FUSE mount on fuse/ and the first would outlive every stop().
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if client.alive():
-                return None
-            if _running_supervisor(client.cache) is None:
-                break
-            time.sleep(0.05)
-        else:
+        answer = _await_supervised(client, wait)
+        if answer == "timeout" and (wedged := _running_server(client.cache)) is not None:
+            # A server that runs and does not answer for so long is wedged (stopped,
+            # deadlocked): nothing else would end it. Killed, its supervisor starts
+            # another on the same connection (reads waiting on it are answered then).
+            log.warning("lazy server of %s: pid %d has not answered for %.0f s: killing "
+                        "it (its supervisor starts another)", client.cache, wedged, wait)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(wedged, signal.SIGKILL)
+            answer = _await_supervised(client, wait)
+        if answer == "alive":
+            return None
+        if answer == "timeout":
             raise LazyServerError(0, f"lazy server of {client.cache}: supervisor pid "
-                                     f"{running} runs but its server does not answer: "
-                                     f"{_log_tail(client.cache)}")
+                                     f"{running} runs but its server does not answer "
+                                     f"within {wait:g} s: {_log_tail(client.cache)}")
     ChunkCache(client.cache)  # create or check the layout before anything mounts
     cmd = [sys.executable, "-m", "layerfs.lazy.supervisor", "--cache", client.cache,
            "--fetch-timeout", str(fetch_timeout), "--attempt-timeout", str(attempt_timeout)]
@@ -279,6 +291,19 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
             umount(fuse, lazy=True)
     raise LazyServerError(0, f"lazy server of {client.cache} did not start: "
                              f"{_log_tail(client.cache)}")
+
+
+def _await_supervised(client: LazyClient, wait: float) -> str:
+    """Wait up to ``wait`` seconds for the server under a running supervisor to answer:
+    ``"alive"``, ``"unsupervised"`` (the supervisor ended) or ``"timeout"``."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if client.alive():
+            return "alive"
+        if _running_supervisor(client.cache) is None:
+            return "unsupervised"
+        time.sleep(0.05)
+    return "timeout"
 
 
 def _running(cache: str, name: str) -> int | None:
