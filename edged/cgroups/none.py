@@ -23,7 +23,7 @@ class NoCgroup(SandboxCgroup):
         raise InvalidState(f"{'pause' if frozen else 'resume'} needs a freezer cgroup, none "
                            "on this host")
 
-    def kill_workload(self, keep_pid: int, timeout_s: float = 10.0) -> int:
+    def kill_workload(self, keep_pid: int, timeout_s: float = 30.0) -> int:
         raise InvalidState("killing every process needs the sandbox's cgroups, none on this "
                            "host")
 

@@ -723,7 +723,7 @@ class ContainerBackend:
         workload Landlock domain and the workload cannot reach it, so it is the one task
         left. The sandbox is frozen while its tasks are listed and killed (a fork bomb
         cannot outrun it). Raises InvalidState (paused, or no cgroup to list tasks by),
-        BackendError (tasks still alive after 10 s)."""
+        BackendError (tasks still alive after 30 s)."""
         sbx = self._get(sandbox_id)
         if sbx.paused:
             raise InvalidState(f"sandbox {sandbox_id} is paused")

@@ -19,6 +19,7 @@ from edged.cgroups import Hierarchy, SandboxCgroup, fs, probe
 from edged.cgroups.none import NoCgroup
 from edged.cgroups.v1 import V1Hierarchy
 from edged.cgroups.v2 import V2Cgroup
+from edged.errors import BackendError
 
 pytestmark = pytest.mark.root
 
@@ -93,6 +94,35 @@ def test_kill_workload_counts_each_process_once() -> None:
 
     try:
         assert Slow({}).kill_workload(keep_pid=-1) == 1 and not passes
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill_workload_kills_a_sandbox_that_does_not_freeze_whole() -> None:
+    """Bug (found with test_kill_processes_then_grader at load 40-100): a throttled fork
+    bomb's sandbox had not reached FROZEN within kill_workload's 10 s, which raised
+    BackendError without killing anything, and without thawing what had frozen. What is
+    listed is killed all the same, and what was frozen is thawed."""
+    proc = subprocess.Popen(["sleep", "100"])
+    thawed: list[bool] = []
+
+    class Stuck(NoCgroup):
+        kill_workload = SandboxCgroup.kill_workload  # the loop under test (NoCgroup refuses)
+
+        def freeze(self, frozen: bool, timeout_s: float = 5.0) -> None:
+            time.sleep(min(timeout_s, 0.05))
+            raise BackendError("cgroup stuck: freezer did not reach FROZEN")
+
+        def _live_tasks(self) -> set[int]:
+            return set() if proc.poll() is not None else {proc.pid}
+
+        def _thaw_after_kill(self) -> None:
+            thawed.append(True)
+
+    try:
+        assert Stuck({}).kill_workload(keep_pid=-1, timeout_s=5) == 1
+        assert proc.wait(5) == -9 and thawed
     finally:
         proc.kill()
         proc.wait()
