@@ -306,13 +306,15 @@ def test_images(api: Api, node) -> None:
 
 def test_timeout_ttl_and_idle_reaping(api: Api, node) -> None:
     create(api, id="ttl", ttl_s=0.3)
-    create(api, id="idle", idle_timeout_s=0.3)
+    # idle for 2 s, not less: at load 125 more than 0.3 s passed between its create and
+    # its exec, which found it reaped already
+    create(api, id="idle", idle_timeout_s=2.0)
     create(api, id="keep")
     exec_(api, "idle", cmd="true")
     r = api.post("/v1/sandboxes/keep/timeout", {"ttl_s": 60})
     assert r.json()["expires_at"] > time.time() + 50
     assert api.post("/v1/sandboxes/keep/timeout", {"bogus": 1}).status == 400
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + PATIENCE_S
     while time.monotonic() < deadline:
         ids = {s["id"] for s in api.get("/v1/sandboxes").json()["sandboxes"]}
         if ids == {"keep"}:
