@@ -83,7 +83,8 @@
  * (/etc/python3.11/sitecustomize.py, a .pth file, a grader tool it can
  * reach), and listing such paths one by one never ends.  So sbx-init keeps
  * the id-mapped lowers as detached mounts that no workload process can reach
- * (fds of its own), and for a grader exec its child makes a mount namespace
+ * (fds of its own; before 6.15 attached beneath /proc instead, see
+ * detached_layers_usable), and for a grader exec its child makes a mount namespace
  * of its own, a read-only overlay of the lowers alone (no upper: what the
  * layers hold, nothing the workload wrote) and mounts clones of that tree
  * over each --pristine path.  sbx-init keeps CAP_SYS_ADMIN in the sandbox's
@@ -424,6 +425,14 @@ static int protect_paths(const struct opts *o, struct lfs_error *e)
 	return 0;
 }
 
+/* EDGED_SPAWNER_STAGED=1: the ways of kernels before 6.15 on any kernel (tests) */
+static int staged_wanted(void)
+{
+	const char *v = getenv("EDGED_SPAWNER_STAGED");
+
+	return v && strcmp(v, "1") == 0;
+}
+
 /* The lowers sbx-init keeps for grader views, and the scratch mount whose
  * empty/ is their bottom layer, must be detached mounts whose (anonymous)
  * mount namespace belongs to the sandbox's user namespace: overlayfs clones
@@ -450,12 +459,50 @@ static int reclone(int *fd, const char *what, struct lfs_error *e)
 	return 0;
 }
 
+/* Before 6.15 (the 6.1 LTS), overlayfs takes no layer from a detached mount
+ * (clone_private_mount wants it in the caller's namespace, and a detached
+ * mount attaches only once), so sbx-init's grader views could not be made
+ * from detached lowers.  There the scratch mount and the lowers stay attached
+ * in the sandbox's namespace, stacked on /proc before proc is mounted over
+ * them: no path reaches them (only sbx-init's fds do), the workload cannot
+ * unmount proc (no CAP_SYS_ADMIN; a user namespace it makes gets the tree
+ * locked), and each grader's child makes its overlay from the fds' paths
+ * (grader.c).  A clone of a detached mount failing says the kernel is such;
+ * EDGED_SPAWNER_STAGED=1 forces this way too (its tests). */
+static int detached_layers_usable(int fd)
+{
+	int t;
+
+	if (staged_wanted())
+		return 0;
+	t = open_tree(fd, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH);
+	if (t < 0)
+		return 0;
+	close(t);
+	return 1;
+}
+
+static int attach_under_proc(int fd, const char *what, struct lfs_error *e)
+{
+	if (move_mount(fd, "", AT_FDCWD, "proc", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+		return lfs_error_set(e, errno, "grader view: attach %s under /proc", what);
+	return 0;
+}
+
 static int reclone_lowers(struct child_fds *f, struct lfs_error *e)
 {
 	int i;
 
 	if (!f->n_lowers)
 		return 0;
+	if (!detached_layers_usable(f->scratch)) {
+		if (attach_under_proc(f->scratch, "the scratch dir", e) < 0)
+			return -1;
+		for (i = 0; i < f->n_lowers; i++)
+			if (attach_under_proc(f->lowers[i], "a lower", e) < 0)
+				return -1;
+		return 0;
+	}
 	if (reclone(&f->scratch, "the scratch dir", e) < 0)
 		return -1;
 	for (i = 0; i < f->n_lowers; i++)
@@ -763,13 +810,6 @@ static int scratch_clone(int scratch, const char *name, uint64_t attr_set, struc
 #define DEV_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC | MOUNT_ATTR_NODEV)
 #define SHM_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 #define STAGE "/tmp"
-
-static int staged_wanted(void)
-{
-	const char *v = getenv("EDGED_SPAWNER_STAGED");
-
-	return v && strcmp(v, "1") == 0;
-}
 
 /* Replace *fd, a mount attached at `path`, by a detached clone of it. */
 static int detach_clone(int *fd, const char *path, struct lfs_error *e)

@@ -55,7 +55,13 @@ def toolkit_root(tmp_path: Path, attack_bin: Path) -> Path:
     return root
 
 
-def test_grader_sees_the_layers(node: Node, toolkit_root: Path) -> None:
+@pytest.mark.parametrize("staged", [False, True], ids=["detached", "staged"])
+def test_grader_sees_the_layers(node: Node, toolkit_root: Path, staged: bool,
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``staged``: the layers the way kernels before 6.15 need them (the 6.1 node VM):
+    attached beneath the sandbox's /proc, the grader's overlay made from their paths."""
+    if staged:
+        monkeypatch.setenv("EDGED_SPAWNER_STAGED", "1")
     b = node.backend
     env = {**ENV, "PYTHONPATH": "/opt/evil", "LD_PRELOAD": "/opt/evil.so"}
 
@@ -77,6 +83,13 @@ def test_grader_sees_the_layers(node: Node, toolkit_root: Path) -> None:
             out, _, _ = await sh(b, "gview", "cat /etc/python3.11/sitecustomize.py "
                                  "/opt/toolkit/run-tests /work/grade; ls /root/.local")
             assert out == ('print("INJECTED")\n#!/bin/sh\necho tampered tool\ngraded\nlib\n'), out
+            # whatever the layers' mounts are under, the workload's /proc is proc's
+            out, _, _ = await sh(b, "gview", "stat -f -c %T /proc; ls /proc/1/ns | wc -l; "
+                                 "grep -c '^[^ ]* [^ ]* [^ ]* [^ ]* /proc ' /proc/self/mountinfo")
+            kind, n_ns, at_proc = out.split()
+            assert kind == "proc" and int(n_ns) > 3, out
+            # staged: the scratch mount and the one lower beneath proc; else proc alone
+            assert int(at_proc) == (3 if staged else 1), out
         finally:
             await b.destroy("gview")
 
