@@ -197,6 +197,7 @@ class NetworkManager:
                                     "profile": self.profile.path,
                                     "services": sorted(self.profile.services)}
         self.features = feats
+        self._check_ipv6(feats)
         if self.s.cgroup_dir is None:
             feats["reason"] = "no cgroup v2 directory to attach the egress programs to"
             return feats
@@ -248,6 +249,21 @@ class NetworkManager:
         self._gc = asyncio.ensure_future(self._gc_loop())
         await self._fill()  # ready before the first create (and its fds open from the start)
         return feats
+
+    def _check_ipv6(self, feats: dict[str, object]) -> None:
+        """Sandboxes get IPv6 only where the host forwards it (:func:`netns.ipv6_forwarding`):
+        an address and a default route that lead nowhere would make every client that tries
+        IPv6 first wait for a timeout. Sets ``ipv6`` and ``ipv6_reason`` in ``feats``; without
+        forwarding, the v6 pool is dropped (``pool6`` None) and a warning logged."""
+        if self.pool6 is None:
+            feats["ipv6"], feats["ipv6_reason"] = False, "no network_pool6"
+            return
+        ok, why = netns.ipv6_forwarding()
+        feats["ipv6"], feats["ipv6_reason"] = ok, why
+        if not ok:
+            log.warning("networked sandboxes without IPv6: %s", why)
+            self.pool6 = self.gw6 = self.plumber.gw6 = None
+            feats["pool6"] = None
 
     async def _start_proxy(self, feats: dict[str, object]) -> bool:
         """The SNI/Host proxy on the gateway addresses; False (and ``sni_reason``) when off

@@ -28,6 +28,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from edged.errors import BackendError
@@ -78,6 +79,31 @@ class Netns:
 def _sysctl(path: str, value: str) -> None:
     with contextlib.suppress(FileNotFoundError), open(path, "w") as f:
         f.write(value)  # FileNotFoundError: force_forwarding needs Linux >= 6.17
+
+
+IPV6_CONF = Path("/proc/sys/net/ipv6/conf")
+
+
+def ipv6_forwarding(conf: Path = IPV6_CONF) -> tuple[bool, str]:
+    """Whether the host forwards the IPv6 of sandboxes' host ends, and how: ``(True, why)``
+    with per-interface ``force_forwarding`` (Linux >= 6.17, set by :meth:`Plumber.make` on
+    each host end) or, before it, where the host's own switch
+    (``net.ipv6.conf.all.forwarding``) is on, since an older kernel's per-interface IPv6
+    ``forwarding`` forwards nothing (net/ipv6/ip6_output.c ``ip6_forward``); ``(False,
+    why)`` otherwise: edged does not turn the host's switch on (it would also make every
+    interface a router, ignoring router advertisements). ``conf``: the sysctl directory
+    (for tests)."""
+    if (conf / "all" / "force_forwarding").exists():
+        return True, "per-interface force_forwarding (Linux >= 6.17)"
+    try:
+        on = (conf / "all" / "forwarding").read_text().strip() == "1"
+    except OSError as exc:
+        return False, f"no IPv6 sysctls ({exc})"
+    if on:
+        return True, "the host forwards IPv6 (net.ipv6.conf.all.forwarding=1; no per-interface "\
+                     "force_forwarding before Linux 6.17)"
+    return False, ("no per-interface IPv6 forwarding before Linux 6.17 and the host's "
+                   "net.ipv6.conf.all.forwarding is 0 (edged leaves it): sandboxes get no IPv6")
 
 
 class Plumber:

@@ -154,7 +154,11 @@ class ServerNetns:
                 host.addr("add", index=i, address=f"{NET6}1", prefixlen=64, flags=IFA_F_NODAD)
                 host.link("set", index=i, state="up")
                 Path(f"/proc/sys/net/ipv4/conf/{self.host_if}/forwarding").write_text("1")
-                Path(f"/proc/sys/net/ipv6/conf/{self.host_if}/force_forwarding").write_text("1")
+                # IPv6: per interface from Linux 6.17 on; before, the host's own switch
+                # (net.ipv6.conf.all.forwarding, which the node VM's guest turns on)
+                ff = Path(f"/proc/sys/net/ipv6/conf/{self.host_if}/force_forwarding")
+                if ff.exists():
+                    ff.write_text("1")
             assert self._libc.setns(fd, CLONE_NEWNET) == 0
             os.close(fd)
         finally:

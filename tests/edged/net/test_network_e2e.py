@@ -338,6 +338,7 @@ def test_node_shows_the_network_features(net: Net) -> None:
     assert feats["pool4"] == net.settings["network_pool"] and "pypi" in feats["services"]
     assert feats["dns"]["listen"][0] == f"10.214.{int(net.tag[:2], 16)}.1", feats
     assert isinstance(feats["uplink_forwarding"], bool)
+    assert feats["ipv6"] is True, feats["ipv6_reason"]  # forwarded here (6.18, or the node VM)
     # the egress programs are on the backend's cgroup v2 directory, in whichever layout this
     # host has (hybrid: a directory in the controller-less v2 hierarchy; cgroup v2: the
     # sandboxes' parent, whose children are the sandboxes' own directories)

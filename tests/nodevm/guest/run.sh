@@ -48,6 +48,11 @@ done > "$R/apparmor-features.txt" 2>&1
 # zram for edged's swap (edged/node/swap.py hot-adds devices of its own; num_devices=0: no
 # zram0), as /etc/modules-load.d would on a node; loop and erofs load on demand.
 modprobe zram num_devices=0 || say "no zram module"
+# IPv6 forwarding for the sandboxes' networks: before Linux 6.17 there is no per-interface
+# switch (force_forwarding), only the host's own, which a router node turns on (edged never
+# does: README "The node VM"; this guest has no uplink whose router advertisements it
+# would then ignore).
+sysctl -qw net.ipv6.conf.all.forwarding=1 || say "cannot turn IPv6 forwarding on"
 
 # ---- install edged as a user would ----------------------------------------------------
 # (The virtualenv /opt/edged already holds edged's dependencies: the guest has no network.)
