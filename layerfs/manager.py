@@ -123,7 +123,8 @@ class LayerManager:
         return self._fuse_fd is None or client.supervised(self.client.cache)
 
     def recover(self) -> list[str] | None:
-        """Bring the lazy server back if it is not :meth:`healthy` (blocking, up to ~10 s;
+        """Bring the lazy server back if it is not :meth:`healthy` (blocking, up to ~10 s,
+        half of :data:`~layerfs.lazy.client.START_WAIT_S`;
         a server left without supervisor is replaced): a new
         supervisor on the same FUSE connection when this manager still holds it (the
         layer mounts and every reader of them carry on), else a new connection, with the
@@ -136,7 +137,7 @@ class LayerManager:
         back."""
         with self._lock:
             if not self.healthy():
-                self._restart(wait=10.0)
+                self._restart(wait=client.START_WAIT_S / 2)  # 10 s by default
             lost, self._lost = self._lost, None
             return lost
 
@@ -148,7 +149,7 @@ class LayerManager:
                 os.close(self._fuse_fd)
                 self._fuse_fd = None
 
-    def _restart(self, wait: float = 20.0) -> None:
+    def _restart(self, wait: float | None = None) -> None:
         """Start the lazy server again (on our connection if we hold it); then, if the
         connection changed, the layer mounts over the old one are lost (self._lost)."""
         if self._proc is not None:

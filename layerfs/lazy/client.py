@@ -191,10 +191,17 @@ def take_fd(cache: str | None = None, *, timeout: float = 5.0) -> int | None:
     return fds[0] if fds else None
 
 
+#: How long :func:`start` waits for a new server to answer by default (seconds): 20, or
+#: ``LAYERFS_LAZY_START_WAIT_S`` from the environment (a slow machine's, e.g. the emulated
+#: node VM's, where the interpreter's start alone can take longer). A supervisor that ends
+#: ends the wait at once.
+START_WAIT_S = float(os.environ.get("LAYERFS_LAZY_START_WAIT_S") or 20.0)
+
+
 def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
           attempt_timeout: float = 10.0, cache_limit: int | None = None,
           speculate: int | None = None, fuse_fd: int | None = None,
-          wait: float = 20.0) -> subprocess.Popen[bytes] | None:
+          wait: float | None = None) -> subprocess.Popen[bytes] | None:
     """Start the supervisor and lazy server for ``cache`` unless one answers already, and
     wait until it answers. Returns the supervisor's Popen (None if it was running); it
     runs in its own session, so it outlives the caller. ``speculate``: chunks fetched
@@ -216,7 +223,9 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     waited for, ``wait`` seconds more.
 
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
-    within ``wait`` seconds."""
+    within ``wait`` seconds (None: :data:`START_WAIT_S`)."""
+    if wait is None:
+        wait = START_WAIT_S
     client = LazyClient(cache, timeout=min(5.0, wait))  # a wedged one must not hold us
     if client.alive():
         if fuse_fd is None or _running_supervisor(client.cache) is not None:

@@ -110,9 +110,9 @@ def test_edged_serve_process_sigterm(tmp_path, sockdir) -> None:
     import json
     import subprocess
     import sys
-    import time
 
     from edged.client._http import Transport
+    from tests.timing import wait_until
 
     runtime = tmp_path / "run"
     sock = sockdir / "serve.sock"
@@ -123,10 +123,8 @@ def test_edged_serve_process_sigterm(tmp_path, sockdir) -> None:
         stderr=subprocess.PIPE, text=True,
     )
     try:
-        for _ in range(500):
-            if sock.exists():
-                break
-            time.sleep(0.02)
+        wait_until(lambda: sock.exists() or proc.poll() is not None, 10, "edged serve's socket")
+        assert proc.poll() is None, "edged serve ended at start"
         info = Transport(str(sock)).json("GET", "/v1/node")
         assert info["capacity"]["cpus"] == 3.0 and info["features"]["backend"] == "container"
         proc.send_signal(signal.SIGTERM)

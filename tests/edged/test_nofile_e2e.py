@@ -22,6 +22,7 @@ import pytest
 
 from edged.client import CapacityExhaustedError, Sandbox
 from tests.edged.test_e2e_container import _cgroup_parents, layer_store  # noqa: F401
+from tests.timing import wait_until
 
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
 
@@ -72,10 +73,8 @@ def daemon(layer_store, tmp_path) -> Iterator[Daemon]:  # noqa: F811
         preexec_fn=low, stderr=subprocess.PIPE, text=True)
     d = Daemon(proc, sock, runtime)
     try:
-        for _ in range(1500):
-            if os.path.exists(sock) or proc.poll() is not None:
-                break
-            time.sleep(0.02)
+        wait_until(lambda: os.path.exists(sock) or proc.poll() is not None, 30,
+                   "edged serve's socket")
         assert proc.poll() is None, "edged serve did not start"
         yield d
     finally:
