@@ -84,7 +84,7 @@
  * reach), and listing such paths one by one never ends.  So sbx-init keeps
  * the id-mapped lowers as detached mounts that no workload process can reach
  * (fds of its own; before 6.15 attached beneath /proc instead, see
- * detached_layers_usable), and for a grader exec its child makes a mount namespace
+ * reclone_lowers), and for a grader exec its child makes a mount namespace
  * of its own, a read-only overlay of the lowers alone (no upper: what the
  * layers hold, nothing the workload wrote) and mounts clones of that tree
  * over each --pristine path.  sbx-init keeps CAP_SYS_ADMIN in the sandbox's
@@ -182,16 +182,19 @@ static int fs_fail(struct lfs_error *e, int fsfd, int code, const char *what)
 }
 
 /* The setup message: a u32 mask of which of the SETUP_* fds follow (in that
- * order, as SCM_RIGHTS), then the lowers for the grader view, if any (bottom
- * first), then the options, NUL-separated. */
+ * order, as SCM_RIGHTS), with SETUP_F_STAGED, then the lowers for the grader
+ * view, if any (bottom first), then the options, NUL-separated. */
 enum { SETUP_ROOT, SETUP_SCRATCH, SETUP_LISTEN, SETUP_INIT, SETUP_LOG, SETUP_CG_A, SETUP_CG_B,
        SETUP_LL, SETUP_SC, SETUP_DEV, SETUP_SHM, SETUP_SYSFS, SETUP_NFDS };
 #define SETUP_MAX_FDS (SETUP_NFDS + MAX_LOWERS)
+/* the rootfs was staged (staged_rootfs): this kernel takes no layer from a
+ * detached mount, so the grader view's layers are attached (reclone_lowers) */
+#define SETUP_F_STAGED (1u << 31)
 
 static int send_setup(int sock, const char *args, size_t len, const int fds[SETUP_NFDS],
-		      const int *lowers, int n_lowers)
+		      const int *lowers, int n_lowers, uint32_t flags)
 {
-	uint32_t mask = 0;
+	uint32_t mask = flags & SETUP_F_STAGED;
 	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
 			       {.iov_base = (void *)args, .iov_len = len}};
 	union {
@@ -219,13 +222,13 @@ static int send_setup(int sock, const char *args, size_t len, const int fds[SETU
 	return sendmsg(sock, &m, MSG_NOSIGNAL) == (ssize_t)(sizeof(mask) + len) ? 0 : -1;
 }
 
-/* Receive the setup message into args (NUL-terminated), fds (-1: absent) and
- * lowers (*n_lowers of them).  Returns the length of the options, -1 on error
- * (errno set). */
+/* Receive the setup message into args (NUL-terminated), fds (-1: absent),
+ * lowers (*n_lowers of them) and *flags (SETUP_F_*).  Returns the length of
+ * the options, -1 on error (errno set). */
 static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS],
-			  int lowers[MAX_LOWERS], int *n_lowers)
+			  int lowers[MAX_LOWERS], int *n_lowers, uint32_t *flags)
 {
-	uint32_t mask;
+	uint32_t mask = 0;
 	struct iovec iov[2] = {{.iov_base = &mask, .iov_len = sizeof(mask)},
 			       {.iov_base = args, .iov_len = cap - 1}};
 	union {
@@ -252,6 +255,8 @@ static ssize_t recv_setup(int sock, char *args, size_t cap, int fds[SETUP_NFDS],
 	if (n)
 		memcpy(got, CMSG_DATA(cm), sizeof(int) * (size_t)n);
 	total = n;
+	*flags = mask & SETUP_F_STAGED;
+	mask &= ~SETUP_F_STAGED;
 	fixed = r < (ssize_t)sizeof(mask) ? total + 1 : __builtin_popcount(mask);
 	if (r < (ssize_t)sizeof(mask) || (m.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
 	    fixed > total || total - fixed > MAX_LOWERS || mask >> SETUP_NFDS) {
@@ -305,6 +310,7 @@ struct child_fds {
 	int lowers[MAX_LOWERS]; /* the lowers for grader views (bottom first) */
 	int n_lowers;
 	int sysfs;       /* a detached sysfs (joined network namespace), or -1 */
+	uint32_t flags;  /* SETUP_F_* */
 };
 
 static int bind_dev(const char *name, struct lfs_error *e)
@@ -425,14 +431,6 @@ static int protect_paths(const struct opts *o, struct lfs_error *e)
 	return 0;
 }
 
-/* EDGED_SPAWNER_STAGED=1: the ways of kernels before 6.15 on any kernel (tests) */
-static int staged_wanted(void)
-{
-	const char *v = getenv("EDGED_SPAWNER_STAGED");
-
-	return v && strcmp(v, "1") == 0;
-}
-
 /* The lowers sbx-init keeps for grader views, and the scratch mount whose
  * empty/ is their bottom layer, must be detached mounts whose (anonymous)
  * mount namespace belongs to the sandbox's user namespace: overlayfs clones
@@ -459,29 +457,6 @@ static int reclone(int *fd, const char *what, struct lfs_error *e)
 	return 0;
 }
 
-/* Before 6.15 (the 6.1 LTS), overlayfs takes no layer from a detached mount
- * (clone_private_mount wants it in the caller's namespace, and a detached
- * mount attaches only once), so sbx-init's grader views could not be made
- * from detached lowers.  There the scratch mount and the lowers stay attached
- * in the sandbox's namespace, stacked on /proc before proc is mounted over
- * them: no path reaches them (only sbx-init's fds do), the workload cannot
- * unmount proc (no CAP_SYS_ADMIN; a user namespace it makes gets the tree
- * locked), and each grader's child makes its overlay from the fds' paths
- * (grader.c).  A clone of a detached mount failing says the kernel is such;
- * EDGED_SPAWNER_STAGED=1 forces this way too (its tests). */
-static int detached_layers_usable(int fd)
-{
-	int t;
-
-	if (staged_wanted())
-		return 0;
-	t = open_tree(fd, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH);
-	if (t < 0)
-		return 0;
-	close(t);
-	return 1;
-}
-
 static int attach_under_proc(int fd, const char *what, struct lfs_error *e)
 {
 	if (move_mount(fd, "", AT_FDCWD, "proc", MOVE_MOUNT_F_EMPTY_PATH) < 0)
@@ -495,7 +470,18 @@ static int reclone_lowers(struct child_fds *f, struct lfs_error *e)
 
 	if (!f->n_lowers)
 		return 0;
-	if (!detached_layers_usable(f->scratch)) {
+	if (f->flags & SETUP_F_STAGED) {
+		/* Before 6.15 (the 6.1 LTS; where the rootfs was staged, or
+		 * EDGED_SPAWNER_STAGED=1 forced it) overlayfs takes no layer from
+		 * a detached mount (clone_private_mount wants it in the caller's
+		 * namespace, and a detached mount attaches only once), so no grader
+		 * view could be made from detached lowers.  There the scratch
+		 * mount and the lowers stay attached in the sandbox's namespace,
+		 * stacked on /proc before proc is mounted over them: no path
+		 * reaches them (only sbx-init's fds do), the workload cannot
+		 * unmount proc (no CAP_SYS_ADMIN; a user namespace it makes gets the
+		 * tree locked), and a grader's child makes its overlay from the
+		 * fds' paths (grader.c). */
 		if (attach_under_proc(f->scratch, "the scratch dir", e) < 0)
 			return -1;
 		for (i = 0; i < f->n_lowers; i++)
@@ -593,7 +579,7 @@ static void child_main(int sync)
 	ssize_t len;
 
 	f->sync = sync;
-	len = recv_setup(sync, args, sizeof(args), got, f->lowers, &f->n_lowers);
+	len = recv_setup(sync, args, sizeof(args), got, f->lowers, &f->n_lowers, &f->flags);
 	if (len < 0)
 		_exit(1); /* the spawner went away before the sandbox was known */
 	f->rootmnt = got[SETUP_ROOT];
@@ -811,6 +797,13 @@ static int scratch_clone(int scratch, const char *name, uint64_t attr_set, struc
 #define SHM_ATTRS (MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
 #define STAGE "/tmp"
 
+static int staged_wanted(void)
+{
+	const char *v = getenv("EDGED_SPAWNER_STAGED");
+
+	return v && strcmp(v, "1") == 0;
+}
+
 /* Replace *fd, a mount attached at `path`, by a detached clone of it. */
 static int detach_clone(int *fd, const char *path, struct lfs_error *e)
 {
@@ -907,7 +900,7 @@ fail:
  * when a grader view is wanted, the id-mapped lowers (lowers_out, bottom
  * first: the caller closes them). */
 static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int dev_out[2],
-			int *lowers_out, struct lfs_error *e)
+			int *lowers_out, uint32_t *flags_out, struct lfs_error *e)
 {
 	char path[64], num[32];
 	cleanup_close int userns = -1;
@@ -978,6 +971,7 @@ static int build_rootfs(const struct opts *o, pid_t child, int *scratch_out, int
 		mnt = staged_rootfs(o->n_lowers, lowers, &tmpmnt, &dev, &shm, e);
 		if (mnt < 0)
 			goto out;
+		*flags_out |= SETUP_F_STAGED;
 		goto done;
 	}
 	shm = dev < 0 ? -1 : scratch_clone(tmpmnt, "shm", SHM_ATTRS, e);
@@ -1203,6 +1197,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 	cleanup_close int listen_fd = -1, init_exe = -1, log_fd = -1, cg_a = -1, cg_b = -1;
 	cleanup_close int rootmnt = -1, scratch = -1, ll = -1, sc = -1, sysfs = -1;
 	int devs[2] = {-1, -1}, lowers[MAX_LOWERS];
+	uint32_t setup_flags = 0;
 	int rc;
 	char reply[600];
 	ssize_t n;
@@ -1239,7 +1234,7 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 	listen_fd = open_listen(o->ctl, e);
 	if (listen_fd < 0)
 		return -1;
-	rootmnt = build_rootfs(o, p->pid, &scratch, devs, lowers, e);
+	rootmnt = build_rootfs(o, p->pid, &scratch, devs, lowers, &setup_flags, e);
 	if (rootmnt < 0)
 		return -1;
 	if (netns_joined && o->sysfs) {
@@ -1256,7 +1251,8 @@ static int finish(const struct opts *o, struct pre *p, const char *args, size_t 
 				       [SETUP_SYSFS] = sysfs};
 
 		/* the lowers go along only for a grader view: sbx-init keeps them */
-		rc = send_setup(p->sync, args, len, fds, lowers, o->n_pristine ? o->n_lowers : 0);
+		rc = send_setup(p->sync, args, len, fds, lowers, o->n_pristine ? o->n_lowers : 0,
+				setup_flags);
 		close(devs[0]);
 		close(devs[1]);
 		/* the lowers stay open until this process exits (see build_rootfs) */
