@@ -68,9 +68,10 @@ static int pristine_tree(const struct sbx_policy *pol, struct sbx_fail *f)
 		if (syscall(SYS_fsconfig, ovl, FSCONFIG_SET_FD_, "lowerdir+", NULL, pol->lowers[i]) < 0)
 			break;
 	if (i >= 0 && i == pol->n_lowers - 1 && (errno == EINVAL || errno == EOPNOTSUPP)) {
-		/* no lowerdir+ before Linux 6.8 (a microVM guest's 6.1): the same
-		 * layers by their fds' paths, which the overlay looks up when it is
-		 * created, in this process */
+		/* no lowerdir+ before Linux 6.8 (a microVM guest's 6.1, or a
+		 * container's there, whose lowers the spawner left attached beneath
+		 * /proc: reclone_lowers): the same layers by their fds' paths, which
+		 * the overlay looks up when it is created, in this process */
 		static char dirs[SBX_MAX_LOWERS * 24 + 32];
 		size_t off = 0;
 
