@@ -457,8 +457,15 @@ static int reclone(int *fd, const char *what, struct lfs_error *e)
 	return 0;
 }
 
+/* Private first: a clone of a shared mount (a systemd host's are) is in its
+ * peer group, and proc mounted on top of it would appear on the host's
+ * directory too (and keep a layer there from being unmounted). */
 static int attach_under_proc(int fd, const char *what, struct lfs_error *e)
 {
+	struct mount_attr attr = {.propagation = MS_PRIVATE};
+
+	if (mount_setattr(fd, "", AT_EMPTY_PATH, &attr, sizeof(attr)) < 0)
+		return lfs_error_set(e, errno, "grader view: make %s private", what);
 	if (move_mount(fd, "", AT_FDCWD, "proc", MOVE_MOUNT_F_EMPTY_PATH) < 0)
 		return lfs_error_set(e, errno, "grader view: attach %s under /proc", what);
 	return 0;

@@ -11,6 +11,8 @@ of it, while the workload's own view keeps its changes and the workspace stays s
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -56,13 +58,34 @@ def toolkit_root(tmp_path: Path, attack_bin: Path) -> Path:
     return root
 
 
+@pytest.fixture
+def shared_toolkit_root(toolkit_root: Path) -> Iterator[Path]:
+    """``toolkit_root`` as a mount of its own with shared propagation, as a systemd host's
+    mounts are (the node VM's): a sandbox's mounts must never propagate back onto it."""
+    subprocess.run(["mount", "--bind", str(toolkit_root), str(toolkit_root)], check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(toolkit_root)], check=True)
+        yield toolkit_root
+    finally:
+        for _ in range(8):  # whatever was stacked on it too (the bug this guards against)
+            if not _mounts_at(toolkit_root):
+                break
+            subprocess.run(["umount", "-l", str(toolkit_root)], check=True)
+
+
+def _mounts_at(path: Path) -> list[str]:
+    return [ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()
+            if ln.split()[4] == str(path)]
+
+
 @pytest.mark.parametrize("staged", [False, True], ids=["detached", "staged"])
-def test_grader_sees_the_layers(node: Node, toolkit_root: Path, staged: bool,
+def test_grader_sees_the_layers(node: Node, shared_toolkit_root: Path, staged: bool,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``staged``: the layers the way kernels before 6.15 need them (the 6.1 node VM):
     attached beneath the sandbox's /proc, the grader's overlay made from their paths."""
     if staged:
         monkeypatch.setenv("EDGED_SPAWNER_STAGED", "1")
+    toolkit_root = shared_toolkit_root
     b = node.backend
     env = {**ENV, "PYTHONPATH": "/opt/evil", "LD_PRELOAD": "/opt/evil.so"}
 
@@ -85,7 +108,7 @@ def test_grader_sees_the_layers(node: Node, toolkit_root: Path, staged: bool,
                                  "/opt/toolkit/run-tests /work/grade; ls /root/.local")
             assert out == ('print("INJECTED")\n#!/bin/sh\necho tampered tool\ngraded\nlib\n'), out
             # whatever the layers' mounts are under, the workload's /proc is proc's
-            out, _, _ = await sh(b, "gview", "stat -f -c %T /proc; ls /proc/1/ns | wc -l; "
+            out, _, _ = await sh(b, "gview", "stat -f -c %T /proc; ls /proc/self/ns | wc -l; "
                                  "grep -c '^[^ ]* [^ ]* [^ ]* [^ ]* /proc ' /proc/self/mountinfo")
             kind, n_ns, at_proc = out.split()
             assert kind == "proc" and int(n_ns) > 3, out
@@ -93,6 +116,9 @@ def test_grader_sees_the_layers(node: Node, toolkit_root: Path, staged: bool,
             # scratch mount and the one lower beneath proc; else proc alone
             release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
             assert int(at_proc) == (3 if staged or release < (6, 15) else 1), out
+            # nothing of the sandbox's came back onto the layer's (shared) host directory
+            assert _mounts_at(toolkit_root) == [str(toolkit_root)]
+            assert not (toolkit_root / "self").exists()
         finally:
             await b.destroy("gview")
 
