@@ -172,6 +172,15 @@ def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> No
     assert client.create(layers=[LAYER], node_labels=AUX, node="x").node == "x"
 
 
+def _actor_dead(actor: object) -> bool:
+    """Whether a killed actor no longer answers (its worker process gone)."""
+    try:
+        ray.get(actor.ping.remote(), timeout=2)  # type: ignore[attr-defined]
+    except Exception:  # RayActorError, GetTimeoutError: not answering
+        return True
+    return False
+
+
 def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluster,
                                                                 client) -> None:
     sbx = client.create(layers=[LAYER], node="y")
@@ -186,6 +195,9 @@ def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluste
     assert sbx.exec("echo still").stdout == "still\n"  # over the HTTP relay, still
     assert ray.get(actor.ping.remote())["http_calls"] > calls
     ray.kill(actor, no_restart=True)  # its HTTP relay goes with it
+    # ray.kill returns before the actor's worker process is gone; until it is, its HTTP
+    # relay still answers (CI saw the next exec succeed): wait for the actor to be dead.
+    wait_for(lambda: _actor_dead(actor), 30, "the killed relay actor gone")
     with pytest.raises((NodeUnavailableError, SandboxLostError)):
         sbx.exec("true")  # the HTTP relay refuses connections, the actor is gone
     t0 = time.monotonic()
