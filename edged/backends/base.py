@@ -10,10 +10,13 @@ Units: CPU in cores, memory and disk in bytes, times in seconds (float).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
+
+from edged.errors import BadRequest
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
 #: syscall=, path=, address=, detail=)``, the signature of
@@ -152,6 +155,29 @@ class ExecSpec:
     pty: bool = False
     trusted: bool = False
     kill_leftovers: bool = False
+
+    def check(self, id_count: int) -> None:
+        """Refuse what no backend can run: ``uid``/``gid`` outside the sandbox's
+        ``0..id_count-1``, a ``timeout_s`` or ``output_limit`` that is not positive.
+        Raises :class:`edged.errors.BadRequest`."""
+        if not (0 <= self.uid < id_count and 0 <= self.gid < id_count):
+            raise BadRequest(f"uid/gid {self.uid}/{self.gid} outside the sandbox's id range "
+                             f"0..{id_count - 1}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise BadRequest(f"timeout_s {self.timeout_s} must be positive")
+        if self.output_limit is not None and self.output_limit <= 0:
+            raise BadRequest(f"output_limit {self.output_limit} must be positive")
+
+
+def instance_subdir(name: str, root: Path, default_root: Path) -> str:
+    """The cgroup subdirectory of one backend instance: ``name`` for the one whose state
+    lives at ``default_root`` (the system daemon), else ``name-<10 hex digits>`` of a sha256
+    of ``root``'s resolved path, so that daemons with other state dirs (tests, a second
+    instance) never share cgroups."""
+    resolved = root.resolve()
+    if resolved == default_root:
+        return name
+    return f"{name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:10]}"
 
 
 @dataclass(frozen=True)

@@ -88,10 +88,14 @@ class UidSlots:
     when the directory cannot be used."""
 
     def __init__(self, owner: str | os.PathLike[str], *, uid_base: int, id_count: int,
-                 max_slots: int, directory: str | os.PathLike[str] = DEFAULT_DIR) -> None:
+                 max_slots: int | None = None,
+                 directory: str | os.PathLike[str] = DEFAULT_DIR) -> None:
         self.owner = str(Path(owner).resolve())
         self.dir = Path(directory) / f"{uid_base}+{id_count}"
-        self.max_slots = max_slots
+        #: default: every slot of the grid below 2**32 - 2 (the highest uid a user
+        #: namespace can map, less the overflow id)
+        self.max_slots = (max_slots if max_slots is not None
+                          else ((1 << 32) - 2 - uid_base) // id_count)
         # Daemons start their search at different places, so that one does not walk past
         # another's claims on every create.
         self._next = zlib.crc32(self.owner.encode()) % max_slots if max_slots else 0

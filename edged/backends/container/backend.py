@@ -52,6 +52,7 @@ from edged.backends.base import (
     SandboxSpec,
     UpperDir,
     failure_text,
+    instance_subdir,
 )
 from edged.backends.container import confinement, fileops, files, scratch
 from edged.backends.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
@@ -171,16 +172,13 @@ class ContainerBackend:
         self.sandboxes_dir = self.state_dir / "sandboxes"
         self.uid_base = uid_base
         self.id_count = id_count
-        self.max_slots = ((1 << 32) - 2 - uid_base) // id_count
         self.uid_slots = UidSlots(self.state_dir, uid_base=uid_base, id_count=id_count,
-                                  max_slots=self.max_slots, directory=uid_slots_dir)
+                                  directory=uid_slots_dir)
+        self.max_slots = self.uid_slots.max_slots
         self.bin_dir = Path(bin_dir) if bin_dir else BIN_DIR
-        subdir = "edged"
-        if self.state_dir.resolve() != Path("/run/edged"):
-            import hashlib
-
-            subdir += "-" + hashlib.sha256(str(self.state_dir.resolve()).encode()).hexdigest()[:10]
-        self.cgroups = probe_cgroups(subdir=subdir, swap_share=swap_share)
+        self.cgroups = probe_cgroups(
+            subdir=instance_subdir("edged", self.state_dir, Path("/run/edged")),
+            swap_share=swap_share)
         self._sandboxes: dict[str, _Sandbox] = {}
         self._busy: set[str] = set()
         self._slots: set[int] = set()
@@ -684,12 +682,7 @@ class ContainerBackend:
             raise InvalidState(f"sandbox {sandbox_id} has failed: {failure_text(sbx.dead)}")
         if sbx.conn is None or sbx.conn.closed:
             raise InvalidState(f"sandbox {sandbox_id}: sbx-init is not connected")
-        if not (0 <= spec.uid < self.id_count and 0 <= spec.gid < self.id_count):
-            raise BadRequest(f"uid/gid {spec.uid}/{spec.gid} outside the sandbox's id range")
-        if spec.timeout_s is not None and not spec.timeout_s > 0:
-            raise BadRequest(f"timeout_s {spec.timeout_s} must be positive")
-        if spec.output_limit is not None and spec.output_limit <= 0:
-            raise BadRequest(f"output_limit {spec.output_limit} must be positive")
+        spec.check(self.id_count)
         if spec.kill_leftovers:
             await self.kill_processes(sandbox_id)
         if spec.trusted:

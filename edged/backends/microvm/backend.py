@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -65,6 +64,7 @@ from edged.backends.base import (
     Resources,
     SandboxSpec,
     failure_text,
+    instance_subdir,
 )
 from edged.backends.microvm import accel as accel_probe
 from edged.backends.microvm import guestkit
@@ -172,13 +172,11 @@ class MicroVmBackend:
         self._accel_lock = asyncio.Lock()
         self.uid_base = uid_base
         self.id_count = id_count
-        max_slots = ((1 << 32) - 2 - uid_base) // id_count
         self.uid_slots = UidSlots(self.run_root, uid_base=uid_base, id_count=id_count,
-                                  max_slots=max_slots, directory=uid_slots_dir)
-        subdir = "edged-vm"
-        if self.run_root.resolve() != Path("/run/edged/microvm"):
-            subdir += "-" + hashlib.sha256(str(self.run_root.resolve()).encode()).hexdigest()[:10]
-        self.cgroups = probe_cgroups(subdir=subdir, swap_share=swap_share)
+                                  directory=uid_slots_dir)
+        self.cgroups = probe_cgroups(
+            subdir=instance_subdir("edged-vm", self.run_root, Path("/run/edged/microvm")),
+            swap_share=swap_share)
         self._vms: dict[str, _Vm] = {}
         self._busy: set[str] = set()
         self._slots: set[int] = set()
@@ -523,12 +521,7 @@ class MicroVmBackend:
         InvalidState (paused, the VMM gone), BadRequest (bad spec, or the program cannot
         start)."""
         vm, guest = self._running(sandbox_id)
-        if not (0 <= spec.uid < self.id_count and 0 <= spec.gid < self.id_count):
-            raise BadRequest(f"uid/gid {spec.uid}/{spec.gid} outside 0..{self.id_count - 1}")
-        if spec.timeout_s is not None and not spec.timeout_s > 0:
-            raise BadRequest(f"timeout_s {spec.timeout_s} must be positive")
-        if spec.output_limit is not None and spec.output_limit <= 0:
-            raise BadRequest(f"output_limit {spec.output_limit} must be positive")
+        spec.check(self.id_count)
         if spec.kill_leftovers:
             await self.kill_processes(sandbox_id)
         grader = bool(spec.trusted and vm.policy is not None and vm.policy.grader_paths)
