@@ -11,12 +11,15 @@ Units: CPU in cores, memory and disk in bytes, times in seconds (float).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable, Mapping
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
-from edged.errors import BadRequest
+from edged.errors import BackendError, BadRequest
+
+log = logging.getLogger(__name__)
 
 #: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
 #: syscall=, path=, address=, detail=)``, the signature of
@@ -179,6 +182,24 @@ def instance_subdir(name: str, root: Path, default_root: Path) -> str:
         return name
     return f"{name}-{hashlib.sha256(str(resolved).encode()).hexdigest()[:10]}"
 
+
+
+async def remove_leftovers(ids: Iterable[str], metas: Mapping[str, dict[str, object]],
+                           teardown: Callable[[str, dict[str, object] | None],
+                                              Awaitable[None]]) -> list[str]:
+    """Tear down each leftover sandbox of ``ids`` (in sorted order) with
+    ``teardown(id, its record or None)``; one that fails (:class:`BackendError`) is logged
+    and skipped, the next is tried. Returns the ids removed. The leftovers sweep of the
+    container and microVM backends."""
+    removed = []
+    for sid in sorted(ids):
+        try:
+            await teardown(sid, metas.get(sid))
+        except BackendError as exc:
+            log.warning("leftover sandbox %s: %s", sid, exc)
+            continue
+        removed.append(sid)
+    return removed
 
 @dataclass(frozen=True)
 class ExecEnd:

@@ -53,6 +53,7 @@ from edged.backends.base import (
     UpperDir,
     failure_text,
     instance_subdir,
+    remove_leftovers,
 )
 from edged.backends.container import confinement, fileops, files, scratch
 from edged.backends.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
@@ -965,15 +966,7 @@ class ContainerBackend:
         pool = {POOL_PREFIX + str(p.slot) for p in self._pool}
         ids = ((set(metas) | self.cgroups.existing()) - keep - set(self._sandboxes) - self._busy
                - pool)
-        removed = []
-        for sid in sorted(ids):
-            try:
-                await self._teardown(sid, metas.get(sid))
-            except BackendError as exc:
-                log.warning("leftover sandbox %s: %s", sid, exc)
-                continue
-            removed.append(sid)
-        return removed
+        return await remove_leftovers(ids, metas, self._teardown)
 
     async def warm(self) -> None:
         """Start the spawner pool now rather than at the first create (the spawners get

@@ -65,6 +65,7 @@ from edged.backends.base import (
     SandboxSpec,
     failure_text,
     instance_subdir,
+    remove_leftovers,
 )
 from edged.backends.microvm import accel as accel_probe
 from edged.backends.microvm import guestkit
@@ -775,14 +776,7 @@ class MicroVmBackend:
         with contextlib.suppress(FileNotFoundError):
             found |= {e.name for e in os.scandir(self.vms_dir)}
         ids = found - keep - set(self._vms) - self._busy
-        removed = []
-        for sid in sorted(ids):
-            try:
-                await self._teardown(sid, metas.get(sid))
-            except BackendError as exc:
-                log.warning("leftover sandbox %s: %s", sid, exc)
-                continue
-            removed.append(sid)
+        removed = await remove_leftovers(ids, metas, self._teardown)
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.templates.root):
                 # ".<key>.<pid>": a template boot of a daemon that died before it finished
