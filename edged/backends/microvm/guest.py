@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,14 +32,23 @@ from edged.errors import BackendError
 from edged.sbxinit import SbxClient, SbxExec
 
 HELLO_TIMEOUT_S = 30.0
+#: A restarted daemon's first HELLO waits this long (seconds; times the attempt after that)
+#: before it drops the connection and tries again: a guest whose sbx-init had not yet seen
+#: the old daemon's connection go answers on the old stream, and that answer never comes
+#: back (seen under load: a 30 s wait for nothing); once sbx-init sees a connection end it
+#: reopens its port, and the next connection is heard.
+ATTACH_HELLO_S = 2.0
+#: Seconds (times the attempt) between dropping a connection that got no answer and the
+#: next: enough for the guest to see the host go.
+ATTACH_GONE_S = 0.2
 
 
 async def _hello(name: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  sink: EventSink | None = None, on_end: Callable[[], None] | None = None,
-                 new_client: bool = False) -> SbxClient:
+                 new_client: bool = False, timeout_s: float = HELLO_TIMEOUT_S) -> SbxClient:
     conn = SbxClient(name, reader, writer, sink, on_end)
     try:
-        await conn.hello(HELLO_TIMEOUT_S, new_client)
+        await conn.hello(timeout_s, new_client)
     except BaseException:
         await conn.close()
         raise
@@ -244,9 +254,21 @@ class GuestVm:
         """A running VM of a restarted daemon: connected to its control port again as a new
         client (the guest's sbx-init ends the old client's execs, if it has not seen it go
         yet). Raises BackendError."""
-        reader, writer = await open_port(vm)
-        conn = await _hello(sandbox_id, reader, writer, sink, on_end, new_client=True)
-        return cls(vm, conn, run_dir, list(disks), data_dir=data_dir)
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        for attempt in itertools.count(1):
+            reader, writer = await open_port(vm)
+            left = deadline - time.monotonic()
+            try:
+                conn = await _hello(sandbox_id, reader, writer, sink, on_end, new_client=True,
+                                    timeout_s=min(left, ATTACH_HELLO_S * attempt))
+            except BackendError:
+                if time.monotonic() + ATTACH_HELLO_S >= deadline:
+                    raise
+                # Come back once the guest has seen this connection go (see ATTACH_HELLO_S)
+                await asyncio.sleep(ATTACH_GONE_S * attempt)
+                continue
+            return cls(vm, conn, run_dir, list(disks), data_dir=data_dir)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def start(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
                     cwd: str = "/", timeout_s: float | None = None, uid: int = 0,

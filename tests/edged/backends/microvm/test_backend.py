@@ -339,6 +339,39 @@ def test_a_restarted_daemon_adopts_running_and_paused_vms(make_backend: MakeBack
     run(second())
 
 
+def test_a_daemon_restarting_again_and_again_finds_its_vm_each_time(
+        make_backend: MakeBackend, layer: Path) -> None:
+    """Regression: a daemon that connected again before the guest's sbx-init had seen
+    the old connection go got no answer to its HELLO, and the adopt waited 30 s for
+    nothing (CI saw it once in test_a_restarted_daemon_adopts_running_and_paused_vms; here
+    it failed in 2 of 3 runs before the fix). The host goes and comes back at once, 20
+    times, beside busy loops that slow the guest down."""
+    busy = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(2)]
+    try:
+        b = make_backend()
+
+        async def first(b: MicroVmBackend = b) -> None:
+            await b.create(spec(layer, sid="again"))
+            await b.close()
+
+        run(first())
+        for i in range(20):
+            b = make_backend()
+
+            async def cycle(b: MicroVmBackend = b, i: int = i) -> None:
+                await b.adopt("again")
+                out, _, end = await sh(b, "again", f"echo {i}")
+                assert (out, end.exit_code) == (f"{i}\n".encode(), 0)
+                await b.close()
+
+            run(asyncio.wait_for(cycle(), 60))
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        assert run(make_backend().cleanup_leftovers(set())) == ["again"]
+
+
 def test_cleanup_leftovers_removes_what_a_dead_daemon_left(make_backend: MakeBackend,
                                                            layer: Path) -> None:
     b1 = make_backend()
