@@ -47,6 +47,15 @@ static char port_dev[64]; /* /dev/vportNpM of SBX_GUEST_PORT */
  * sandbox's root, whose /dev has no such node, is ours (a host that left and
  * came back: a restarted daemon).  O_PATH, close-on-exec, held by PID 1 only. */
 static int dev_dir = -1;
+/* What step 1 prepared in the template, so that a clone does not do it again
+ * (under TCG every guest instruction a clone runs for the first time is
+ * translated afresh by its own QEMU: what a clone does not run costs nothing).
+ * The disks (found by serial and flushed), the workload's cgroup, and the
+ * sandbox's /proc, /sys and /dev, mounted outside the root and moved in. */
+static int late_modules;  /* modules.late is not empty: step 2 binds and finds the disks */
+static int n_disk_lowers = -1; /* layer disks found in step 1 (-1: step 2 finds them) */
+static char disk_lowers[SBX_GUEST_MAX_LAYERS][32], disk_upper[32];
+static int cg_fd = -1;
 
 static uint64_t ns_of(clockid_t c)
 {
@@ -375,35 +384,38 @@ static void write_file(const char *path, const char *val)
 	close(fd);
 }
 
-static void make_dev(void)
+static void make_dev(const char *dir)
 {
 	static const struct { const char *name; unsigned maj, min; } nodes[] = {
 		{"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7},
 		{"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0},
 	};
 	static const char *const links[][2] = {
-		{"pts/ptmx", "/dev/ptmx"},     {"/proc/self/fd", "/dev/fd"},
-		{"/proc/self/fd/0", "/dev/stdin"}, {"/proc/self/fd/1", "/dev/stdout"},
-		{"/proc/self/fd/2", "/dev/stderr"},
+		{"pts/ptmx", "ptmx"},     {"/proc/self/fd", "fd"},
+		{"/proc/self/fd/0", "stdin"}, {"/proc/self/fd/1", "stdout"},
+		{"/proc/self/fd/2", "stderr"},
 	};
+	char path[64];
 	size_t i;
 
 	/* Only these nodes: no disk, no console, no control port, no /dev/mem. */
-	must_mount("tmpfs", "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64");
+	must_mount("tmpfs", dir, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k,nr_inodes=64");
 	for (i = 0; i < sizeof(nodes) / sizeof(nodes[0]); i++) {
-		char path[32];
-
-		snprintf(path, sizeof(path), "/dev/%s", nodes[i].name);
+		snprintf(path, sizeof(path), "%s/%s", dir, nodes[i].name);
 		if (mknod(path, S_IFCHR | 0666, makedev(nodes[i].maj, nodes[i].min)) < 0)
 			die(errno, "mknod `%s`", path);
 	}
-	must_mount("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC,
+	snprintf(path, sizeof(path), "%s/pts", dir);
+	must_mount("devpts", path, "devpts", MS_NOSUID | MS_NOEXEC,
 		   "newinstance,ptmxmode=0666,mode=0620");
-	must_mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m");
-	chmod("/dev/shm", 01777);
-	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++)
-		if (symlink(links[i][0], links[i][1]) < 0)
-			die(errno, "symlink `%s`", links[i][1]);
+	snprintf(path, sizeof(path), "%s/shm", dir);
+	must_mount("shm", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=64m");
+	chmod(path, 01777);
+	for (i = 0; i < sizeof(links) / sizeof(links[0]); i++) {
+		snprintf(path, sizeof(path), "%s/%s", dir, links[i][1]);
+		if (symlink(links[i][0], path) < 0)
+			die(errno, "symlink `%s`", path);
+	}
 }
 
 /* Read-only binds of the protected paths, after the chroot so that a symlink
@@ -436,14 +448,106 @@ static void ensure_dir(const char *path, mode_t mode)
 	chmod(path, mode);
 }
 
+/* The virtio block devices the machine has (virtio device id 2). */
+static uint32_t count_virtio_blk(void)
+{
+	DIR *d = opendir("/sys/bus/virtio/devices");
+	struct dirent *de;
+	uint32_t n = 0;
+
+	if (!d)
+		die(errno, "open `/sys/bus/virtio/devices`");
+	while ((de = readdir(d))) {
+		char dir[64], id[16];
+
+		if (de->d_name[0] == '.')
+			continue;
+		snprintf(dir, sizeof(dir), "/sys/bus/virtio/devices/%.24s", de->d_name);
+		if (read_small(dir, "device", id, sizeof(id)) == 0 && strtoul(id, NULL, 0) == 2)
+			n++;
+	}
+	closedir(d);
+	return n;
+}
+
+/* The workload's cgroup: cgroup2 mounted under RUN, outside the sandbox's
+ * root, so that no workload process can move itself out or raise a limit
+ * (DAC_OVERRIDE would pass the files' modes).  Its limits are the clone's
+ * (step 2). */
+static void make_cgroup(void)
+{
+	must_mount("cgroup2", RUN "/cg", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	write_file(RUN "/cg/cgroup.subtree_control", "+memory +pids");
+	if (mkdir(RUN "/cg/w", 0755) < 0 && errno != EEXIST)
+		die(errno, "mkdir the workload cgroup");
+	write_file(RUN "/cg/w/cgroup.subtree_control", "+memory +pids");
+	cg_fd = open(RUN "/cg/w", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (cg_fd < 0)
+		die(errno, "open the workload cgroup");
+}
+
+/* The upper disk, mounted with its upper/, work/ and empty/ (a grader view's
+ * bottom layer) and written back: in a template, its disk file is every
+ * clone's upper as the guest leaves it here (the host copies it for each
+ * clone), so what the guest caches of it is what each clone's file holds.
+ * noinit_itable: no ext4lazyinit thread zeroing inode tables behind the first
+ * execs (mkfs left them uninitialised, which the group descriptors record, so
+ * nothing reads them as inodes). */
+static void mount_upper(void)
+{
+	int fd;
+
+	must_mount(disk_upper, RUN "/u", "ext4", MS_NODEV | MS_NOSUID,
+		   "errors=remount-ro,noinit_itable");
+	if ((mkdir(RUN "/u/upper", 0755) < 0 && errno != EEXIST) ||
+	    (mkdir(RUN "/u/work", 0755) < 0 && errno != EEXIST) ||
+	    (mkdir(RUN "/u/empty", 0755) < 0 && errno != EEXIST))
+		die(errno, "mkdir upper/, work/, empty/ on the upper disk");
+	fd = open(RUN "/u", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fd < 0 || syncfs(fd) < 0)
+		die(errno, "sync the upper disk");
+	close(fd);
+}
+
+/* Step 1's share of the sandbox: what does not depend on the clone. */
+static void prepare_template(void)
+{
+	uint32_t i, n;
+
+	if (mkdir(RUN, 0700) < 0 && errno != EEXIST)
+		die(errno, "mkdir `%s`", RUN);
+	if (!late_modules) {
+		/* The template's disks are those of every clone (same devices, same
+		 * order; the serials are the clone's too): found here, and what the
+		 * kernel's probe read of them (the partition scan) dropped here, so
+		 * nothing of a placeholder is cached when a clone mounts its own. */
+		n = count_virtio_blk();
+		if (n < 2)
+			die(ENODEV, "%u virtio disks: want layers and an upper", n);
+		find_disks(n - 1, disk_lowers, disk_upper);
+		for (i = 0; i < n - 1; i++)
+			flush_bdev(disk_lowers[i]);
+		flush_bdev(disk_upper);
+		n_disk_lowers = (int)(n - 1);
+		mount_upper();
+	}
+	make_cgroup();
+	/* The sandbox's /proc, /sys (read-only) and /dev, moved into its root in
+	 * step 2 (a mount's place is not part of it: the same as mounting there). */
+	must_mount("proc", RUN "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+	must_mount("sysfs", RUN "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+		   NULL);
+	make_dev(RUN "/dev");
+}
+
 /* Step 2: the clone's own sandbox. */
 static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *payload)
 {
-	char lowers[SBX_GUEST_MAX_LAYERS][32] = {{0}}, upper[32] = "", opts[2048];
+	char opts[2048];
 	const char *sp = payload + b->landlock_len + b->seccomp_len;
 	char *hostname, *protect, *grader;
 	size_t off = 0, sl = b->strings_len;
-	int i, cg;
+	int i;
 
 	/* the strings: exactly three, NUL-terminated, inside the payload */
 	hostname = (char *)sp;
@@ -462,40 +566,38 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 			die(errno, "set the clock");
 	}
 	step("record");
-	probe_devices();
-	if (mkdir(RUN, 0700) < 0 && errno != EEXIST)
-		die(errno, "mkdir `%s`", RUN);
-	find_disks(b->nlayers, lowers, upper);
-	/* The template's kernel probed these disks on its placeholders: drop
-	 * what it cached of them (the partition scan read zeros).  Their size
-	 * stays the placeholder's, larger than any file: each filesystem keeps
-	 * to the size its superblock records, and no workload process can reach
-	 * the raw disks.  (Serial numbers are asked of the device on each read
-	 * of /sys/block/vdX/serial, so find_disks saw the clone's.) */
-	for (i = 0; i < (int)b->nlayers; i++)
-		flush_bdev(lowers[i]);
-	flush_bdev(upper);
-	step("disks");
+	if (n_disk_lowers < 0) { /* a late virtio_blk: the clone binds and finds its disks */
+		probe_devices();
+		find_disks(b->nlayers, disk_lowers, disk_upper);
+		/* The template's kernel probed these disks on its placeholders: drop
+		 * what it cached of them (the partition scan read zeros). */
+		for (i = 0; i < (int)b->nlayers; i++)
+			flush_bdev(disk_lowers[i]);
+		flush_bdev(disk_upper);
+		n_disk_lowers = (int)b->nlayers;
+		mount_upper();
+		step("disks");
+	}
+	/* The layer disks' size stays the placeholder's, larger than any file:
+	 * EROFS keeps to the size its superblock records, and no workload process
+	 * can reach the raw disks.  (The placeholders carry the clone's serials;
+	 * the upper is the template's file, which the clone's is a copy of.) */
+	if ((uint32_t)n_disk_lowers != b->nlayers)
+		die(EINVAL, "boot record: %u layers for a machine with %d layer disks", b->nlayers,
+		    n_disk_lowers);
 	for (i = 0; i < (int)b->nlayers; i++) {
 		char dst[64];
 
 		snprintf(dst, sizeof(dst), RUN "/l%d", i);
-		must_mount(lowers[i], dst, "erofs", MS_RDONLY | MS_NODEV, NULL);
+		must_mount(disk_lowers[i], dst, "erofs", MS_RDONLY | MS_NODEV, NULL);
 	}
-	/* noinit_itable: no ext4lazyinit thread zeroing inode tables behind the
-	 * first execs (mkfs left them uninitialised, which the group descriptors
-	 * record, so nothing reads them as inodes) */
-	must_mount(upper, RUN "/u", "ext4", MS_NODEV | MS_NOSUID, "errors=remount-ro,noinit_itable");
-	if ((mkdir(RUN "/u/upper", 0755) < 0 && errno != EEXIST) ||
-	    (mkdir(RUN "/u/work", 0755) < 0 && errno != EEXIST))
-		die(errno, "mkdir upper/work on the upper disk");
+	step("lowers");
 	/* overlay's lowerdir lists the top layer first */
 	off = (size_t)snprintf(opts, sizeof(opts), "lowerdir=");
 	for (i = (int)b->nlayers - 1; i >= 0; i--)
 		off += (size_t)snprintf(opts + off, sizeof(opts) - off, RUN "/l%d%s", i, i ? ":" : "");
 	snprintf(opts + off, sizeof(opts) - off, ",upperdir=" RUN "/u/upper,workdir=" RUN
 		 "/u/work,volatile");
-	step("lowers+upper");
 	must_mount("overlay", RUN "/root", "overlay", 0, opts);
 	step("overlay");
 	/* A grader's view: sbx-init makes an overlay of the layers alone when a
@@ -504,8 +606,6 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 	 * so no workload process reaches them. */
 	g->n_lowers = 0;
 	if (grader[0]) {
-		if (mkdir(RUN "/u/empty", 0755) < 0 && errno != EEXIST)
-			die(errno, "mkdir empty/ on the upper disk");
 		for (i = 0; i < (int)b->nlayers; i++) {
 			char dir[64];
 
@@ -520,13 +620,6 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 	g->scratch_fd = open(RUN "/u", O_PATH | O_DIRECTORY | O_CLOEXEC);
 	if (g->scratch_fd < 0)
 		die(errno, "open the upper disk's root");
-	/* The workload's cgroup: cgroup2 mounted here, outside the sandbox's
-	 * root, so that no workload process can move itself out or raise a limit
-	 * (DAC_OVERRIDE would pass the files' modes). */
-	must_mount("cgroup2", RUN "/cg", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-	write_file(RUN "/cg/cgroup.subtree_control", "+memory +pids");
-	if (mkdir(RUN "/cg/w", 0755) < 0 && errno != EEXIST)
-		die(errno, "mkdir the workload cgroup");
 	if (b->memory_max) {
 		snprintf(opts, sizeof(opts), "%llu", (unsigned long long)b->memory_max);
 		write_file(RUN "/cg/w/memory.max", opts);
@@ -535,30 +628,29 @@ static void boot_sandbox(struct sbx_guest *g, const struct sbx_boot *b, char *pa
 		snprintf(opts, sizeof(opts), "%u", b->pids_max);
 		write_file(RUN "/cg/w/pids.max", opts);
 	}
-	write_file(RUN "/cg/w/cgroup.subtree_control", "+memory +pids");
-	cg = open(RUN "/cg/w", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-	if (cg < 0)
-		die(errno, "open the workload cgroup");
-	g->cgroup_fd = cg;
+	g->cgroup_fd = cg_fd;
 	step("cgroup");
 	g->landlock_fd = memfd_of(payload, b->landlock_len, "landlock");
 	g->seccomp_fd = memfd_of(payload + b->landlock_len, b->seccomp_len, "seccomp");
 	g->caps = b->caps;
 	g->flags = b->flags;
 
+	/* The mount points, then step 1's /proc, /sys and /dev moved onto them
+	 * (the root's own directories: lstat saw no symlink in their place). */
+	ensure_dir(RUN "/root/proc", 0555);
+	ensure_dir(RUN "/root/dev", 0755);
+	ensure_dir(RUN "/root/sys", 0555);
+	ensure_dir(RUN "/root/tmp", 01777);
+	if (mount(RUN "/proc", RUN "/root/proc", NULL, MS_MOVE, NULL) < 0 ||
+	    mount(RUN "/sys", RUN "/root/sys", NULL, MS_MOVE, NULL) < 0 ||
+	    mount(RUN "/dev", RUN "/root/dev", NULL, MS_MOVE, NULL) < 0)
+		die(errno, "move /proc, /sys, /dev into the sandbox's root");
 	/* switch_root: the initramfs cannot be pivot_root'ed away; move the
 	 * overlay onto / and chroot into it.  The initramfs stays underneath,
 	 * unreachable from the new root (its pages are the template's, shared). */
 	if (chdir(RUN "/root") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 ||
 	    chdir("/") < 0)
 		die(errno, "switch to the sandbox's root");
-	ensure_dir("/proc", 0555);
-	ensure_dir("/dev", 0755);
-	ensure_dir("/sys", 0555);
-	ensure_dir("/tmp", 01777);
-	must_mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-	must_mount("sysfs", "/sys", "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
-	make_dev();
 	protect_paths(protect);
 	if (sethostname(hostname, strlen(hostname)) < 0)
 		die(errno, "sethostname `%s`", hostname);
@@ -585,11 +677,13 @@ void sbx_guest_boot(struct sbx_guest *g)
 	/* Late modules are loaded now but bind no device: with the bus's
 	 * autoprobe off, their devices stay driverless in the template, and a
 	 * clone binds its own in step 2 (probe_devices). */
-	if (!file_empty("/etc/sbx/modules.late")) {
+	late_modules = !file_empty("/etc/sbx/modules.late");
+	if (late_modules) {
 		write_file("/sys/bus/virtio/drivers_autoprobe", "0");
 		load_modules("/etc/sbx/modules.late");
 	}
 	find_port();
+	prepare_template();
 	ready.boot_ns = ns_of(CLOCK_BOOTTIME);
 	if (write_all(port, &ready, sizeof(ready)) < 0)
 		die(errno, "write the ready record");

@@ -5,22 +5,30 @@
  *
  *   1. (template boot) mount /proc, /sys, /dev (devtmpfs); load the modules of
  *      /etc/sbx/modules.early with finit_module(2) (virtio_blk probes the
- *      template's placeholder disks); those of modules.late with the virtio
- *      bus's autoprobe off (their devices stay unbound); open the virtio-serial
- *      port named SBX_GUEST_PORT; send struct sbx_boot_ready; block reading
- *      struct sbx_boot.  The host saves the template while the guest waits
- *      here, so every clone resumes at this read.
+ *      template's disks: placeholders for the layers, the real upper file);
+ *      those of modules.late with the virtio bus's autoprobe off (their
+ *      devices stay unbound); open the virtio-serial port named
+ *      SBX_GUEST_PORT; then as much of the sandbox as does not depend on the
+ *      clone: find the disks by their virtio serial numbers (the
+ *      placeholders carry the clone's), drop what the probe cached of them
+ *      (BLKFLSBUF), mount the ext4 upper disk with its upper/, work/, empty/
+ *      and sync it (the host copies this file for each clone: the guest's
+ *      cache of it is the clone's file), make the workload's cgroup (cgroup
+ *      v2, mounted outside the sandbox's root so no workload process can reach
+ *      it), mount /proc, /sys (read-only) and a small /dev with only the
+ *      harmless nodes outside the root; send struct sbx_boot_ready; block
+ *      reading struct sbx_boot.  The host saves the template while the guest
+ *      waits here, so every clone resumes at this read.  Under TCG each clone's
+ *      QEMU translates every guest instruction it runs for the first time:
+ *      what is done here a clone does not run at all.
  *   2. (each clone) the host sends struct sbx_boot and its payload; the guest
- *      sets its clock, binds unbound devices, finds the disks by their virtio
- *      serial numbers (asked of the device: the clone's), drops what the
- *      template cached of them (BLKFLSBUF), mounts the EROFS lowers
- *      read-only, the ext4 upper disk, the overlay, /proc, /sys (read-only),
- *      a small /dev with only the harmless nodes, the protected paths as
- *      read-only binds; makes the workload's cgroup (cgroup v2, mounted
- *      outside the sandbox's root so no workload process can reach it); moves
- *      the overlay onto / and chroots; answers struct sbx_boot_done (its
+ *      sets its clock, checks the layer count, mounts the EROFS lowers
+ *      read-only and the overlay, sets the cgroup's limits, moves /proc,
+ *      /sys and /dev into the overlay, binds the protected paths read-only;
+ *      moves the overlay onto / and chroots; answers struct sbx_boot_done (its
  *      message, on success, the step times: "name=microseconds ...").  From
- *      then on the same port carries the protocol of protocol.h.
+ *      then on the same port carries the protocol of protocol.h.  (With late
+ *      modules, finding the disks and mounting the upper move to step 2.)
  *
  * Threat model: the workload runs as guest root with the container's
  * capability set (no CAP_SYS_ADMIN, CAP_MKNOD, CAP_SYS_MODULE, CAP_SYS_RAWIO),

@@ -236,7 +236,8 @@ class MicroVmBackend:
         vcpus = max(1, min(math.ceil(spec.resources.cpus), os.cpu_count() or 1))
         return Machine(str(kit.kernel), str(initrd), guestkit.cmdline(), memory_mib=memory_mib,
                        vcpus=vcpus, accel=accel, ndisks=len(spec.lowers) + 1,
-                       tb_size_mib=self.tb_size_mib if accel == "tcg" else None)
+                       tb_size_mib=self.tb_size_mib if accel == "tcg" else None,
+                       upper_bytes=spec.resources.disk_bytes)
 
     def _vmm_resources(self, machine: Machine, res: Resources) -> Resources:
         """The VMM's cgroup limits. Memory: a guest page can be charged twice to the VMM

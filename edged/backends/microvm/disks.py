@@ -6,13 +6,20 @@ with ``mkfs.ext4`` (~5-20 ms and ~150 KiB allocated for 1 GiB here): no journal 
 thrown away with the sandbox; a paused VM's snapshot holds its page cache, consistent with
 the file), no reserved blocks, inode tables initialised lazily, no discard pass. The guest
 mounts it ``errors=remount-ro``; the overlay on top is ``volatile`` (no syncs).
+
+A template clone's upper is not made here but copied (:func:`copy_upper`) from its
+template's, which the template's guest mounted before it was saved: the clone's guest has it
+mounted already (the ext4 mount is ~40% of a clone's mounts under TCG), and its file must
+be what that guest's page cache says it is, i.e. the template's as the template left it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from edged.errors import BackendError
@@ -48,6 +55,49 @@ def make_upper(path: Path, size_bytes: int) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         raise
+
+
+def data_extents(fd: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` byte offsets of each data extent of the open file ``fd``, in order
+    (``SEEK_DATA``/``SEEK_HOLE``: a hole is skipped; a file system without holes reports one
+    extent, the whole file). Raises OSError."""
+    size = os.fstat(fd).st_size
+    off = 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole is left
+                return
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end
+        off = end
+
+
+def copy_upper(src: Path, dst: Path) -> None:
+    """Copy the upper disk ``src`` (a template's, as its guest left it mounted) to ``dst``
+    (must not exist): the same apparent size, its data extents only (holes stay holes:
+    ~0.3 MiB of a 1 GiB disk). Raises BackendError and leaves no file behind."""
+    try:
+        with open(src, "rb", buffering=0) as f:
+            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, os.fstat(f.fileno()).st_size)
+                for start, end in data_extents(f.fileno()):
+                    while start < end:
+                        n = os.copy_file_range(f.fileno(), fd, end - start, start, start)
+                        if n <= 0:
+                            raise OSError(f"copy_file_range returned {n} at {start}")
+                        start += n
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    dst.unlink()
+                raise
+            os.close(fd)
+    except OSError as e:
+        raise BackendError(f"upper disk {dst} from {src}: {e}") from e
 
 
 def allocated_bytes(path: Path) -> int:

@@ -57,9 +57,10 @@ async def _hello(name: str, reader: asyncio.StreamReader, writer: asyncio.Stream
 
 @dataclass
 class Timings:
-    """Where a create's time went, seconds: ``upper`` (mkfs), ``vmm`` (VMM start and state
-    load requested), ``boot`` (boot record to answer, host side), ``guest_boot`` (the guest's
-    own count of that, by step in ``guest_steps``), ``hello``; ``total``."""
+    """Where a create's time went, seconds: ``upper`` (the upper disk's copy, or mkfs),
+    ``vmm`` (VMM start and state load requested), ``boot`` (boot record to answer, host
+    side), ``guest_boot`` (the guest's own count of that, by step in ``guest_steps``),
+    ``hello``; ``total``."""
 
     upper: float = 0.0
     vmm: float = 0.0
@@ -95,19 +96,27 @@ class GuestVm:
                     jail: Jail | None = None, sink: EventSink | None = None,
                     on_end: Callable[[], None] | None = None) -> GuestVm:
         """Create a sandbox from ``template``: ``layers`` are EROFS image files, bottom
-        first (one disk each, read-only, no copy); the upper disk is made in ``data_dir``
-        (default ``run_dir``). The machine's disk count must be ``len(layers) + 1``. The
-        VMM is confined by ``jail``; ``sink``/``on_end`` go to the sbx-init client
+        first (one disk each, read-only, no copy); the upper disk, a copy of the
+        template's (which the guest has mounted already), is made in ``data_dir`` (default
+        ``run_dir``). The machine's disk count must be ``len(layers) + 1``, its upper's
+        size ``disk_bytes``. The VMM is confined by ``jail``; ``sink``/``on_end`` go to
+        the sbx-init client
         (:class:`~edged.sbxinit.SbxClient`). Raises BackendError (and leaves nothing
         running, nor ``run_dir`` and ``data_dir``) if any step fails."""
         if len(layers) + 1 != template.machine.ndisks:
             raise BackendError(f"{len(layers)} layers for a template with "
                                f"{template.machine.ndisks - 1} layer disks")
+        if disk_bytes != template.machine.upper_bytes:
+            raise BackendError(f"upper disk of {disk_bytes} bytes for a template whose upper "
+                               f"has {template.machine.upper_bytes}")
 
         async def start(dl: list[Disk]) -> Vm:
             return await templates.clone(template, dl, run_dir, jail)
 
-        return await cls._launch(start, False, layers, run_dir, data_dir, spec, disk_bytes,
+        def upper(path: Path) -> None:
+            disks.copy_upper(template.upper, path)
+
+        return await cls._launch(start, False, layers, run_dir, data_dir, spec, upper,
                                  sandbox_id, sink, on_end)
 
     @classmethod
@@ -116,19 +125,23 @@ class GuestVm:
                         sandbox_id: str = "", *, data_dir: Path | None = None,
                         jail: Jail | None = None, sink: EventSink | None = None,
                         on_end: Callable[[], None] | None = None) -> GuestVm:
-        """As :meth:`clone`, but boot the kernel afresh (RAM anonymous, private): the
-        baseline a template saves, and the way when no template can be made."""
+        """As :meth:`clone`, but boot the kernel afresh (RAM anonymous, private; the upper
+        disk made by mkfs): the baseline a template saves, and the way when no template can
+        be made."""
         async def start(dl: list[Disk]) -> Vm:
             return await vmm.boot(machine, dl, run_dir, None, share=False, jail=jail)
 
-        return await cls._launch(start, True, layers, run_dir, data_dir, spec, disk_bytes,
+        def upper(path: Path) -> None:
+            disks.make_upper(path, disk_bytes)
+
+        return await cls._launch(start, True, layers, run_dir, data_dir, spec, upper,
                                  sandbox_id, sink, on_end)
 
     @classmethod
     async def _launch(cls, start: Callable[[list[Disk]], Awaitable[Vm]], wait_ready: bool,
                       layers: Sequence[str], run_dir: Path, data_dir: Path | None,
-                      spec: boot.BootSpec, disk_bytes: int, sandbox_id: str,
-                      sink: EventSink | None,
+                      spec: boot.BootSpec, make_upper: Callable[[Path], None],
+                      sandbox_id: str, sink: EventSink | None,
                       on_end: Callable[[], None] | None) -> GuestVm:
         t = Timings()
         t0 = time.monotonic()
@@ -139,7 +152,7 @@ class GuestVm:
         vm: Vm | None = None
         writer: asyncio.StreamWriter | None = None
         try:
-            await asyncio.to_thread(disks.make_upper, upper, disk_bytes)
+            await asyncio.to_thread(make_upper, upper)
             t.upper = time.monotonic() - t0
             dl = [Disk(p, f"{boot.SERIAL_LOWER}{i}") for i, p in enumerate(layers)]
             dl.append(Disk(str(upper), boot.SERIAL_UPPER, read_only=False))

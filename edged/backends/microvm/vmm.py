@@ -38,6 +38,8 @@ class Machine:
     ~24 MiB of it; 8 MiB cuts that to ~7 MiB but the guest then retranslates all the time
     (exec round trip 570 ms vs 25 ms at 32 MiB and 32 ms at 16 MiB); 32 MiB bounds the
     growth with no slowdown seen;
+    ``upper_bytes``: the upper disk's size (a template's upper is mounted by its guest and
+    copied for each clone, so the size is the template's);
     ``kernel``/``initrd``/``cmdline``: the guest's boot files."""
 
     kernel: str
@@ -49,6 +51,7 @@ class Machine:
     ndisks: int = 4
     free_page_reporting: bool = False
     tb_size_mib: int | None = 32
+    upper_bytes: int = 1 << 30
 
     def key(self) -> str:
         """A short stable digest of everything that must match between a template and its

@@ -67,8 +67,9 @@ def layer(vm_root: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def machine(kit: guestkit.GuestKit, initrd: Path) -> Machine:
-    """256 MiB, 1 vCPU, TCG, one layer disk + the upper."""
-    return Machine(str(kit.kernel), str(initrd), guestkit.cmdline(), memory_mib=256, ndisks=2)
+    """256 MiB, 1 vCPU, TCG, one layer disk + the upper (64 MiB)."""
+    return Machine(str(kit.kernel), str(initrd), guestkit.cmdline(), memory_mib=256, ndisks=2,
+                   upper_bytes=64 << 20)
 
 
 @pytest.fixture

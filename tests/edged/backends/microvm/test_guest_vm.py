@@ -67,12 +67,19 @@ def test_clone_runs_commands_in_the_layer_rootfs(templates: Templates, machine: 
 
 def test_clones_see_their_own_disks(templates: Templates, machine: Machine, layer: Path,
                                     run_dir: Path, tmp_path: Path) -> None:
-    """The template's guest never probed a disk; each clone binds the files it was started
-    with (two clones of one template, different layer files, at the same time)."""
+    """The template's guest probed placeholders for the layers; each clone binds the files
+    it was started with (two clones of one template, different layer files, at the same
+    time). The upper the template's guest mounted is each clone's own copy: what one
+    writes no other clone sees, and the template's file stays as it was."""
     other = make_layer(tmp_path / "other", tmp_path / "other.erofs",
                        {"etc/hostname": "other\n", "marker": "only in the other layer\n"})
 
+    def digest(p: Path) -> str:
+        return hashlib.sha256(p.read_bytes()).hexdigest()
+
     async def go() -> None:
+        t = await templates.get(machine)
+        before = digest(t.upper)
         a, b = await asyncio.gather(_clone(templates, machine, layer, run_dir / "a"),
                                     _clone(templates, machine, other, run_dir / "b"))
         try:
@@ -81,11 +88,19 @@ def test_clones_see_their_own_disks(templates: Templates, machine: Machine, laye
             assert ra[1] == b"layer\n"
             assert rb[1] == b"other\nonly in the other layer\n"
             # what one writes the other does not see
-            await a.run(["sh", "-c", "echo a > /written"])
+            await a.run(["sh", "-c", "echo a > /written; sync"])
             end, _, _ = await b.run(["cat", "/written"])
             assert end.exit_code == 1
+            assert digest(run_dir / "a" / "upper.img") != before  # a's own file took it
+            c = await _clone(templates, machine, layer, run_dir / "c")
+            try:  # a later clone starts from the template's upper, not from a's
+                end, out, err = await c.run(["sh", "-c", "test ! -e /written && ls -A /tmp"])
+                assert (end.exit_code, out) == (0, b""), err
+            finally:
+                await c.destroy()
         finally:
             await asyncio.gather(a.destroy(), b.destroy())
+        assert digest(t.upper) == before
 
     run(go())
 

@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from edged.backends.microvm import boot, guestkit, qemu
+from edged.backends.microvm import boot, disks, guestkit, qemu
+from edged.backends.microvm.guest import GuestVm
 from edged.backends.microvm.qmp import Qmp, QmpError
+from edged.backends.microvm.template import Template, Templates
 from edged.backends.microvm.vmm import Disk, Machine
+from edged.errors import BackendError
 
 
 def _fake_modules(tmp_path: Path, deps: dict[str, list[str]],
@@ -220,3 +223,41 @@ def test_qmp_client(tmp_path: Path) -> None:
 def test_qmp_connect_fails_cleanly(tmp_path: Path) -> None:
     with pytest.raises(QmpError, match="QMP"):
         asyncio.run(Qmp.connect(str(tmp_path / "none.sock"), timeout=1))
+
+
+def test_copy_upper_keeps_the_bytes_and_the_holes(tmp_path: Path) -> None:
+    """A clone's upper is the template's copied extent by extent: the same bytes and size,
+    holes left holes (a 1 GiB disk costs what its template wrote); a failed copy leaves
+    no file."""
+    src = tmp_path / "t.img"
+    with open(src, "wb") as f:
+        f.truncate(1 << 30)
+        for off in (0, 5 << 20, (1 << 30) - 4096):
+            f.seek(off)
+            f.write(os.urandom(4096) * 3 if off < (1 << 29) else os.urandom(4096))
+    dst = tmp_path / "c.img"
+    disks.copy_upper(src, dst)
+    assert dst.stat().st_size == 1 << 30
+    assert dst.stat().st_blocks * 512 <= 1 << 20
+    with open(src, "rb") as a, open(dst, "rb") as b:
+        for off in (0, 5 << 20, (1 << 30) - 4096, 300 << 20):
+            a.seek(off)
+            b.seek(off)
+            assert a.read(3 * 4096) == b.read(3 * 4096)
+    with pytest.raises(BackendError):  # never over an existing file
+        disks.copy_upper(src, dst)
+    with pytest.raises(BackendError):
+        disks.copy_upper(tmp_path / "missing.img", tmp_path / "never.img")
+    assert not (tmp_path / "never.img").exists()
+
+
+def test_clone_refuses_an_upper_size_not_the_templates(tmp_path: Path) -> None:
+    """The clone's upper is a copy of its template's, so its size is the template's: any
+    other is refused before anything is started or made."""
+    m = Machine("/k", "/i", "c", ndisks=2, upper_bytes=64 << 20)
+    t = Template(m, tmp_path / "t", 1.0)
+    sb = boot.BootSpec(nlayers=1, hostname="h", realtime_ns=0)
+    with pytest.raises(BackendError, match="upper disk of"):
+        asyncio.run(GuestVm.clone(Templates(qemu.QemuVmm(), tmp_path, tmp_path), t,
+                                  ["/l.erofs"], tmp_path / "run", sb, disk_bytes=1 << 30))
+    assert not (tmp_path / "run").exists()
