@@ -20,6 +20,7 @@ APT_PACKAGES=(
   qemu-system-x86 qemu-utils                  # microVM backend: the VMM (microvm machine, TCG/KVM)
   kmod                                        # modinfo: the guest kernel modules' dependencies
   e2fsprogs                                   # mkfs.ext4: a microVM's upper disk
+  strace                                      # tests: which syscalls the EROFS writer makes
   python3-venv
 )
 
