@@ -13,13 +13,16 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, cast
 
 from layerfs.errors import ImageFormatError
-from layerfs.native import ffi, lib, new_error, raise_error
+from layerfs.native import TYPE_CHECKING, ffi, lib, named_tuple, new_error, raise_error
 
-if TYPE_CHECKING:  # imported where used: a directory build needs neither (start-up time)
+if TYPE_CHECKING:  # not imported when run: a directory build needs none (start-up time)
+    from typing import Any, NamedTuple, Protocol
+
     from layerfs.tree import Inode, Tree
+else:
+    NamedTuple = Protocol = object   # see layerfs.native.named_tuple
 
 __all__ = ["ImageStats", "WriterInput", "WriterOptions", "write_image"]
 
@@ -39,6 +42,7 @@ for _s, _c in ((INODE, "struct lfs_wr_inode"), (DIRENT, "struct lfs_wr_dirent"),
         raise ImportError(f"layerfs.writer: {_c} is {ffi.sizeof(_c)} bytes, not {_s.size}")
 
 
+@named_tuple
 class WriterOptions(NamedTuple):
     """How to write an image (immutable; ``opts._replace(chunk_align=0)`` for a
     changed copy).
@@ -68,6 +72,7 @@ class WriterOptions(NamedTuple):
     threaded: bool = True
 
 
+@named_tuple
 class ImageStats(NamedTuple):
     """What :func:`write_image` wrote (``stats._asdict()`` for a dict): ``size`` (image
     bytes), ``inodes``, ``files`` (regular files), ``data_bytes`` (sum of regular file
@@ -274,7 +279,7 @@ def write_image(tree: Tree | WriterInput, out: str | os.PathLike[str] | int,
     """
     options = options or WriterOptions()
     # A Tree has no writer_input (and is not imported here: start-up time).
-    flat = cast("WriterInput", tree) if hasattr(tree, "writer_input") else _Flat(tree)
+    flat: WriterInput = tree if hasattr(tree, "writer_input") else _Flat(tree)
     if isinstance(out, int):
         return _write_fd(flat, out, options, writeback=bool(writeback))
     from layerfs.output import atomic_output

@@ -23,12 +23,13 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import TYPE_CHECKING, Any
 
 from layerfs.errors import InvalidSourceError
-from layerfs.native import ffi, lib, new_error, raise_error
+from layerfs.native import TYPE_CHECKING, ffi, lib, new_error, raise_error
 
 if TYPE_CHECKING:  # imported in tree(): a build from the scan needs neither module
+    from typing import Any
+
     from layerfs.tree import Tree
 
 __all__ = ["DirScan", "load_directory", "scan_directory"]
