@@ -10,9 +10,11 @@ Units: CPU in cores, memory and disk in bytes, times in seconds (float).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -201,6 +203,27 @@ async def remove_leftovers(ids: Iterable[str], metas: Mapping[str, dict[str, obj
         removed.append(sid)
     return removed
 
+@contextlib.contextmanager
+def readable(fd: int) -> Iterator[asyncio.Future[None]]:
+    """A future of the running loop, done once ``fd`` is readable (a pidfd: its process has
+    ended, ``pidfd_open(2)``); the loop watches ``fd`` only inside the ``with``. The pidfd
+    waits of the container and microVM backends."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(fd, ready)
+    try:
+        yield fut
+    finally:
+        loop.remove_reader(fd)
+        if not fut.done():
+            fut.cancel()
+
+
 @dataclass(frozen=True)
 class ExecEnd:
     """How an exec ended.
@@ -383,6 +406,27 @@ class Backend(Protocol):
         """Release what the backend holds for itself (pools, control connections) at
         daemon shutdown; live sandboxes keep running for a later :meth:`adopt`."""
         ...
+
+
+class NoReclaim:
+    """The memory half of :class:`Backend` for a backend that cannot page a sandbox out nor
+    cap its sandboxes together (``can_reclaim`` False): :meth:`Backend.reclaim` frees
+    nothing, :meth:`Backend.prefetch` and :meth:`Backend.set_memory_limit` do nothing,
+    :meth:`Backend.totals` is zeros. A backend inherits it (before its own methods)."""
+
+    can_reclaim = False
+
+    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
+        return 0
+
+    async def prefetch(self, sandbox_id: str) -> None:
+        return None
+
+    def totals(self) -> MemoryUsage:
+        return MemoryUsage()
+
+    def set_memory_limit(self, nbytes: int) -> None:
+        return None
 
 
 @dataclass(frozen=True)

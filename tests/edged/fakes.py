@@ -20,6 +20,7 @@ from edged.backends.base import (
     FailureSink,
     LayerForm,
     MemoryUsage,
+    NoReclaim,
     SandboxSpec,
 )
 from edged.errors import BackendError, BadRequest, NotFound
@@ -112,13 +113,12 @@ class FakeExec:
             self._kill("killed")
 
 
-class FakeBackend:
+class FakeBackend(NoReclaim):
     """``live`` (id → root dir) may be shared between instances to simulate a daemon restart
-    with sandboxes still running."""
+    with sandboxes still running. No memory policy (:class:`NoReclaim`)."""
 
     name = "container"
     layer_form: LayerForm = "tree"
-    can_reclaim = False
     fds_per_sandbox = 0
 
     def __init__(self, root: Path, live: dict[str, Path] | None = None) -> None:
@@ -252,18 +252,6 @@ class FakeBackend:
     async def memory(self, sandbox_id: str) -> MemoryUsage:
         self._get(sandbox_id)
         return MemoryUsage()
-
-    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
-        return 0
-
-    async def prefetch(self, sandbox_id: str) -> None:
-        return None
-
-    def totals(self) -> MemoryUsage:
-        return MemoryUsage()
-
-    def set_memory_limit(self, nbytes: int) -> None:
-        return None
 
     async def close(self) -> None:
         self.closed += 1

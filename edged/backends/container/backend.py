@@ -53,6 +53,7 @@ from edged.backends.base import (
     UpperDir,
     failure_text,
     instance_subdir,
+    readable,
     remove_leftovers,
 )
 from edged.backends.container import confinement, fileops, files, scratch
@@ -478,19 +479,12 @@ class ContainerBackend:
         unthrottling what its cgroups hold meanwhile; a warning every EXIT_PROGRESS_S.
         Raises BackendError after EXIT_TIMEOUT_S."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-
-        def on_exit() -> None:
-            if not fut.done():
-                fut.set_result(None)
-
-        loop.add_reader(pidfd, on_exit)
         start = loop.time()
         progress = start + EXIT_PROGRESS_S
-        try:
+        with readable(pidfd) as ended:
             while True:
                 try:
-                    await asyncio.wait_for(asyncio.shield(fut), 0.25)
+                    await asyncio.wait_for(asyncio.shield(ended), 0.25)
                     if loop.time() > start + EXIT_PROGRESS_S:
                         log.info("sandbox %s: sbx-init exited %.1f s after SIGKILL",
                                  sandbox_id, loop.time() - start)
@@ -512,10 +506,6 @@ class ContainerBackend:
                 if cg is not None:
                     await asyncio.to_thread(_unthrottle_and_kill, cg,
                                             loop.time() > start + EXIT_LEAVE_IDLE_S)
-        finally:
-            loop.remove_reader(pidfd)
-            if not fut.done():
-                fut.cancel()
 
     async def _teardown(self, sandbox_id: str, meta: dict[str, Any] | None) -> None:
         """Kill and remove everything of a sandbox, whatever state it is in."""

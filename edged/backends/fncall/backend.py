@@ -54,6 +54,7 @@ from edged.backends.base import (
     FailureSink,
     LayerForm,
     MemoryUsage,
+    NoReclaim,
     Resources,
     SandboxHost,
     SandboxSpec,
@@ -83,7 +84,7 @@ MAX_POOLS = 8
 MAX_FILES = 1000
 
 
-class FnCallBackend:
+class FnCallBackend(NoReclaim):
     """Implements :class:`~edged.backends.base.Backend` (no sandboxes of its own) and
     :class:`~edged.backends.base.CallBackend`.
 
@@ -95,7 +96,6 @@ class FnCallBackend:
 
     name = "fncall"
     layer_form: LayerForm = "tree"
-    can_reclaim = False
     fds_per_sandbox = 0  # no sandboxes of its own (its pools' are the node's)
 
     def __init__(self, *, image: str | None = None, layers: tuple[str, ...] = (),
@@ -327,18 +327,6 @@ class FnCallBackend:
 
     async def memory(self, sandbox_id: str) -> MemoryUsage:
         return MemoryUsage()
-
-    async def reclaim(self, sandbox_id: str, nbytes: int | None = None) -> int:
-        return 0
-
-    async def prefetch(self, sandbox_id: str) -> None:
-        return None
-
-    def totals(self) -> MemoryUsage:
-        return MemoryUsage()
-
-    def set_memory_limit(self, nbytes: int) -> None:
-        return None
 
     async def put_file(self, sandbox_id: str, path: str, data: AsyncIterator[bytes],
                        mode: int = 0o644, uid: int = 0, gid: int = 0) -> int:

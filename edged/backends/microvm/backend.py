@@ -65,6 +65,7 @@ from edged.backends.base import (
     SandboxSpec,
     failure_text,
     instance_subdir,
+    readable,
     remove_leftovers,
 )
 from edged.backends.microvm import accel as accel_probe
@@ -810,20 +811,11 @@ class MicroVmBackend:
 async def _wait_readable(fd: int, timeout_s: float) -> None:
     """Wait until ``fd`` (a pidfd) is readable: its process ended. Raises BackendError after
     ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    loop.add_reader(fd, ready)
-    try:
-        await asyncio.wait_for(fut, timeout_s)
-    except TimeoutError as exc:
-        raise BackendError(f"VMM still running {timeout_s} s after SIGKILL") from exc
-    finally:
-        loop.remove_reader(fd)
+    with readable(fd) as ended:
+        try:
+            await asyncio.wait_for(ended, timeout_s)
+        except TimeoutError as exc:
+            raise BackendError(f"VMM still running {timeout_s} s after SIGKILL") from exc
 
 
 def _cause_text(cause: dict[str, object]) -> str:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from edged.backends.base import readable
 from edged.backends.microvm.boot import PORT_NAME
 from edged.backends.microvm.qmp import Qmp, QmpError
 from edged.backends.microvm.vmm import Disk, Jail, Machine
@@ -222,15 +223,10 @@ class QemuVm:
         return os.WEXITSTATUS(self._status)
 
     async def wait_exit(self, timeout: float | None = None) -> int | None:
-        loop = asyncio.get_running_loop()
         async with asyncio.timeout(timeout):
             if self._pidfd is not None and self.alive():
-                ev = asyncio.Event()
-                loop.add_reader(self._pidfd, ev.set)
-                try:
-                    await ev.wait()
-                finally:
-                    loop.remove_reader(self._pidfd)
+                with readable(self._pidfd) as ended:
+                    await ended
             while self.alive():
                 await asyncio.sleep(0.01)
         return self.returncode()

@@ -1,13 +1,18 @@
-"""What the container and microVM backends share from ``edged.backends.base``: the exec-spec
-check and the per-instance cgroup subdirectory (each was written once per backend)."""
+"""What the backends share from ``edged.backends.base``: the exec-spec check, the per-instance
+cgroup subdirectory, the pidfd wait (each was written once per backend) and the memory half
+of a backend without a memory policy (the FnCall backend's, the test fake's)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from edged.backends.base import ExecSpec, instance_subdir
+from edged.backends.base import ExecSpec, MemoryUsage, NoReclaim, instance_subdir, readable
 from edged.backends.uidslots import UidSlots
 from edged.errors import BadRequest
 
@@ -40,3 +45,38 @@ def test_uid_slots_default_to_the_whole_grid(tmp_path: Path) -> None:
     assert s.max_slots == ((1 << 32) - 2 - (1 << 30)) // 65536
     assert UidSlots(tmp_path, uid_base=0, id_count=10, max_slots=3,
                     directory=tmp_path / "s2").max_slots == 3
+
+
+def test_readable_is_done_when_the_pidfds_process_ends_and_unwatches_it() -> None:
+    async def main() -> None:
+        p = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+        fd = os.pidfd_open(p.pid)
+        try:
+            loop = asyncio.get_running_loop()
+            with readable(fd) as ended:
+                await asyncio.sleep(0.2)
+                assert not ended.done()  # still running
+                assert p.stdin is not None
+                p.stdin.close()
+                await asyncio.wait_for(ended, 10.0)
+            assert not loop.remove_reader(fd)  # no longer watched
+            with readable(fd) as ended:  # an ended process: done at once
+                await asyncio.wait_for(ended, 10.0)
+            with readable(fd) as left:  # left before it is done: cancelled
+                pass
+            assert left.cancelled()
+        finally:
+            os.close(fd)
+            p.wait()
+
+    asyncio.run(main())
+
+
+def test_no_reclaim_frees_nothing_and_counts_zeros() -> None:
+    b = NoReclaim()
+    assert b.can_reclaim is False
+    assert asyncio.run(b.reclaim("s", 1 << 20)) == 0
+    assert asyncio.run(b.prefetch("s")) is None
+    assert b.totals() == MemoryUsage()
+    b.set_memory_limit(1 << 30)
