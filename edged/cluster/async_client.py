@@ -9,8 +9,6 @@ looking an actor up by name) run in a thread, so the event loop never waits on t
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,10 +19,10 @@ from edged.client._common import create_body_of
 from edged.client._http import path_for
 from edged.client.async_sandbox import AsyncTransport
 from edged.client.errors import NotFoundError, SandboxError
-from edged.cluster import actors, ids, wire
-from edged.cluster.client import LOCAL, CreatePlan, direct_socket, lost_error, refused_at
+from edged.cluster import actors, ids
+from edged.cluster.client import LOCAL, ClientCore, OnNode, relay_answer
 from edged.cluster.errors import ClusterError, NodeUnavailableError, SandboxLostError
-from edged.cluster.placement import Constraints, NodeView, Placer
+from edged.cluster.placement import Placer
 from edged.cluster.transport import (
     AsyncDirectTransport,
     AsyncHttpRelayTransport,
@@ -32,24 +30,19 @@ from edged.cluster.transport import (
 )
 
 
-class AsyncClusterSandbox(AsyncSandbox):
+class AsyncClusterSandbox(OnNode, AsyncSandbox):
     """A sandbox on a node of the cluster (see :class:`edged.cluster.ClusterSandbox`).
     ``close()`` leaves the client's connections open: they are shared."""
 
     def __init__(self, info: dict[str, Any], transport: AsyncTransport, node: str,
                  placer: Placer | None = None) -> None:
         super().__init__(info, transport)
-        self.node = node
-        self._placer = placer
+        self._on(node, placer)
 
     async def kill(self) -> None:
         """Destroy the sandbox (idempotent; a lost one raises :class:`SandboxLostError`)."""
         await super().kill()
-        if self._placer is not None:
-            self._placer.released(self.node, self.id)
-
-    def __repr__(self) -> str:
-        return f"<AsyncClusterSandbox {self.id} on {self.node}>"
+        self._released()
 
 
 class _AsyncLostTransport(AsyncTransport):
@@ -64,7 +57,7 @@ class _AsyncLostTransport(AsyncTransport):
         raise self.error
 
 
-class AsyncClusterClient:
+class AsyncClusterClient(ClientCore):
     """See :class:`edged.cluster.ClusterClient` (same arguments). Nothing is done until the
     first call (or ``async with``); :meth:`close` disconnects from Ray if this client
     connected."""
@@ -114,19 +107,15 @@ class AsyncClusterClient:
         """Read the nodes' latest reports (see :meth:`ClusterClient.refresh`)."""
         await self._ready()
         nodes: list[dict[str, Any]] = await self._registry.nodes.remote()
-        self._nodes = {n["name"]: n for n in nodes}
-        views = [NodeView.from_json(n) for n in nodes]
-        self.placer.update(views)
-        for v in views:
+        for v in self._took(nodes):
             t = self._routes.get(v.name)
             if isinstance(t, AsyncHttpRelayTransport):
                 await t.set_http(v.http_url, v.http_token)
-        self._refreshed = time.monotonic()
         return nodes
 
     async def _fresh(self) -> None:
         await self._ready()
-        if time.monotonic() - self._refreshed <= self.refresh_s:
+        if not self._stale():
             return
         # one refresh at a time: a burst of creates shares it
         if self._refreshing is None or self._refreshing.done():
@@ -146,30 +135,25 @@ class AsyncClusterClient:
     async def local_node(self) -> str | None:
         """See :meth:`ClusterClient.local_node`."""
         await self._fresh()
-        return next((n["name"] for n in self._nodes.values()
-                     if n["ray_node_id"] == self.ray_node_id), None)
+        return self._local()
 
     async def _unreachable(self, node: str, e: BaseException) -> SandboxError:
         try:
             await self.refresh()
         except Exception:
             return NodeUnavailableError(f"node {node}: {e}")
-        return lost_error(self._nodes.get(node), node, e)
+        return self._lost(node, e)
 
     async def _route(self, node: str) -> AsyncTransport:
         t = self._routes.get(node)
         if t is not None:
             return t
-        view = next((v for v in self.placer.views() if v.name == node), None)
-        if view is None:
-            raise lost_error(None, node, KeyError(node))
-        sock = direct_socket(view, self.ray_node_id, self.direct)
+        view = self._view(node)
+        sock = self._direct(view)
         if sock is not None:
             t = AsyncDirectTransport(node, sock, self._unreachable)
         else:
-            t = AsyncRelayTransport(node, functools.partial(actors.node_actor, node,
-                                                            self.namespace),
-                                    self._unreachable)
+            t = AsyncRelayTransport(node, self._lookup(node), self._unreachable)
             if self.http and view.http_url:
                 t = AsyncHttpRelayTransport(node, view.http_url, view.http_token, t,
                                             self._unreachable)
@@ -179,15 +163,14 @@ class AsyncClusterClient:
                          ) -> tuple[dict[str, Any] | None, SandboxError | None, float | None]:
         if isinstance(t, AsyncRelayTransport):
             try:
-                tag, v = await t.result("POST", path_for("sandboxes"), body)
+                return relay_answer(await t.result("POST", path_for("sandboxes"), body))
             except SandboxError as e:
                 return None, e, None
-            return (v, None, None) if tag == "ok" else (None, wire.error_of(v), v.get("at"))
         try:
             return await t.json("POST", path_for("sandboxes"), body), None, None
         except SandboxError as e:
-            return None, e, refused_at(getattr(t, "node", ""), self._nodes,
-                                       isinstance(t, AsyncDirectTransport))
+            return self._refused(getattr(t, "node", ""), e,
+                                 isinstance(t, AsyncDirectTransport))
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -211,9 +194,8 @@ class AsyncClusterClient:
         if node == LOCAL:
             node = await self.local_node()
             if node is None:
-                raise ClusterError("node='local': no edged node runs on this Ray node")
-        plan = CreatePlan(self.placer, Constraints(backend, dict(node_labels or {}), node),
-                          self.max_attempts, id, self.refresh_s)
+                raise self._no_local()
+        plan = self._plan(id, backend, node_labels, node)
         for step in plan.attempts():
             if step is None:  # no node with room by the reports: read them once more
                 await self.refresh()
@@ -225,10 +207,8 @@ class AsyncClusterClient:
             except BaseException as x:
                 plan.crashed(t, x)
                 continue
-            if info is not None:
-                plan.placed(t, info)
-                return AsyncClusterSandbox(info, route, t.node, self.placer)
-            plan.refused(t, e, at)
+            if (made := plan.answered(t, info, e, at)) is not None:
+                return AsyncClusterSandbox(made, route, t.node, self.placer)
         raise plan.error()
 
     async def connect(self, sandbox_id: str) -> AsyncClusterSandbox:
@@ -242,9 +222,7 @@ class AsyncClusterClient:
                                     status=404)
             node = str(where["node"])
         await self._fresh()
-        n = self._nodes.get(node)
-        if n is None or n["state"] != "up":
-            raise lost_error(n, node, KeyError(node))
+        self._up(node)
         t = await self._route(node)
         return AsyncClusterSandbox(await t.json("GET", path_for("sandboxes", sandbox_id)),
                                    t, node, self.placer)
@@ -253,8 +231,7 @@ class AsyncClusterClient:
                    lost: bool = True) -> list[AsyncClusterSandbox]:
         """See :meth:`ClusterClient.list`."""
         await self.refresh()
-        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        path = path_for("sandboxes", query=q)
+        path = self._listing(labels)
 
         async def one(name: str) -> list[AsyncClusterSandbox]:
             try:
@@ -267,12 +244,8 @@ class AsyncClusterClient:
         up = sorted(n for n, d in self._nodes.items() if d["state"] == "up")
         out = [s for part in await asyncio.gather(*(one(n) for n in up)) for s in part]
         if lost and not labels:
-            for sid, x in sorted((await self.lost()).items()):
-                err = SandboxLostError(f"sandbox {sid}: {x['cause']}", node=x["node"],
-                                       cause=x["cause"])
-                info = {"id": sid, "state": "lost", "node": x["node"], "lost": x,
-                        "labels": {}}
-                out.append(AsyncClusterSandbox(info, _AsyncLostTransport(err), x["node"]))
+            out += [AsyncClusterSandbox(info, _AsyncLostTransport(err), node)
+                    for info, err, node in self._lost_handles(await self.lost())]
         return out
 
     # -- the client -------------------------------------------------------------------------

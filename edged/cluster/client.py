@@ -22,7 +22,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -107,12 +107,18 @@ class CreatePlan:
         self.placer.failed(t)
         raise x
 
-    def refused(self, t: Ticket, e: SandboxError | None, at: float | None) -> None:
-        """The node of attempt ``t`` answered ``e`` (at its time ``at``): returns where
-        another node may take the sandbox, else raises ``e``."""
+    def answered(self, t: Ticket, info: dict[str, Any] | None, e: SandboxError | None,
+                 at: float | None) -> dict[str, Any] | None:
+        """The node of attempt ``t`` made the sandbox ``info`` (returned), or answered ``e``
+        (at its time ``at``): None where another node may take the sandbox, else raises
+        ``e``."""
+        if info is not None:
+            self.placed(t, info)
+            return info
         assert e is not None
         if not self.failed(t, e, at):
             raise e
+        return None
 
     def error(self) -> SandboxError:
         """Why no attempt succeeded."""
@@ -171,7 +177,119 @@ def direct_socket(view: NodeView, ray_node_id: str, direct: bool | None) -> str 
     return view.socket if os.access(view.socket, os.R_OK | os.W_OK) else None
 
 
-class ClusterSandbox(Sandbox):
+class OnNode:
+    """What the sync and async cluster handles add to the SDK's: :attr:`node`, and the
+    placer told when the sandbox is gone (:meth:`_released`)."""
+
+    id: str
+
+    def _on(self, node: str, placer: Placer | None) -> None:
+        self.node = node
+        self._placer = placer
+
+    def _released(self) -> None:
+        if self._placer is not None:
+            self._placer.released(self.node, self.id)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.id} on {self.node}>"
+
+
+class ClientCore:
+    """What the sync and async cluster clients share, without I/O: the nodes' last reports
+    (:meth:`_took`), the node a handle needs (:meth:`_view`, :meth:`_up`), the way to it
+    (:meth:`_direct`, :meth:`_lookup`), the create's plan and the lost sandboxes' handles'
+    data. Each client does the calls (blocking, or awaited)."""
+
+    namespace: str
+    max_attempts: int
+    refresh_s: float
+    direct: bool | None
+    http: bool
+    placer: Placer
+    ray_node_id: str
+    _nodes: dict[str, dict[str, Any]]
+    _refreshed: float
+
+    def _took(self, nodes: builtins.list[dict[str, Any]]) -> builtins.list[NodeView]:
+        """Keep the registry's ``nodes`` (and tell the placer); returns their views."""
+        self._nodes = {n["name"]: n for n in nodes}
+        views = [NodeView.from_json(n) for n in nodes]
+        self.placer.update(views)
+        self._refreshed = time.monotonic()
+        return views
+
+    def _stale(self) -> bool:
+        return time.monotonic() - self._refreshed > self.refresh_s
+
+    def _local(self) -> str | None:
+        """The node on this process's Ray node, by the last reports."""
+        return next((n["name"] for n in self._nodes.values()
+                     if n["ray_node_id"] == self.ray_node_id), None)
+
+    def _lost(self, node: str, e: BaseException) -> SandboxError:
+        return lost_error(self._nodes.get(node), node, e)
+
+    def _view(self, node: str) -> NodeView:
+        """The placer's view of ``node``; raises :class:`SandboxLostError` if none."""
+        view = next((v for v in self.placer.views() if v.name == node), None)
+        if view is None:
+            raise lost_error(None, node, KeyError(node))
+        return view
+
+    def _up(self, node: str) -> None:
+        """Raises what :func:`lost_error` says unless ``node`` is up."""
+        n = self._nodes.get(node)
+        if n is None or n["state"] != "up":
+            raise lost_error(n, node, KeyError(node))
+
+    def _direct(self, view: NodeView) -> str | None:
+        return direct_socket(view, self.ray_node_id, self.direct)
+
+    def _lookup(self, node: str) -> Callable[[], Any]:
+        """How to find ``node``'s relay actor (again after it died)."""
+        return functools.partial(actors.node_actor, node, self.namespace)
+
+    def _plan(self, id: str | None, backend: str | None,
+              node_labels: Mapping[str, str] | None, node: str | None) -> CreatePlan:
+        return CreatePlan(self.placer, Constraints(backend, dict(node_labels or {}), node),
+                          self.max_attempts, id, self.refresh_s)
+
+    def _refused(self, node: str, e: SandboxError, direct: bool
+                 ) -> tuple[None, SandboxError, float]:
+        """A create's refusal by ``node``'s daemon (reached ``direct``ly or over HTTP)."""
+        return None, e, refused_at(node, self._nodes, direct)
+
+    @staticmethod
+    def _no_local() -> ClusterError:
+        return ClusterError("node='local': no edged node runs on this Ray node")
+
+    @staticmethod
+    def _listing(labels: Mapping[str, str] | None) -> str:
+        return path_for("sandboxes", query=[("label", f"{k}={v}")
+                                            for k, v in (labels or {}).items()])
+
+    @staticmethod
+    def _lost_handles(lost: Mapping[str, Mapping[str, Any]]
+                      ) -> Iterator[tuple[dict[str, Any], SandboxLostError, str]]:
+        """Per sandbox lost with its node (``lost``: the registry's): the handle's info,
+        the error its every call raises, its node."""
+        for sid, x in sorted(lost.items()):
+            err = SandboxLostError(f"sandbox {sid}: {x['cause']}", node=x["node"],
+                                   cause=x["cause"])
+            yield ({"id": sid, "state": "lost", "node": x["node"], "lost": dict(x),
+                    "labels": {}}, err, x["node"])
+
+
+def relay_answer(r: wire.Result) -> tuple[dict[str, Any] | None, SandboxError | None,
+                                          float | None]:
+    """A relayed create's answer: (the sandbox, None, None), or (None, the node's refusal,
+    when at its clock)."""
+    tag, v = r
+    return (v, None, None) if tag == "ok" else (None, wire.error_of(v), v.get("at"))
+
+
+class ClusterSandbox(OnNode, Sandbox):
     """A sandbox on a node of the cluster: the :class:`edged.client.Sandbox` methods
     (``exec`` with output callbacks, ``commands.run``, ``files``, ``pause``, ``resume``,
     ``kill``, ``stats``, ``events`` ...) and :attr:`node`. Calls to a sandbox whose node is
@@ -180,17 +298,12 @@ class ClusterSandbox(Sandbox):
     def __init__(self, info: dict[str, Any], transport: Transport, node: str,
                  placer: Placer | None = None) -> None:
         super().__init__(info, transport)
-        self.node = node
-        self._placer = placer
+        self._on(node, placer)
 
     def kill(self) -> None:
         """Destroy the sandbox (idempotent; a lost one raises :class:`SandboxLostError`)."""
         super().kill()
-        if self._placer is not None:
-            self._placer.released(self.node, self.id)
-
-    def __repr__(self) -> str:
-        return f"<ClusterSandbox {self.id} on {self.node}>"
+        self._released()
 
 
 class _LostTransport(Transport):
@@ -207,7 +320,7 @@ class _LostTransport(Transport):
         raise self.error
 
 
-class ClusterClient:
+class ClusterClient(ClientCore):
     """Sandboxes on the edged nodes joined to the Ray cluster at ``ray_address`` (None:
     the Ray this process is connected to already, as in a Ray task or actor, else
     ``$RAY_ADDRESS`` or this host's).
@@ -254,19 +367,14 @@ class ClusterClient:
         """Read the nodes' latest reports from the registry (placement decides on them)."""
         nodes: list[dict[str, Any]] = ray.get(self._registry.nodes.remote(),
                                               timeout=self.timeout)
-        self._nodes = {n["name"]: n for n in nodes}
-        views = [NodeView.from_json(n) for n in nodes]
-        self.placer.update(views)
-        for v in views:
+        for v in self._took(nodes):
             t = self._routes.get(v.name)
             if isinstance(t, HttpRelayTransport):
                 t.set_http(v.http_url, v.http_token)
-        self._refreshed = time.monotonic()
         return nodes
 
     def _fresh(self) -> None:
-        if time.monotonic() - self._refreshed > self.refresh_s and \
-                self._refresh_lock.acquire(blocking=False):
+        if self._stale() and self._refresh_lock.acquire(blocking=False):
             try:
                 self.refresh()
             finally:
@@ -289,30 +397,26 @@ class ClusterClient:
     def local_node(self) -> str | None:
         """The node this process runs on (same Ray node), or None."""
         self._fresh()
-        return next((n["name"] for n in self._nodes.values()
-                     if n["ray_node_id"] == self.ray_node_id), None)
+        return self._local()
 
     def _unreachable(self, node: str, e: BaseException) -> SandboxError:
         try:
             self.refresh()
         except Exception:  # the registry itself is out of reach: say what failed first
             return NodeUnavailableError(f"node {node}: {e}")
-        return lost_error(self._nodes.get(node), node, e)
+        return self._lost(node, e)
 
     def _route(self, node: str) -> Transport:
         with self._routes_lock:
             t = self._routes.get(node)
             if t is not None:
                 return t
-        view = next((v for v in self.placer.views() if v.name == node), None)
-        if view is None:
-            raise lost_error(None, node, KeyError(node))
-        sock = direct_socket(view, self.ray_node_id, self.direct)
+        view = self._view(node)
+        sock = self._direct(view)
         if sock is not None:
             t = DirectTransport(node, sock, self._unreachable, self.timeout)
         else:
-            t = RelayTransport(node, functools.partial(actors.node_actor, node, self.namespace),
-                               self._unreachable, self.timeout)
+            t = RelayTransport(node, self._lookup(node), self._unreachable, self.timeout)
             if self.http and view.http_url:
                 t = HttpRelayTransport(node, view.http_url, view.http_token, t,
                                        self._unreachable, self.timeout)
@@ -323,15 +427,13 @@ class ClusterClient:
                    ) -> tuple[dict[str, Any] | None, SandboxError | None, float | None]:
         if isinstance(t, RelayTransport):
             try:
-                tag, v = t.result("POST", path_for("sandboxes"), body)
+                return relay_answer(t.result("POST", path_for("sandboxes"), body))
             except SandboxError as e:
                 return None, e, None
-            return (v, None, None) if tag == "ok" else (None, wire.error_of(v), v.get("at"))
         try:
             return t.json("POST", path_for("sandboxes"), body), None, None
         except SandboxError as e:
-            return None, e, refused_at(getattr(t, "node", ""), self._nodes,
-                                       isinstance(t, DirectTransport))
+            return self._refused(getattr(t, "node", ""), e, isinstance(t, DirectTransport))
 
     # -- sandboxes --------------------------------------------------------------------------
 
@@ -363,9 +465,8 @@ class ClusterClient:
         if node == LOCAL:
             node = self.local_node()
             if node is None:
-                raise ClusterError("node='local': no edged node runs on this Ray node")
-        plan = CreatePlan(self.placer, Constraints(backend, dict(node_labels or {}), node),
-                          self.max_attempts, id, self.refresh_s)
+                raise self._no_local()
+        plan = self._plan(id, backend, node_labels, node)
         for step in plan.attempts():
             if step is None:  # no node with room by the reports: read them once more
                 self.refresh()
@@ -377,10 +478,8 @@ class ClusterClient:
             except BaseException as x:
                 plan.crashed(t, x)
                 continue
-            if info is not None:
-                plan.placed(t, info)
-                return ClusterSandbox(info, route, t.node, self.placer)
-            plan.refused(t, e, at)
+            if (made := plan.answered(t, info, e, at)) is not None:
+                return ClusterSandbox(made, route, t.node, self.placer)
         raise plan.error()
 
     def connect(self, sandbox_id: str) -> ClusterSandbox:
@@ -396,9 +495,7 @@ class ClusterClient:
                                     status=404)
             node = str(where["node"])
         self._fresh()
-        n = self._nodes.get(node)
-        if n is None or n["state"] != "up":
-            raise lost_error(n, node, KeyError(node))
+        self._up(node)
         t = self._route(node)
         return ClusterSandbox(t.json("GET", path_for("sandboxes", sandbox_id)), t, node,
                               self.placer)
@@ -410,8 +507,7 @@ class ClusterClient:
         ``info["state"]`` is ``"lost"`` (with ``info["lost"]``) and whose calls raise
         :class:`SandboxLostError`."""
         self.refresh()
-        q = [("label", f"{k}={v}") for k, v in (labels or {}).items()]
-        path = path_for("sandboxes", query=q)
+        path = self._listing(labels)
         out: builtins.list[ClusterSandbox] = []
         relayed: builtins.list[tuple[str, RelayTransport, Any]] = []
         for name, n in sorted(self._nodes.items()):
@@ -433,12 +529,8 @@ class ClusterClient:
                 got = t.unwrap(t._get(ref))
                 out += [ClusterSandbox(s, t, name, self.placer) for s in got["sandboxes"]]
         if lost and not labels:
-            for sid, x in sorted(self.lost().items()):
-                err = SandboxLostError(f"sandbox {sid}: {x['cause']}", node=x["node"],
-                                       cause=x["cause"])
-                info = {"id": sid, "state": "lost", "node": x["node"], "lost": x,
-                        "labels": {}}
-                out.append(ClusterSandbox(info, _LostTransport(err), x["node"]))
+            out += [ClusterSandbox(info, _LostTransport(err), node)
+                    for info, err, node in self._lost_handles(self.lost())]
         return out
 
     # -- the client -------------------------------------------------------------------------

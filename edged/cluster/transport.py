@@ -52,7 +52,16 @@ OnFail = Callable[[str, BaseException], SandboxError]
 AsyncOnFail = Callable[[str, BaseException], Awaitable[SandboxError]]
 
 
+def _full(buf: bytearray, piece: bytes) -> Iterator[bytes]:
+    """Add ``piece`` to ``buf``; take out the :data:`UPLOAD_CHUNK`-sized chunks it fills."""
+    buf += piece
+    while len(buf) >= UPLOAD_CHUNK:
+        yield bytes(buf[:UPLOAD_CHUNK])
+        del buf[:UPLOAD_CHUNK]
+
+
 def _chunks(body: bytes | Iterable[bytes]) -> Iterator[bytes]:
+    """``body`` in chunks of :data:`UPLOAD_CHUNK` bytes (the last one shorter)."""
     if isinstance(body, bytes | bytearray | memoryview):
         data = bytes(body)
         for i in range(0, len(data), UPLOAD_CHUNK):
@@ -60,25 +69,21 @@ def _chunks(body: bytes | Iterable[bytes]) -> Iterator[bytes]:
         return
     buf = bytearray()
     for piece in body:
-        buf += piece
-        while len(buf) >= UPLOAD_CHUNK:
-            yield bytes(buf[:UPLOAD_CHUNK])
-            del buf[:UPLOAD_CHUNK]
+        yield from _full(buf, piece)
     if buf:
         yield bytes(buf)
 
 
 async def _achunks(body: bytes | AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """:func:`_chunks` of a body that comes in awaited."""
     if isinstance(body, bytes | bytearray | memoryview):
         for c in _chunks(bytes(body)):
             yield c
         return
     buf = bytearray()
     async for piece in body:
-        buf += piece
-        while len(buf) >= UPLOAD_CHUNK:
-            yield bytes(buf[:UPLOAD_CHUNK])
-            del buf[:UPLOAD_CHUNK]
+        for c in _full(buf, piece):
+            yield c
     if buf:
         yield bytes(buf)
 
