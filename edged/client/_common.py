@@ -10,7 +10,7 @@ import random
 import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar
 from urllib.parse import quote, urlencode
 
 from edged.client.errors import BadRequestError, PayloadTooLargeError
@@ -241,6 +241,43 @@ def exec_body(cmd: str | Sequence[str], *, timeout: float | None, env: Mapping[s
     if kill_leftovers:
         body["kill_leftovers"] = True
     return body
+
+
+class ExecOptions(TypedDict, total=False):
+    """The options of an exec, by keyword (:meth:`edged.client.Sandbox.exec`,
+    :meth:`edged.client.AsyncSandbox.exec`; what each means is said there): one list for
+    both, checked by type at the call (``**opts: Unpack[ExecOptions]``, PEP 692)."""
+
+    timeout: float | None
+    env: Mapping[str, str] | None
+    envs: Mapping[str, str] | None
+    cwd: str | None
+    stdin: str | None
+    output_limit: int | None
+    user: int | str | None
+    on_stdout: OutputCallback | None
+    on_stderr: OutputCallback | None
+    trusted: bool
+    kill_leftovers: bool
+    check: bool
+
+
+def exec_request(cmd: str | Sequence[str], opts: ExecOptions, *,
+                 background: bool = False) -> dict[str, Any]:
+    """The ``POST .../exec`` body (:func:`exec_body`) of an exec's ``cmd`` and ``opts``
+    (``background``: stdin kept open unless given). Raises ``TypeError`` for an option
+    :class:`ExecOptions` does not have (as a keyword the signature lacked would),
+    :class:`~edged.client.errors.BadRequestError` for a ``user`` name other than root."""
+    unknown = sorted(set(opts) - set(ExecOptions.__annotations__))
+    if unknown:
+        raise TypeError(f"exec() got an unexpected keyword argument {unknown[0]!r}")
+    stdin = opts.get("stdin")
+    return exec_body(cmd, timeout=opts.get("timeout"),
+                     env=merge_env(opts.get("env"), opts.get("envs")), cwd=opts.get("cwd"),
+                     stdin=True if background and stdin is None else stdin,
+                     output_limit=opts.get("output_limit"), user=uid_of(opts.get("user")),
+                     trusted=opts.get("trusted", False),
+                     kill_leftovers=opts.get("kill_leftovers", False))
 
 
 def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | None,

@@ -11,22 +11,21 @@ import contextlib
 import io
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from edged.client._common import (
     ExecCollector,
+    ExecOptions,
     ExecResult,
     OutputCallback,
     RetryPolicy,
     SandboxBase,
     create_body_of,
     encode_json,
-    exec_body,
+    exec_request,
     fs_call,
-    merge_env,
     network_value,
     path_for,
-    uid_of,
 )
 from edged.client._http import default_socket, retry_policy
 from edged.client.errors import (
@@ -318,23 +317,15 @@ class AsyncSandbox(SandboxBase[AsyncTransport]):
         self.info = await self._t.json("GET", path_for("sandboxes", self.id))
         return self.info
 
-    async def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-                   env: Mapping[str, str] | None = None, cwd: str | None = None,
-                   stdin: str | None = None, output_limit: int | None = None,
-                   user: int | str | None = None, on_stdout: OutputCallback | None = None,
-                   on_stderr: OutputCallback | None = None, trusted: bool = False,
-                   kill_leftovers: bool = False, envs: Mapping[str, str] | None = None,
-                   check: bool = False) -> ExecResult:
+    async def exec(self, cmd: str | Sequence[str],
+                   **opts: Unpack[ExecOptions]) -> ExecResult:
         """See :meth:`edged.client.Sandbox.exec` (no ``background`` here: run it as a task)."""
-        body = exec_body(cmd, timeout=timeout, env=merge_env(env, envs), cwd=cwd,
-                         stdin=stdin, output_limit=output_limit, user=uid_of(user),
-                         trusted=trusted,
-                         kill_leftovers=kill_leftovers)
-        col = ExecCollector(on_stdout, on_stderr)
+        body = exec_request(cmd, opts)
+        col = ExecCollector(opts.get("on_stdout"), opts.get("on_stderr"))
         async for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
             col.feed(ev)
         r = col.result()
-        return r.check() if check else r
+        return r.check() if opts.get("check") else r
 
     async def signal(self, sig: int | str = "SIGTERM", exec_id: int | None = None) -> list[int]:
         """Signal one exec or all running execs."""

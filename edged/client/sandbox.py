@@ -5,18 +5,19 @@ from __future__ import annotations
 import builtins
 import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import IO, Any, Literal, overload
+from typing import IO, Any, Literal, Unpack, overload
 
 from edged.client._common import (
     ExecCollector,
+    ExecOptions,
     ExecResult,
     OutputCallback,
     RetryPolicy,
     SandboxBase,
     create_body_of,
     exec_body,
+    exec_request,
     fs_call,
-    merge_env,
     network_value,
     path_for,
     uid_of,
@@ -188,49 +189,36 @@ class Sandbox(SandboxBase[Transport]):
         return str(self.refresh()["state"])
 
     @overload
-    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
-             cwd: str | None = None, stdin: str | None = None,
-             output_limit: int | None = None, user: int | str | None = None,
-             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-             trusted: bool = False, kill_leftovers: bool = False,
-             background: Literal[False] = False, check: bool = False) -> ExecResult: ...
+    def exec(self, cmd: str | Sequence[str], *, background: Literal[False] = False,
+             **opts: Unpack[ExecOptions]) -> ExecResult: ...
 
     @overload
-    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
-             cwd: str | None = None, stdin: str | None = None,
-             output_limit: int | None = None, user: int | str | None = None,
-             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-             trusted: bool = False, kill_leftovers: bool = False,
-             background: Literal[True], check: bool = False) -> ProcessHandle: ...
+    def exec(self, cmd: str | Sequence[str], *, background: Literal[True],
+             **opts: Unpack[ExecOptions]) -> ProcessHandle: ...
 
-    def exec(self, cmd: str | Sequence[str], *, timeout: float | None = None,
-             env: Mapping[str, str] | None = None, envs: Mapping[str, str] | None = None,
-             cwd: str | None = None, stdin: str | None = None,
-             output_limit: int | None = None, user: int | str | None = None,
-             on_stdout: OutputCallback | None = None, on_stderr: OutputCallback | None = None,
-             trusted: bool = False, kill_leftovers: bool = False,
-             background: bool = False, check: bool = False) -> ExecResult | ProcessHandle:
+    def exec(self, cmd: str | Sequence[str], *, background: bool = False,
+             **opts: Unpack[ExecOptions]) -> ExecResult | ProcessHandle:
         """Run ``cmd`` (a string via ``/bin/sh -c``, or an argv list) and wait for it.
-        ``timeout`` (seconds) kills the whole process tree; the result keeps partial output
-        and says ``reason == "timeout"``. Callbacks get text chunks as they arrive.
-        ``envs`` is ``env`` under E2B's name; ``user``: a uid, or ``"root"``. ``check``:
-        raise :class:`~edged.client.CommandExitError` unless it exits with 0 (E2B's
+        Options (:class:`~edged.client._common.ExecOptions`, by keyword): ``timeout``
+        (seconds) kills the whole process tree; the result keeps partial output and says
+        ``reason == "timeout"``. ``env`` (``envs``: the same under E2B's name), ``cwd``,
+        ``stdin`` (text fed, then closed), ``output_limit`` (bytes kept per stream),
+        ``user``: a uid, or ``"root"``. ``on_stdout``, ``on_stderr``: callbacks that get
+        text chunks as they arrive. ``trusted``: a grader exec; ``kill_leftovers``: kill
+        every workload process first. ``check``: raise
+        :class:`~edged.client.CommandExitError` unless it exits with 0 (E2B's
         ``commands.run`` does). ``background``: return a
         :class:`~edged.client.process.ProcessHandle` at once (stdin kept open:
         ``write_stdin``, ``close_stdin``; ``wait``, ``signal``, ``kill``)."""
-        body = exec_body(cmd, timeout=timeout, env=merge_env(env, envs), cwd=cwd,
-                         stdin=True if background and stdin is None else stdin,
-                         output_limit=output_limit, user=uid_of(user), trusted=trusted,
-                         kill_leftovers=kill_leftovers)
+        body = exec_request(cmd, opts, background=background)
+        on_stdout, on_stderr = opts.get("on_stdout"), opts.get("on_stderr")
         if background:
             return ProcessHandle(self, body, on_stdout=on_stdout, on_stderr=on_stderr)
         col = ExecCollector(on_stdout, on_stderr)
         for ev in self._t.ndjson("POST", path_for("sandboxes", self.id, "exec"), body):
             col.feed(ev)
         r = col.result()
-        return r.check() if check else r
+        return r.check() if opts.get("check") else r
 
     def pty(self, cmd: str | Sequence[str] = ("/bin/sh", "-i"), *, rows: int = 24,
             cols: int = 80, env: Mapping[str, str] | None = None, cwd: str | None = None,
