@@ -300,39 +300,26 @@ def create_body(image: str | None, layers: Sequence[str] | None, *, id: str | No
     cpus = cpus if cpus is not None else cpu
     if memory_mib is not None and memory_bytes is None:
         memory_bytes = memory_mib << 20
-    body: dict[str, Any] = {}
-    if backend is not None:
-        body["backend"] = backend
-    if image is not None:
-        body["image"] = image
-    if layers is not None:
-        body["layers"] = list(layers)
-    if id is not None:
-        body["id"] = id
-    res = {k: v for k, v in (("cpus", cpus), ("memory_bytes", memory_bytes), ("pids", pids),
-                             ("disk_bytes", disk_bytes),
-                             ("memory_request_bytes", memory_request_bytes)) if v is not None}
+    body = _given(backend=backend, image=image,
+                  layers=None if layers is None else list(layers), id=id)
+    res = _given(cpus=cpus, memory_bytes=memory_bytes, pids=pids, disk_bytes=disk_bytes,
+                 memory_request_bytes=memory_request_bytes)
     if res:
         body["resources"] = res
     if env:
         body["env"] = dict(env)
-    if timeout is not None:
-        body["ttl_s"] = timeout
-    if idle_timeout is not None:
-        body["idle_timeout_s"] = idle_timeout
+    body.update(_given(ttl_s=timeout, idle_timeout_s=idle_timeout))
     if labels:
         body["labels"] = dict(labels)
-    if task_profile is not None:
-        body["task_profile"] = task_profile
-    if seccomp_profile is not None:
-        body["seccomp_profile"] = seccomp_profile
-    if qos is not None:
-        body["qos"] = qos
-    if auto_pause_after is not None:
-        body["auto_pause_after_s"] = auto_pause_after
-    if network is not None:
-        body["network"] = network_value(network)
+    body.update(_given(task_profile=task_profile, seccomp_profile=seccomp_profile, qos=qos,
+                       auto_pause_after_s=auto_pause_after,
+                       network=None if network is None else network_value(network)))
     return body
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The ``fields`` that are not None (a request body's optional fields)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 TransportT = TypeVar("TransportT")
