@@ -154,6 +154,43 @@ static __always_inline int mapped4(const __u32 a[4])
 	return a[0] == 0 && a[1] == 0 && a[2] == bpf_htonl(0xffff);
 }
 
+static __always_inline int same6(const __u32 a[4], const __u32 b[4])
+{
+	return a[0] == b[0] && a[1] == b[1] && a[2] == b[2] && a[3] == b[3];
+}
+
+/* Whether port is one the sandbox's resolver address serves: DNS, the proxies. */
+static __always_inline int resolver_port(const struct egress_sbx *s, __u16 port)
+{
+	return port == s->dns_port || (port && port == s->proxy_tls) ||
+	       (port && port == s->proxy_http);
+}
+
+/* Send an IPv6 call to the sandbox's IPv6 resolver address, at port. */
+static __always_inline void to_resolver6(struct bpf_sock_addr *ctx, const struct egress_sbx *s,
+					 __u16 port)
+{
+	__u32 d[4];
+
+	__builtin_memcpy(d, s->dns6, 16);
+	ctx->user_ip6[0] = d[0];
+	ctx->user_ip6[1] = d[1];
+	ctx->user_ip6[2] = d[2];
+	ctx->user_ip6[3] = d[3];
+	ctx->user_port = port;
+}
+
+/* Whether a is the sandbox's IPv6 resolver address (where it has one). */
+static __always_inline int resolver6(const struct egress_sbx *s, const __u32 a[4])
+{
+	__u32 d[4];
+
+	if (!(s->flags & EGRESS_F_DNS6))
+		return 0;
+	__builtin_memcpy(d, s->dns6, 16);
+	return same6(a, d);
+}
+
 /* Report a denial, at most EGRESS_EVENT_RATE a second per sandbox. */
 static __always_inline void report(__u64 netns, __u32 id, __u8 family, __u8 proto, __u8 hook,
 				   __u8 why, __u16 port, const __u32 addr[4])
@@ -201,6 +238,22 @@ static __always_inline void report(__u64 netns, __u32 id, __u8 family, __u8 prot
 	bpf_ringbuf_submit(ev, 0);
 }
 
+/* 1 when the learned entry a (none: 0) allows, its allow flags in *flags; an
+ * expired one sets *why.  skb: the backstop, where a learned address counts
+ * whatever its TTL. */
+static __always_inline int learned_allows(const struct egress_allow *a, int skb, __u64 now,
+					  __u32 *flags, int *why)
+{
+	if (!a)
+		return 0;
+	if (skb || !a->expires || a->expires > now) {
+		*flags = a->flags;
+		return 1;
+	}
+	*why = EGRESS_WHY_EXPIRED;
+	return 0;
+}
+
 /* 0 when a rule allows (addr, port, proto) for the sandbox (its allow flags
  * in *flags), else an EGRESS_WHY_*.  skb: the backstop, where a learned
  * address counts whatever its TTL (a connection made while it was valid
@@ -228,21 +281,11 @@ static __always_inline int check4(const struct egress_sbx *s, __u32 addr, __u16 
 		*flags = a->flags;
 		return 0;
 	}
-	a = bpf_map_lookup_elem(&learned4, &lk);
-	if (a && (skb || !a->expires || a->expires > now)) {
-		*flags = a->flags;
+	if (learned_allows(bpf_map_lookup_elem(&learned4, &lk), skb, now, flags, &why))
 		return 0;
-	}
-	if (a)
-		why = EGRESS_WHY_EXPIRED;
 	lk.port = 0;
-	a = bpf_map_lookup_elem(&learned4, &lk);
-	if (a && (skb || !a->expires || a->expires > now)) {
-		*flags = a->flags;
+	if (learned_allows(bpf_map_lookup_elem(&learned4, &lk), skb, now, flags, &why))
 		return 0;
-	}
-	if (a)
-		why = EGRESS_WHY_EXPIRED;
 	return why;
 }
 
@@ -271,21 +314,11 @@ static __always_inline int check6(const struct egress_sbx *s, const __u32 addr[4
 		*flags = a->flags;
 		return 0;
 	}
-	a = bpf_map_lookup_elem(&learned6, &lk);
-	if (a && (skb || !a->expires || a->expires > now)) {
-		*flags = a->flags;
+	if (learned_allows(bpf_map_lookup_elem(&learned6, &lk), skb, now, flags, &why))
 		return 0;
-	}
-	if (a)
-		why = EGRESS_WHY_EXPIRED;
 	lk.port = 0;
-	a = bpf_map_lookup_elem(&learned6, &lk);
-	if (a && (skb || !a->expires || a->expires > now)) {
-		*flags = a->flags;
+	if (learned_allows(bpf_map_lookup_elem(&learned6, &lk), skb, now, flags, &why))
 		return 0;
-	}
-	if (a)
-		why = EGRESS_WHY_EXPIRED;
 	return why;
 }
 
@@ -355,8 +388,7 @@ static __always_inline int decide4(struct bpf_sock_addr *ctx, __u32 addr, __u8 h
 	}
 	if (loopback4(addr))
 		return 1;
-	if (addr == s->dns4 && (port == s->dns_port || (port && port == s->proxy_tls) ||
-				(port && port == s->proxy_http)))
+	if (addr == s->dns4 && resolver_port(s, port))
 		return 1;
 	why = check4(s, addr, port, proto, &flags, 0);
 	if (why) {
@@ -404,20 +436,12 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, __u8 hook)
 	}
 	if (port == DNS_PORT) {
 		if (s->flags & EGRESS_F_DNS6) {
-			__u32 d[4];
-
-			__builtin_memcpy(d, s->dns6, 16);
-			if (a[0] == d[0] && a[1] == d[1] && a[2] == d[2] && a[3] == d[3] &&
-			    port == s->dns_port)
+			if (resolver6(s, a) && port == s->dns_port)
 				return 1;
 			/* No source rewrite on the reply for IPv6: glibc and dnspython
 			 * accept a reply on a connected socket; an unconnected one sees
 			 * the resolver's address (documented). */
-			ctx->user_ip6[0] = d[0];
-			ctx->user_ip6[1] = d[1];
-			ctx->user_ip6[2] = d[2];
-			ctx->user_ip6[3] = d[3];
-			ctx->user_port = s->dns_port;
+			to_resolver6(ctx, s, s->dns_port);
 			return 1;
 		}
 		report(netns, s->id, 6, proto, hook, EGRESS_WHY_NOT_ALLOWED, port, a);
@@ -425,15 +449,8 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, __u8 hook)
 	}
 	if (loopback6(a))
 		return 1;
-	if (s->flags & EGRESS_F_DNS6) {
-		__u32 d[4];
-
-		__builtin_memcpy(d, s->dns6, 16);
-		if (a[0] == d[0] && a[1] == d[1] && a[2] == d[2] && a[3] == d[3] &&
-		    (port == s->dns_port || (port && port == s->proxy_tls) ||
-		     (port && port == s->proxy_http)))
-			return 1;
-	}
+	if (resolver6(s, a) && resolver_port(s, port))
+		return 1;
 	why = check6(s, a, port, proto, &flags, 0);
 	if (why) {
 		report(netns, s->id, 6, proto, hook, (__u8)why, port, a);
@@ -443,14 +460,7 @@ static __always_inline int decide6(struct bpf_sock_addr *ctx, __u8 hook)
 		__u16 to = port == TLS_PORT ? s->proxy_tls : port == HTTP_PORT ? s->proxy_http : 0;
 
 		if (to) {
-			__u32 d[4];
-
-			__builtin_memcpy(d, s->dns6, 16);
-			ctx->user_ip6[0] = d[0];
-			ctx->user_ip6[1] = d[1];
-			ctx->user_ip6[2] = d[2];
-			ctx->user_ip6[3] = d[3];
-			ctx->user_port = to;
+			to_resolver6(ctx, s, to);
 			return 1;
 		}
 	}
@@ -574,19 +584,10 @@ int egress_skb(struct __sk_buff *skb)
 	if (rst)
 		return 1;
 	/* the resolver and the proxies */
-	if (family == 4 && a[0] == s->dns4 &&
-	    (frag || port == s->dns_port || (port && port == s->proxy_tls) ||
-	     (port && port == s->proxy_http)))
+	if (family == 4 && a[0] == s->dns4 && (frag || resolver_port(s, port)))
 		return 1;
-	if (family == 6 && (s->flags & EGRESS_F_DNS6)) {
-		__u32 d[4];
-
-		__builtin_memcpy(d, s->dns6, 16);
-		if (a[0] == d[0] && a[1] == d[1] && a[2] == d[2] && a[3] == d[3] &&
-		    (port == s->dns_port || (port && port == s->proxy_tls) ||
-		     (port && port == s->proxy_http)))
-			return 1;
-	}
+	if (family == 6 && resolver6(s, a) && resolver_port(s, port))
+		return 1;
 	sk = skb->sk;
 	if (sk)
 		sk = bpf_sk_fullsock(sk);
@@ -597,7 +598,7 @@ int egress_skb(struct __sk_buff *skb)
 		__u32 b[4];
 
 		__builtin_memcpy(b, m->addr, 16);
-		if (b[0] == a[0] && b[1] == a[1] && b[2] == a[2] && b[3] == a[3])
+		if (same6(a, b))
 			return 1;
 	}
 	if (frag) /* no ports past the first fragment of an unconnected datagram */
@@ -616,7 +617,7 @@ int egress_skb(struct __sk_buff *skb)
 		__u32 b[4];
 
 		__builtin_memcpy(b, m->addr, 16);
-		if (b[0] == a[0] && b[1] == a[1] && b[2] == a[2] && b[3] == a[3])
+		if (same6(a, b))
 			m->gen = s->gen + 1;
 	}
 	return 1;
