@@ -65,6 +65,7 @@ from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
 from edged.sbxinit import SbxClient, SbxExec, connect_unix
 from edged.security import apparmor, audit, landlock
+from layerfs.fsutil import write_all
 from layerfs.mount import erofs_file_backed
 
 log = logging.getLogger("edged.container")
@@ -278,7 +279,7 @@ class ContainerBackend:
         else:
             pid, r = pooled.pid, pooled.status
             try:
-                _write_all(pooled.stdin, b"".join(a.encode() + b"\0" for a in argv[1:]))
+                write_all(pooled.stdin, b"".join(a.encode() + b"\0" for a in argv[1:]))
             except OSError as exc:
                 os.close(r)
                 self._reap(pid)  # its cgroups are the sandbox's now: the teardown's
@@ -1073,12 +1074,6 @@ def _check_spec(spec: SandboxSpec) -> None:
     if not (r.cpus > 0 and r.memory_bytes > 0 and r.swap_bytes >= 0 and r.pids > 0
             and r.disk_bytes > 0):
         raise BadRequest(f"resources {r}: every limit must be positive")
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 async def _read_line(fd: int) -> bytes:

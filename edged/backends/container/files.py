@@ -36,6 +36,7 @@ import stat
 from collections.abc import AsyncIterator
 
 from edged.errors import BackendError, BadRequest, EdgedError, NotFound
+from layerfs.fsutil import write_all
 
 SYS_openat2 = 437  # x86_64 and aarch64 (include/uapi/asm-generic/unistd.h)
 RESOLVE_NO_XDEV = 0x01
@@ -139,7 +140,7 @@ async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, ui
             total = await copy_charged(fd, data, charge_to, path)
         else:
             async for chunk in data:
-                _write_all(fd, chunk)
+                write_all(fd, chunk)
                 total += len(chunk)
         os.fchown(fd, uid, gid)
         os.fchmod(fd, mode)
@@ -157,12 +158,6 @@ async def put(root_fd: int, path: str, data: AsyncIterator[bytes], mode: int, ui
                 os.unlink(tmp, dir_fd=pfd)
         os.close(pfd)
     return total
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 SH = shutil.which("sh", path="/usr/bin:/bin") or "/bin/sh"
@@ -199,7 +194,7 @@ async def copy_charged(fd: int, data: AsyncIterator[bytes], join: str, path: str
     try:
         try:
             async for chunk in data:
-                await asyncio.to_thread(_write_all, w, chunk)
+                await asyncio.to_thread(write_all, w, chunk)
                 total += len(chunk)
         except BrokenPipeError:
             pass  # the helper ended early: its status says why
