@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +36,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from edged.client._http import UnixConnection
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,16 +52,11 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-class Conn(http.client.HTTPConnection):
+class Conn(UnixConnection):
     """A keep-alive HTTP connection to the daemon's Unix socket."""
 
     def __init__(self, path: str) -> None:
-        super().__init__("edged", timeout=300)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self._path)
+        super().__init__(path, timeout=300)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         self.request(method, path, None if body is None else json.dumps(body),

@@ -28,7 +28,10 @@ def default_socket() -> str:
     return os.environ.get("EDGED_SOCKET") or DEFAULT_SOCKET
 
 
-class _UnixConnection(http.client.HTTPConnection):
+class UnixConnection(http.client.HTTPConnection):
+    """An HTTP connection to the daemon's Unix socket ``path``; a failure to connect raises
+    :class:`~edged.client.errors.DaemonUnavailableError`."""
+
     def __init__(self, path: str, timeout: float | None) -> None:
         super().__init__("localhost", timeout=timeout)
         self.unix_path = path
@@ -76,7 +79,7 @@ class Transport:
     def connection(self, timeout: float | None) -> http.client.HTTPConnection:
         """A connection to the daemon (not yet connected; a subclass may reach it
         otherwise, as the cluster's HTTP relay does)."""
-        return _UnixConnection(self.socket_path, timeout)
+        return UnixConnection(self.socket_path, timeout)
 
     def _open_once(self, method: str, path: str, body: bytes | Iterable[bytes] | None = None,
              headers: dict[str, str] | None = None,

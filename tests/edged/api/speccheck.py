@@ -4,10 +4,8 @@ validate against the declared schema."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ import jsonschema
 from referencing import Registry, Resource
 
 import edged.api
+from edged.client._http import UnixConnection
 
 # The spec of the edged under test (a checkout's, or an installed wheel's package data).
 SPEC_PATH = Path(edged.api.__file__).resolve().parent / "openapi.json"
@@ -62,25 +61,13 @@ class Reply:
         return json.loads(self.body)
 
 
-class Conn(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("localhost", timeout=60)
-        self.unix_path = path
-
-    def connect(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(self.timeout)
-        s.connect(self.unix_path)
-        self.sock = s
-
-
 class Api:
     def __init__(self, sock: str) -> None:
         self.sock = sock
 
     def request(self, method: str, path: str, body: Any = None, *, raw: bytes | None = None,
                 check: bool = True) -> Reply:
-        conn = Conn(self.sock)
+        conn = UnixConnection(self.sock, 60)
         headers = {}
         data = raw
         if body is not None:

@@ -4,7 +4,6 @@ built once per session; one daemon per test module (root, mounts)."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from edged.client._http import UnixConnection
 from edged.config import Config
 from edged.daemon import Server, ServerThread
 
@@ -50,7 +50,7 @@ class FnNode:
         return self.thread.server
 
     def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any, dict[str, str]]:
-        c = _UnixConnection(self.socket)
+        c = UnixConnection(self.socket, 120)
         c.request(method, path, None if body is None else json.dumps(body),
                   {"Content-Type": "application/json"})
         r = c.getresponse()
@@ -78,17 +78,6 @@ class FnNode:
         import asyncio
 
         return asyncio.run_coroutine_threadsafe(coro, self.thread.loop).result(60)
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str) -> None:
-        super().__init__("edged", timeout=120)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(120)
-        self.sock.connect(self._path)
 
 
 def _free_port() -> int:
