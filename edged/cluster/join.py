@@ -22,14 +22,15 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 from edged.client._http import Transport, default_socket, path_for
 from edged.client.errors import SandboxError
 from edged.cluster import ids
 
+T = TypeVar("T")
 log = logging.getLogger("edged.cluster.join")
 
 
@@ -92,6 +93,22 @@ def _connect(a: argparse.Namespace) -> None:
     from edged.cluster import actors
 
     actors.connect(a.ray_address, a.namespace, a.node_ip_address)
+
+
+def _on_ray(a: argparse.Namespace, command: str, fn: Callable[[], T]) -> T | None:
+    """``fn()`` connected to the Ray of ``a`` (disconnected after); None where Ray or the
+    registry could not be reached, said on stderr as ``edged cluster <command>: ...``."""
+    import ray
+
+    try:
+        _connect(a)
+        return fn()
+    except (ValueError, ConnectionError, RuntimeError) as e:
+        print(f"edged cluster {command}: {e}", file=sys.stderr)
+        return None
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
 
 
 def cmd_join(a: argparse.Namespace) -> int:
@@ -191,8 +208,8 @@ def cmd_leave(a: argparse.Namespace) -> int:
     from edged.cluster import actors
 
     name = ids.check_node_name(a.node_name)
-    try:
-        _connect(a)
+
+    def leave() -> bool:
         reg = actors.registry(a.namespace)
         try:
             act = actors.node_actor(name, a.namespace)
@@ -200,13 +217,11 @@ def cmd_leave(a: argparse.Namespace) -> int:
             ray.kill(act)
         except (ValueError, ray.exceptions.RayError):
             pass  # no relay, or a dead one: the registry is told below anyway
-        left = ray.get(reg.leave.remote(name), timeout=30)
-    except (ValueError, ConnectionError, RuntimeError) as e:
-        print(f"edged cluster leave: {e}", file=sys.stderr)
+        return bool(ray.get(reg.leave.remote(name), timeout=30))
+
+    left = _on_ray(a, "leave", leave)
+    if left is None:
         return 1
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
     if not left:
         print(f"edged cluster leave: no node {name!r} in the cluster", file=sys.stderr)
         return 1
@@ -220,15 +235,10 @@ def cmd_nodes(a: argparse.Namespace) -> int:
 
     from edged.cluster import actors
 
-    try:
-        _connect(a)
-        nodes = ray.get(actors.registry(a.namespace).nodes.remote(), timeout=30)
-    except (ValueError, ConnectionError, RuntimeError) as e:
-        print(f"edged cluster nodes: {e}", file=sys.stderr)
+    nodes: list[dict[str, Any]] | None = _on_ray(
+        a, "nodes", lambda: ray.get(actors.registry(a.namespace).nodes.remote(), timeout=30))
+    if nodes is None:
         return 1
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
     for n in nodes:  # the relays' tokens are for cluster clients, not for listings
         if n.get("http"):
             n["http"] = {"url": n["http"].get("url")}
