@@ -41,6 +41,20 @@ class RealNode:
     def stop(self) -> None:
         self.thread.stop(60)
 
+    @classmethod
+    def start(cls, sockdir: Path, runtime: Path, state: Path, store_dir: str, timeout: float,
+              config: dict[str, object], overrides: dict[str, object]) -> RealNode:
+        """A daemon in a thread of this test (socket in ``sockdir``, 2 cores and 8 GiB, no
+        layer linger, a reaper pass every 0.1 s) with ``config`` and then ``overrides``
+        (a test's own) over that; waits ``timeout`` s for it to serve."""
+        cfg = Config(socket=str(sockdir / "s.sock"), state_dir=str(state),
+                     runtime_dir=str(runtime), store_dir=store_dir, log_level="warning",
+                     cpus=2.0, memory_bytes=8 << 30, reaper_interval_s=0.1,
+                     layer_linger_s=0.0)
+        for k, v in {**config, **overrides}.items():
+            setattr(cfg, k, v)
+        return cls(ServerThread(Server(cfg)).start(timeout=timeout), cfg.socket)
+
 
 @pytest.fixture(scope="module")
 def layer_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
@@ -77,17 +91,11 @@ def real_node(layer_store, tmp_path) -> Iterator[callable]:
     nodes: list[RealNode] = []
 
     def start(**overrides) -> RealNode:
-        cfg = Config(socket=str(sockdir / "s.sock"), state_dir=str(tmp_path / "state"),
-                     runtime_dir=str(runtime), store_dir=store_dir, log_level="warning",
-                     cpus=2.0, memory_bytes=8 << 30, reaper_interval_s=0.1,
-                     layer_linger_s=0.0,
-                     # the host's memory pressure is the other work on the machine's (a
-                     # create answered 503 at load 40-120): admission is tested on its own
-                     # (tests/edged/node/test_admission.py), not here
-                     memory_pressure_limit=0.0)
-        for k, v in overrides.items():
-            setattr(cfg, k, v)
-        node = RealNode(ServerThread(Server(cfg)).start(timeout=30), cfg.socket)
+        # the host's memory pressure is the other work on the machine's (a create answered
+        # 503 at load 40-120): admission is tested on its own
+        # (tests/edged/node/test_admission.py), not here
+        node = RealNode.start(sockdir, runtime, tmp_path / "state", store_dir, 30,
+                              {"memory_pressure_limit": 0.0}, overrides)
         nodes.append(node)
         return node
 

@@ -21,8 +21,6 @@ import pytest
 from edged.backends.microvm import guestkit
 from edged.client import BadRequestError, InvalidStateError, NotFoundError, Sandbox
 from edged.client._http import Transport
-from edged.config import Config
-from edged.daemon import Server, ServerThread
 from tests.edged.backends.microvm.conftest import qemu_pids
 from tests.edged.test_e2e_container import RealNode, layer_store  # noqa: F401 (a fixture)
 
@@ -51,14 +49,9 @@ def vm_node(layer_store: tuple[str, str], tmp_path: Path) -> Iterator[Callable[.
     nodes: list[RealNode] = []
 
     def start(**overrides: object) -> RealNode:
-        cfg = Config(socket=str(sockdir / "s.sock"), state_dir=str(tmp_path / "state"),
-                     runtime_dir=str(runtime), store_dir=store_dir, log_level="warning",
-                     cpus=2.0, memory_bytes=8 << 30, reaper_interval_s=0.1,
-                     layer_linger_s=0.0, backends="container,microvm", microvm_accel="tcg",
-                     network_pool="")
-        for k, v in overrides.items():
-            setattr(cfg, k, v)
-        node = RealNode(ServerThread(Server(cfg)).start(timeout=120), cfg.socket)
+        node = RealNode.start(sockdir, runtime, tmp_path / "state", store_dir, 120,
+                              {"backends": "container,microvm", "microvm_accel": "tcg",
+                               "network_pool": ""}, overrides)
         nodes.append(node)
         return node
 
