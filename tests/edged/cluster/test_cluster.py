@@ -71,9 +71,11 @@ def test_joined_nodes_report_capacity_and_are_pinned(cluster: LocalCluster, clie
 def test_placement_proportional_to_free_capacity(cluster: LocalCluster, client) -> None:
     boxes = [client.create(layers=[LAYER], node_labels=MAIN) for _ in range(60)]
     counts = _counts(boxes)
-    # 60 of 600 slots: 10 / 20 / 30 if every node is equally loaded
+    # 60 of 600 slots: 10 / 20 / 30 if every node is equally loaded. Within 5: power of k
+    # choices draws at random, and reports lag on a loaded host (b=16 was seen at load 40);
+    # a placement blind to capacity (20 / 20 / 20) is still 10 off.
     for name, want in (("a", 10), ("b", 20), ("c", 30)):
-        assert abs(counts.get(name, 0) - want) <= 3, counts
+        assert abs(counts.get(name, 0) - want) <= 5, counts
     assert all(b.id.startswith(b.node + ".") for b in boxes)
     assert {b.node for b in boxes} <= {"a", "b", "c"}
     for name, want in counts.items():
