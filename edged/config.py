@@ -86,8 +86,10 @@ class Config:
     # Swap for reclaimed pages (edged.node.swap): "auto" (the host's swap, else a zram device
     # of edged's own), "zram" (ours anyway) or "off"
     swap: str = "auto"
-    zram_bytes: int = 0  # uncompressed size of our zram device; 0 = capacity
-    zram_mem_limit_bytes: int = 0  # RAM its compressed pages may take; 0 = 3/4 of capacity
+    # uncompressed size of our zram device; 0 = its RAM limit x 3 (the compression expected)
+    zram_bytes: int = 0
+    # RAM it may take (compressed pages + slot table); 0 = 3/4 of capacity
+    zram_mem_limit_bytes: int = 0
     zram_algorithm: str = "lzo-rle"
     # Swap files on disk (in the state dir) behind the zram device, added a step at a time as
     # swap fills, removed at stop: what does not fit in RAM even compressed (idle sandboxes
@@ -298,8 +300,9 @@ _HELP = {
     "pause_reclaim": "a pause also pages the sandbox out to swap",
     "default_auto_pause_after_s": "pause sandboxes idle this long (0 = never); per create too",
     "swap": "'auto': the host's swap, else a zram device of ours; 'zram'; 'off'",
-    "zram_bytes": "uncompressed size of our zram device (0 = capacity)",
-    "zram_mem_limit_bytes": "RAM our zram device may take (0 = 3/4 of capacity)",
+    "zram_bytes": "uncompressed size of our zram device (0 = its RAM limit x 3)",
+    "zram_mem_limit_bytes": "RAM our zram device may take, slot table included "
+                            "(0 = 3/4 of capacity)",
     "zram_algorithm": "zram compression (one the kernel offers: lzo-rle, lz4, ...)",
     "swap_files": "add swap files on disk behind the zram device as swap fills",
     "swap_file_bytes": "most bytes of those swap files in all (0 = 2 x capacity)",

@@ -42,7 +42,7 @@ from edged.logutil import RateLimitFilter
 from edged.metrics import Metrics
 from edged.node.fds import raise_nofile
 from edged.node.manager import SandboxManager
-from edged.node.swap import SwapManager
+from edged.node.swap import SwapManager, zram_sizing
 from edged.security.apikeys import ApiKeys
 from edged.security.ledger import Ledger
 
@@ -130,11 +130,14 @@ class Server:
         sandboxes' memory together (capacity less the host's reserve)."""
         cfg = self.config
         cap = cfg.capacity_memory()
-        # zram: its slots run out (at 1.33:1 or better) before its RAM limit, so what does
-        # not fit goes on to the swap files (edged.node.swap)
+        # zram: its RAM limit, not its slots, is the wall (sized for 3:1, its slot table
+        # within the RAM it may take; edged.node.swap.zram_sizing)
+        zram_ram = cfg.zram_mem_limit_bytes or cap * 3 // 4
+        disksize, mem_limit = zram_sizing(zram_ram)
+        if cfg.zram_bytes:
+            disksize, mem_limit = cfg.zram_bytes, zram_ram
         swap = SwapManager(Path(cfg.state_dir), mode=cfg.swap,
-                           zram_bytes=cfg.zram_bytes or cap,
-                           zram_mem_limit_bytes=cfg.zram_mem_limit_bytes or cap * 3 // 4,
+                           zram_bytes=disksize, zram_mem_limit_bytes=mem_limit,
                            algorithm=cfg.zram_algorithm,
                            file_bytes=(cfg.swap_file_bytes or 2 * cap) if cfg.swap_files else 0,
                            file_step_bytes=max(256 << 20, min(4 << 30, cap // 8)),

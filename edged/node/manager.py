@@ -103,7 +103,7 @@ class SandboxManager:
                           psi_target=config.reclaim_psi_target,
                           low_bytes=2 * config.memory_reserve()),
             _ByRecord(self), self._live_records, on_reclaimed=self._reclaimed,
-            ensure_swap=self._ensure_swap)
+            ensure_swap=self._ensure_swap, swap_room=self._swap_room)
         self.admission = Admission(
             self.capacity, reserve_bytes=config.memory_reserve(),
             memory_pressure_limit=config.memory_pressure_limit,
@@ -217,13 +217,13 @@ class SandboxManager:
         return Usage(resident=use.resident_bytes, swap=use.swap_bytes,
                      zram=z["mem_used_bytes"] if z else 0)
 
-    def _swap_ratio(self) -> float:
-        """Observed compression of what is in our zram device (2.5 before it holds 64 MiB,
-        and for a zram device of the host's, whose figures are not ours to read)."""
-        z = self.swap.zram_stats() if self.swap is not None else None
-        if z is None or z["orig_bytes"] < (64 << 20) or z["mem_used_bytes"] <= 0:
-            return 2.5
-        return max(1.0, z["orig_bytes"] / z["mem_used_bytes"])
+    def _swap_room(self) -> int | None:
+        """Bytes of pages the node's swap can take now (None: no swap manager, the host's
+        own business, or no swap at all: reclaim then only drops page cache): reclaim pages
+        no sandbox into a swap that has no room."""
+        if self.swap is None or not self.swap.areas():
+            return None
+        return sum(self.swap.room())
 
     def _reclaimable(self) -> int:
         """What reclaim can free now: the idle sandboxes' swappable memory, the part that
@@ -234,7 +234,7 @@ class SandboxManager:
         idle = self.reclaimer.idle_bytes()
         if idle <= 0:
             return 0
-        ratio = self._swap_ratio()
+        ratio = self.swap.ratio()
         compressed, plain = self.swap.room(ratio)
         to_zram = min(idle, compressed)
         to_disk = min(idle - to_zram, plain)
@@ -1041,6 +1041,7 @@ class SandboxManager:
             "idle_after_s": self.config.idle_after_s,
             "budget_bytes": self.reclaimer.budget,
             "refault_pct_per_min": self.reclaimer.refault_rate(),
+            "swap_full_sandboxes": self.reclaimer.swap_full,
             **rt,
         }
         info["swap"] = (self.swap.features() | self.swap.usage()) if self.swap else None

@@ -98,12 +98,14 @@ class SandboxReclaim:
 @dataclass
 class PassResult:
     """What one pass did: sandboxes reclaimed, bytes their resident memory went down by,
-    the budget it had, the memory stall share (percent) seen since the last pass."""
+    the budget it had, the memory stall share (percent) seen since the last pass, the idle
+    sandboxes left unreclaimed because swap had no room for them."""
 
     reclaimed: list[str] = field(default_factory=list)
     bytes: int = 0
     budget: int = 0
     stall_pct: float = 0.0
+    swap_full: int = 0
 
 
 class Reclaimer:
@@ -113,7 +115,11 @@ class Reclaimer:
     one is paged out by its pause, never here, and its counters are kept). ``psi_path``
     and ``meminfo_path`` are the host's files (tests give their own); ``clock`` is wall time
     in seconds. ``ensure_swap`` is called before each reclaim (the swap is set up at the first).
-    Errors of one sandbox are logged and never stop a pass."""
+    ``swap_room`` returns the bytes of pages swap can take now (None: unknown, no bound): a
+    sandbox whose anonymous and tmpfs memory does not fit is not reclaimed (its pages would
+    stay resident, and a zram device at its RAM limit fails each write), the pass counts it
+    in :attr:`PassResult.swap_full`. Errors of one sandbox are logged and never stop a
+    pass."""
 
     def __init__(self, cfg: ReclaimConfig, backend: Any,
                  records: Callable[[], Iterable[_Record]], *,
@@ -121,7 +127,8 @@ class Reclaimer:
                  meminfo_path: str = hostmem.MEMINFO,
                  clock: Callable[[], float] = time.time,
                  on_reclaimed: Callable[[str, int], None] | None = None,
-                 ensure_swap: Callable[[], bool] | None = None) -> None:
+                 ensure_swap: Callable[[], bool] | None = None,
+                 swap_room: Callable[[], int | None] | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
         self.records = records
@@ -130,6 +137,9 @@ class Reclaimer:
         self.clock = clock
         self.on_reclaimed = on_reclaimed
         self.ensure_swap = ensure_swap
+        self.swap_room = swap_room
+        #: sandboxes the last pass left unreclaimed for want of swap room
+        self.swap_full = 0
         self.state: dict[str, SandboxReclaim] = {}
         self.budget = int(cfg.rate_bytes * cfg.interval_s)
         self._psi_total: tuple[float, int] | None = None
@@ -176,7 +186,14 @@ class Reclaimer:
         if not self.supported:
             return 0
         async with self._lock:
-            return await self._reclaim(sid, self._st(sid), self.clock())
+            st = self._st(sid)
+            room = await self._room()
+            use = await self.backend.memory(sid) if room is not None else st.last
+            if room is not None and room < use.anon_bytes + use.shmem_bytes:
+                log.warning("reclaim: sandbox %s: not paged out, swap has no room (%d MiB)",
+                            sid, room >> 20)
+                return 0
+            return await self._reclaim(sid, st, self.clock())
 
     async def _reclaim(self, sid: str, st: SandboxReclaim, now: float) -> int:
         if self.ensure_swap is not None:  # set up at the first reclaim (seconds at most)
@@ -275,10 +292,18 @@ class Reclaimer:
             due.append((use.resident_bytes, sid, st))
         if self._short():
             due.sort(key=lambda x: -x[0])  # biggest first when memory is short
+        room = await self._room() if due else None
         spent = 0
         for resident, sid, st in due:
             if spent >= self.budget:
                 break
+            need = st.last.anon_bytes + st.last.shmem_bytes
+            if room is not None and need > room:
+                res.swap_full += 1  # no room in swap: look again later
+                st.next_check = now + self.cfg.recheck_s
+                continue
+            if room is not None:
+                room -= need
             try:
                 async with self._lock:
                     moved = await self._reclaim(sid, st, now)
@@ -289,7 +314,16 @@ class Reclaimer:
             spent += max(resident, PAGE)
             res.reclaimed.append(sid)
             res.bytes += moved
+        self.swap_full = res.swap_full
         return res
+
+    async def _room(self) -> int | None:
+        """Bytes of pages swap can take now, the swap set up first if it is not yet."""
+        if self.swap_room is None:
+            return None
+        if self.ensure_swap is not None:
+            await asyncio.to_thread(self.ensure_swap)
+        return await asyncio.to_thread(self.swap_room)
 
     def start(self) -> None:
         """Run :meth:`pass_once` every ``interval_s`` until :meth:`stop`."""

@@ -10,9 +10,18 @@ Setting swap up is host-wide, so edged owns exactly what it made and nothing els
   the files (swap areas are used by priority, the next once the higher is full), and a file
   is added, ``file_step_bytes`` at a time, whenever the free swap left falls below half a
   step, up to ``file_bytes`` in all and never leaving less than ``disk_reserve`` of their
-  filesystem free (like swapspace(8): disk is taken only as far as reclaim needs it). The
-  zram device is sized so that its slots run out before its RAM limit does (at 1.33:1
-  compression or better), so what does not fit goes on to the files rather than failing;
+  filesystem free (like swapspace(8): disk is taken only as far as reclaim needs it);
+- the zram device's size (``disksize``, pages it can hold uncompressed) is its RAM limit
+  (``mem_limit``) times the compression expected (:data:`EXPECTED_RATIO`, 3:1; idle Python
+  interpreters compress 2.8:1 here, agent heaps 2.1:1), less the slot table it costs up front
+  (:func:`zram_sizing`), so the RAM limit, not the page count, is the wall for most memory
+  (a device sized at the capacity filled its 23.5 GiB of slots with a third of its RAM limit
+  used). Free swap is counted honestly: our device takes what fits in its slots *and* in the
+  RAM left at the compression observed (:meth:`SwapManager.room`). A device whose RAM is full
+  fails every write to it (the pages stay resident, the kernel logs "Write-error on
+  swap-device"), while the kernel still sends pages to it first (it has slots): so a swap
+  file added then goes *above* it in priority, and reclaim stops paging into a swap that
+  has no room (:mod:`edged.node.reclaim`);
 - a record of all of it in ``<state_dir>/swap.json``, written before each is configured.
 At start a record left by a crashed daemon is honoured: a device of ours still in use as swap
 is adopted (sandboxes kept across the restart may have pages in it), one that never reached
@@ -52,6 +61,18 @@ from edged.errors import BackendError
 
 log = logging.getLogger("edged.swap")
 
+#: compression the zram device is sized for (see the module)
+EXPECTED_RATIO = 3.0
+#: RAM the kernel takes up front per 4 KiB page of a zram swap device: zram's table entry
+#: (drivers/block/zram/zram_drv.h ``struct zram_table_entry``: handle + flags, 16 B) at
+#: ``disksize``, and at ``swapon`` the swap map (1 B) and the swap cgroup id (2 B).
+#: Measured on this kernel: a 4 GiB device took 16.4 MiB of vmalloc at disksize, +3 MiB at
+#: swapon (19 B per page).
+TABLE_BYTES_PER_PAGE = 20
+#: compression assumed before our device holds enough to tell (see SwapManager.ratio)
+DEFAULT_RATIO = 2.5
+#: below this much room (bytes of pages) our swap counts as full (reported, see usage())
+FULL_MARGIN = 64 << 20
 SWAP_FLAG_PREFER = 0x8000
 SWAP_FLAG_PRIO_MASK = 0x7FFF
 SWAP_MAGIC = b"SWAPSPACE2"
@@ -68,6 +89,22 @@ def _syscall_path(name: str, path: str, *args: int) -> None:
     if fn(os.fsencode(path), *args) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"{name} `{path}`: {os.strerror(e)}")
+
+
+def zram_sizing(ram_bytes: int, ratio: float = EXPECTED_RATIO,
+                page: int = 4096) -> tuple[int, int]:
+    """``(disksize, mem_limit)`` in bytes for a zram device that may take ``ram_bytes`` of
+    RAM in all: its slot table (:data:`TABLE_BYTES_PER_PAGE` a page, up front) plus at most
+    ``mem_limit`` of compressed pages, with ``disksize`` = ``mem_limit`` × ``ratio`` (whole
+    pages), so pages compressing less than ``ratio`` fill the RAM limit before the slots.
+    Raises ValueError for a ratio below 1 or a budget too small for a swap area."""
+    if ratio < 1:
+        raise ValueError(f"zram ratio {ratio}: below 1")
+    mem_limit = int(ram_bytes / (1 + ratio * TABLE_BYTES_PER_PAGE / page))
+    disksize = int(mem_limit * ratio) // page * page
+    if disksize < 16 * page:
+        raise ValueError(f"zram RAM budget of {ram_bytes} bytes is too small")
+    return disksize, mem_limit
 
 
 def swap_header(size_bytes: int, label: str, page_size: int | None = None) -> bytes:
@@ -307,9 +344,9 @@ class SwapManager:
         except OSError:
             return 0
 
-    def _add_file(self, nbytes: int) -> Path:
-        """A swap file of ``nbytes`` (whole pages) in the state dir, active; recorded before
-        it is made. Raises BackendError (nothing left of it)."""
+    def _add_file(self, nbytes: int, priority: int = FILE_PRIORITY) -> Path:
+        """A swap file of ``nbytes`` (whole pages) in the state dir, active at ``priority``;
+        recorded before it is made. Raises BackendError (nothing left of it)."""
         page = os.sysconf("SC_PAGE_SIZE")
         nbytes -= nbytes % page
         n = 0
@@ -328,28 +365,35 @@ class SwapManager:
             finally:
                 os.close(fd)
             _syscall_path("swapon", str(path),
-                          SWAP_FLAG_PREFER | (FILE_PRIORITY & SWAP_FLAG_PRIO_MASK))
+                          SWAP_FLAG_PREFER | (priority & SWAP_FLAG_PRIO_MASK))
         except (OSError, ValueError) as e:
             with contextlib.suppress(OSError):
                 path.unlink()
             self.files.remove(path)
             self._save()
             raise BackendError(f"swap file {path}: set up: {e}") from e
-        log.info("swap: added %s (%d MiB)", path, nbytes >> 20)
+        log.info("swap: added %s (%d MiB, priority %d)", path, nbytes >> 20, priority)
         return path
 
     def _grow(self) -> None:
-        """Add a swap file if the free swap left is below half a step (see the module)."""
+        """Add a swap file if the free swap left (counted as :meth:`room` does) is below half
+        a step (see the module). With our zram device's RAM full while it has slots, the
+        file goes above it in priority: the kernel would go on sending pages to the device
+        (and failing) before a file below it."""
         if self.file_bytes <= 0:
             return
-        areas = self.areas()
-        free = sum(a.size_bytes - a.used_bytes for a in areas)
-        if free >= self.file_step_bytes // 2 and (self.zram is not None or self.files):
+        ratio = self.ratio()
+        compressed, plain = self._free(ratio)
+        if compressed + plain >= self.file_step_bytes // 2 and (
+                self.zram is not None or self.files):
             return
         room = self._file_room()
         if room < min(self.file_step_bytes // 2, 64 << 20):  # too little to be worth it
             return
-        self._add_file(min(self.file_step_bytes, room))
+        prio = FILE_PRIORITY
+        if self._zram_ram_full(ratio):
+            prio = ZRAM_PRIORITY + 1 + len(self.files)
+        self._add_file(min(self.file_step_bytes, room), prio)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -479,26 +523,50 @@ class SwapManager:
         return {"orig_bytes": int(f[0]), "compr_bytes": int(f[1]), "mem_used_bytes": int(f[2]),
                 "mem_limit_bytes": int(f[3]), "same_pages": int(f[5])}
 
-    def room(self, ratio: float) -> tuple[int, int]:
-        """Bytes of pages swap can take now: ``(compressed, uncompressed)``, i.e. what goes
-        into a zram device (ours: within its slots and its RAM limit at compression
-        ``ratio``; the host's ``/dev/zram*``: its slots) and what goes to disk (the host's
-        other swap, our swap files and what they may still grow by)."""
+    def ratio(self) -> float:
+        """The compression observed in our zram device (uncompressed ÷ RAM used, allocator
+        overhead included); :data:`DEFAULT_RATIO` before it holds 64 MiB, and without a
+        device of ours (a host's zram device is not ours to read)."""
         z = self.zram_stats()
+        if z is None or z["orig_bytes"] < (64 << 20) or z["mem_used_bytes"] <= 0:
+            return DEFAULT_RATIO
+        return max(1.0, z["orig_bytes"] / z["mem_used_bytes"])
+
+    def _zram_ram_left(self, ratio: float) -> int | None:
+        """Bytes of pages our zram device's RAM limit still takes at ``ratio`` (None: no
+        device of ours, or no limit)."""
+        z = self.zram_stats()
+        if z is None or z["mem_limit_bytes"] <= 0:
+            return None
+        return int(max(0, z["mem_limit_bytes"] - z["mem_used_bytes"]) * ratio)
+
+    def _zram_ram_full(self, ratio: float) -> bool:
+        left = self._zram_ram_left(ratio)
+        return left is not None and left < FULL_MARGIN
+
+    def _free(self, ratio: float) -> tuple[int, int]:
+        """:meth:`room` without what the swap files may still grow by."""
         zdev = os.path.realpath(self._zdev(self.zram)) if self.zram is not None else None
+        ram_left = self._zram_ram_left(ratio)
         compressed = plain = 0
         for a in self.areas():
             free = max(0, a.size_bytes - a.used_bytes)
             real = os.path.realpath(a.path)
             if real == zdev:
-                if z is not None and z["mem_limit_bytes"] > 0:
-                    free = min(free, int(max(0, z["mem_limit_bytes"] - z["mem_used_bytes"])
-                                         * ratio))
-                compressed += free
+                compressed += free if ram_left is None else min(free, ram_left)
             elif os.path.basename(real).startswith("zram"):
                 compressed += free
             else:
                 plain += free
+        return compressed, plain
+
+    def room(self, ratio: float | None = None) -> tuple[int, int]:
+        """Bytes of pages swap can take now: ``(compressed, uncompressed)``, i.e. what goes
+        into a zram device (ours: the fewer of its free slots and of the pages its RAM limit
+        still takes at compression ``ratio``, by default the observed :meth:`ratio`; the
+        host's ``/dev/zram*``: its slots) and what goes to disk (the host's other swap, our
+        swap files and what they may still grow by)."""
+        compressed, plain = self._free(self.ratio() if ratio is None else ratio)
         if self.wanted and self.file_bytes > 0:
             plain += self._file_room()
         return compressed, plain
@@ -524,18 +592,25 @@ class SwapManager:
             "total_bytes": sum(a.size_bytes for a in areas),
         }
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         """``total_bytes``/``used_bytes`` of every active swap area, ``files_bytes``/
-        ``files_used_bytes`` of our swap files, and what our zram device holds (``zram_*``,
-        see :meth:`zram_stats`)."""
+        ``files_used_bytes`` of our swap files, what our zram device holds (``zram_*``,
+        see :meth:`zram_stats`); ``room_bytes``: pages swap can take now (:meth:`room`),
+        ``ratio``: the compression observed (:meth:`ratio`), ``zram_full``: our device's
+        RAM limit or all our swap has less than :data:`FULL_MARGIN` of room left."""
         areas = self.areas()
         files = {os.path.realpath(f) for f in self.files}
         mine = [a for a in areas if os.path.realpath(a.path) in files]
-        out = {"total_bytes": sum(a.size_bytes for a in areas),
+        out: dict[str, Any] = {"total_bytes": sum(a.size_bytes for a in areas),
                "used_bytes": sum(a.used_bytes for a in areas),
                "files_bytes": sum(a.size_bytes for a in mine),
                "files_used_bytes": sum(a.used_bytes for a in mine)}
         z = self.zram_stats()
         if z is not None:
             out.update({f"zram_{k}": v for k, v in z.items()})
+        ratio = self.ratio()
+        room = sum(self.room(ratio))
+        out["room_bytes"] = room
+        out["ratio"] = round(ratio, 2)
+        out["zram_full"] = self._zram_ram_full(ratio) or (z is not None and room < FULL_MARGIN)
         return out

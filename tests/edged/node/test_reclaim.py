@@ -214,3 +214,36 @@ def test_a_paused_sandbox_keeps_its_reclaim_state(tmp_path: Path) -> None:
     assert r.state["p"].reclaimed and mem.reclaims == ["p"]
     recs[0].paused = False
     assert r.woke("p") is True and r.state["p"].wakes == 1
+
+
+def test_no_reclaim_into_a_swap_without_room(tmp_path: Path) -> None:
+    """A sandbox whose anonymous memory does not fit in the room swap has left is not paged
+    out (a zram device at its RAM limit fails each write; the pages stay resident): the pass
+    counts it, the ones that fit are reclaimed and use the room up, and once room comes
+    back (at its recheck) the rest goes too. A pause's reclaim is held back the same way."""
+    recs = [Rec("a", last_active=1000.0), Rec("b", last_active=1000.0),
+            Rec("c", last_active=1000.0)]
+    r, mem, clock = make(tmp_path, recs)
+    for rec, mib in zip(recs, (40, 30, 20), strict=True):
+        mem.add(rec.id, mib * MiB)
+    room = [60 * MiB]
+    ensured: list[int] = []
+    r.swap_room = lambda: room[0]
+    r.ensure_swap = lambda: bool(ensured.append(1)) or True
+    results = []
+    for _ in range(40):
+        clock.t += 2.0
+        mem.tick(2.0)
+        results.append(asyncio.run(r.pass_once()))
+    done = [sid for p in results for sid in p.reclaimed]
+    assert done == ["a", "c"]  # 40 fit in 60, then 30 did not fit in 20, then 20 did
+    assert mem.use["b"].anon_bytes == 30 * MiB and mem.use["b"].swap_bytes == 0
+    assert max(p.swap_full for p in results) == 1 and r.swap_full == 0
+    assert ensured  # the swap is set up before its room is read
+    room[0] = 100 * MiB
+    assert run(r, mem, clock, 70) == ["b"]
+    mem.add("d", 8 * MiB)  # paused: paged out only if it fits
+    room[0] = MiB
+    assert asyncio.run(r.reclaim_now("d")) == 0 and "d" not in mem.reclaims
+    room[0] = 8 * MiB
+    assert asyncio.run(r.reclaim_now("d")) == 8 * MiB and mem.reclaims[-1] == "d"

@@ -11,7 +11,13 @@ import pytest
 
 from edged.errors import BackendError
 from edged.node import swap as swapmod
-from edged.node.swap import SwapManager, active_swaps, header_label, swap_header
+from edged.node.swap import (
+    SwapManager,
+    active_swaps,
+    header_label,
+    swap_header,
+    zram_sizing,
+)
 from tests.edged import zram
 
 MiB = 1 << 20
@@ -307,8 +313,83 @@ def test_another_daemons_swap_is_not_free_swap(tmp_path: Path,
                     proc_swaps=str(fake), file_bytes=64 * MiB, file_step_bytes=16 * MiB,
                     disk_reserve=0.0)
     added: list[int] = []
-    monkeypatch.setattr(m, "_add_file", lambda n: added.append(n) or tmp_path / "f")
+    prios: list[int] = []
+    monkeypatch.setattr(m, "_add_file", lambda n, p: added.append(n) or prios.append(p)
+                        or tmp_path / "f")
     m._grow()
-    assert added == [16 * MiB]
+    assert added == [16 * MiB] and prios == [swapmod.FILE_PRIORITY]  # slots full: below it
     assert m.room(2.5) == (0, 64 * MiB)  # our zram full; the files may grow by 64 MiB
     assert [a.path for a in m.areas()] == [f"{dev}/zram5"]
+
+
+def test_zram_sized_so_its_ram_limit_is_the_wall() -> None:
+    """The device's slots are its RAM limit × the ratio expected; the slot table (20 B per
+    4 KiB page, up front) and the limit together stay within the RAM budget. A device sized
+    at the capacity (the old default: 23.5 GiB of slots for a 17.7 GiB RAM limit) filled
+    its slots with a third of its RAM used at 2.8:1."""
+    gib = 1 << 30
+    budget = int(17.7 * gib)
+    disksize, limit = zram_sizing(budget)
+    table = disksize // 4096 * swapmod.TABLE_BYTES_PER_PAGE
+    assert disksize == int(limit * 3.0) // 4096 * 4096 and disksize % 4096 == 0
+    assert limit + table <= budget < limit + table + 4096 * 3
+    assert 240 * MiB < table < 270 * MiB  # ~1.4% of the budget at 3:1
+    # at 2.8:1 (idle python) and 2.1:1 (agent heaps) the RAM limit fills before the slots
+    for ratio in (2.1, 2.8):
+        assert limit * ratio < disksize
+    d1, l1 = zram_sizing(budget, ratio=1.0)
+    assert d1 == l1 // 4096 * 4096 and l1 > limit
+    with pytest.raises(ValueError, match="below 1"):
+        zram_sizing(budget, ratio=0.5)
+    with pytest.raises(ValueError, match="too small"):
+        zram_sizing(4096)
+
+
+def _zram_fake(tmp_path: Path, orig: int, mem_used: int, mem_limit: int, slots: int,
+               used_slots: int) -> SwapManager:
+    """Our zram5 as /proc/swaps and mm_stat would show it (sizes in bytes)."""
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    (sysfs / "block/zram5").mkdir(parents=True, exist_ok=True)
+    (sysfs / "block/zram5/mm_stat").write_text(
+        f"{orig} {mem_used} {mem_used} {mem_limit} {mem_used} 0 0 0 0\n")
+    fake = tmp_path / "swaps"
+    fake.write_text("Filename\tType\tSize\tUsed\tPriority\n"
+                    f"{dev}/zram5  partition\t{slots // 1024}\t{used_slots // 1024}\t100\n")
+    return SwapManager(tmp_path / "state", mode="zram", zram=5, sys=sysfs, dev=dev,
+                       proc_swaps=str(fake))
+
+
+@pytest.mark.parametrize("ratio", [1.0, 2.8, 0.9])
+def test_free_swap_is_the_fewer_of_slots_and_ram_left(tmp_path: Path, ratio: float) -> None:
+    """Free swap in our device = min(free slots, RAM limit left × the compression observed):
+    at 1:1, at 2.8:1, and incompressible pages (0.9:1, the allocator's overhead on top,
+    counted as 1:1). 3 GiB of slots, 1 GiB of RAM limit, 512 MiB of it used."""
+    orig = int(512 * MiB * ratio)
+    m = _zram_fake(tmp_path, orig=orig, mem_used=512 * MiB, mem_limit=1024 * MiB,
+                   slots=3072 * MiB, used_slots=orig)
+    observed = max(1.0, ratio)
+    assert m.ratio() == pytest.approx(observed)
+    compressed, plain = m.room()
+    assert plain == 0
+    assert compressed == min(3072 * MiB - orig // 1024 * 1024, int(512 * MiB * observed))
+    u = m.usage()
+    assert u["room_bytes"] == compressed and not u["zram_full"]
+    assert u["ratio"] == round(observed, 2)
+
+
+def test_a_ram_full_zram_is_full_though_it_has_slots(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our device at its RAM limit (1020 MiB of its 1 GiB, 6 GiB of slots, at 1:1) has no room, says so,
+    and a swap file added then goes above it in priority (the kernel would send pages to the
+    device first, and fail them, before a file below it)."""
+    m = _zram_fake(tmp_path, orig=1020 * MiB, mem_used=1020 * MiB, mem_limit=1024 * MiB,
+                   slots=6144 * MiB, used_slots=1020 * MiB)
+    assert m.room() == (4 * MiB, 0)
+    assert m.usage()["zram_full"]
+    (tmp_path / "state").mkdir()
+    m.file_bytes, m.file_step_bytes, m.disk_reserve = 64 * MiB, 32 * MiB, 0.0
+    assert m.room() == (4 * MiB, 64 * MiB)
+    added: list[tuple[int, int]] = []
+    monkeypatch.setattr(m, "_add_file", lambda n, p: added.append((n, p)) or tmp_path / "f")
+    m._grow()
+    assert added == [(32 * MiB, swapmod.ZRAM_PRIORITY + 1)]
