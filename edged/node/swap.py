@@ -540,9 +540,17 @@ class SwapManager:
             return None
         return int(max(0, z["mem_limit_bytes"] - z["mem_used_bytes"]) * ratio)
 
+    def _margin(self) -> int:
+        """Room below which our swap counts as full: :data:`FULL_MARGIN`, or a 16th of a
+        smaller device's RAM limit."""
+        z = self.zram_stats()
+        if z is None or z["mem_limit_bytes"] <= 0:
+            return FULL_MARGIN
+        return min(FULL_MARGIN, z["mem_limit_bytes"] // 16)
+
     def _zram_ram_full(self, ratio: float) -> bool:
         left = self._zram_ram_left(ratio)
-        return left is not None and left < FULL_MARGIN
+        return left is not None and left < self._margin()
 
     def _free(self, ratio: float) -> tuple[int, int]:
         """:meth:`room` without what the swap files may still grow by."""
@@ -597,7 +605,8 @@ class SwapManager:
         ``files_used_bytes`` of our swap files, what our zram device holds (``zram_*``,
         see :meth:`zram_stats`); ``room_bytes``: pages swap can take now (:meth:`room`),
         ``ratio``: the compression observed (:meth:`ratio`), ``zram_full``: our device's
-        RAM limit or all our swap has less than :data:`FULL_MARGIN` of room left."""
+        RAM limit or all our swap has less than :data:`FULL_MARGIN` of room left (a 16th of
+        the limit of a smaller device)."""
         areas = self.areas()
         files = {os.path.realpath(f) for f in self.files}
         mine = [a for a in areas if os.path.realpath(a.path) in files]
@@ -612,5 +621,6 @@ class SwapManager:
         room = sum(self.room(ratio))
         out["room_bytes"] = room
         out["ratio"] = round(ratio, 2)
-        out["zram_full"] = self._zram_ram_full(ratio) or (z is not None and room < FULL_MARGIN)
+        out["zram_full"] = self._zram_ram_full(ratio) or (
+            z is not None and room < self._margin())
         return out

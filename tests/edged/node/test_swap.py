@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from edged.cgroups import fs
 from edged.errors import BackendError
 from edged.node import swap as swapmod
 from edged.node.swap import (
@@ -379,9 +383,9 @@ def test_free_swap_is_the_fewer_of_slots_and_ram_left(tmp_path: Path, ratio: flo
 
 def test_a_ram_full_zram_is_full_though_it_has_slots(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Our device at its RAM limit (1020 MiB of its 1 GiB, 6 GiB of slots, at 1:1) has no room, says so,
-    and a swap file added then goes above it in priority (the kernel would send pages to the
-    device first, and fail them, before a file below it)."""
+    """Our device at its RAM limit (1020 MiB of its 1 GiB, 6 GiB of slots, at 1:1) has no
+    room, says so, and a swap file added then goes above it in priority (the kernel would
+    send pages to the device first, and fail them, before a file below it)."""
     m = _zram_fake(tmp_path, orig=1020 * MiB, mem_used=1020 * MiB, mem_limit=1024 * MiB,
                    slots=6144 * MiB, used_slots=1020 * MiB)
     assert m.room() == (4 * MiB, 0)
@@ -393,3 +397,64 @@ def test_a_ram_full_zram_is_full_though_it_has_slots(tmp_path: Path,
     monkeypatch.setattr(m, "_add_file", lambda n, p: added.append((n, p)) or tmp_path / "f")
     m._grow()
     assert added == [(32 * MiB, swapmod.ZRAM_PRIORITY + 1)]
+
+
+@pytest.mark.root
+@needs_zram
+def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zram device of ours with 128 MiB of slots and 16 MiB of RAM, a process of 48 MiB of
+    random (incompressible) bytes paged out into it (``memory.force_empty`` of a memory
+    cgroup made beneath this process's own): the device fills its RAM limit with slots to
+    spare, says it is full, has (nearly) no room left; the pages that did not fit stay
+    resident (nothing is lost); at stop the device is gone."""
+    own = fs.self_cgroups().get("memory")
+    base = Path("/sys/fs/cgroup/memory") / (own or "").lstrip("/")
+    if own is None or not (base / "memory.force_empty").exists():
+        pytest.skip("needs a cgroup v1 memory controller (memory.force_empty)")
+    # above every other swap area (other helpers' daemons have zram at 100): ours fills
+    monkeypatch.setattr(swapmod, "ZRAM_PRIORITY", 32000)
+    zram0 = _zram_snapshot()
+    m = SwapManager(tmp_path, mode="zram", zram_bytes=128 * MiB, zram_mem_limit_bytes=16 * MiB)
+    cg = base / f"i11-zramfill-{os.getpid()}-{tmp_path.name}"
+    proc: subprocess.Popen[str] | None = None
+    m.start()
+    try:
+        assert m.ensure() and m.zram is not None
+        dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
+        u0 = m.usage()
+        assert not u0["zram_full"] and 39 * MiB < u0["room_bytes"] <= 40 * MiB  # at 2.5:1
+        cg.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import os, sys, time\n"
+             "b = bytearray(os.urandom(48 << 20))\nprint('ok', flush=True)\ntime.sleep(120)"],
+            stdout=subprocess.PIPE, text=True)
+        (cg / "cgroup.procs").write_text(str(proc.pid))
+        assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
+        (cg / "memory.force_empty").write_text("0")
+        z = m.zram_stats()
+        assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # its RAM limit: the wall
+        assert z["orig_bytes"] < 20 * MiB  # ~1:1, of 128 MiB of slots
+        u = m.usage()
+        assert u["zram_full"] and u["room_bytes"] < 2 * MiB, u
+        assert m.room()[0] < 2 * MiB
+        # what did not fit is resident still: nothing lost
+        assert int((cg / "memory.usage_in_bytes").read_text()) > 28 * MiB
+        assert proc.poll() is None
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+        for _ in range(100):
+            try:
+                cg.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+        m.stop()
+    assert zram.gone(dev, ident) and not cg.exists()
+    assert _zram_snapshot() == zram0
