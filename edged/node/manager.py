@@ -66,6 +66,9 @@ from edged.security.ledger import Ledger
 
 log = logging.getLogger("edged.node")
 
+#: the reaper scans at least this often (seconds), whatever the sandboxes' deadlines say
+REAP_SCAN_MAX_S = 60.0
+
 class SandboxManager:
     """Owns every :class:`SandboxRecord` of this node. One per daemon."""
 
@@ -123,6 +126,9 @@ class SandboxManager:
         self._locks: dict[str, asyncio.Lock] = {}
         self._bg: set[asyncio.Task[None]] = set()
         self._reaper: asyncio.Task[None] | None = None
+        #: wall time of the reaper's next scan (see _reap_forever); 0: at its next tick
+        self._reap_next = 0.0
+        self._reap_pokes = 0
         #: what each backend probed at start, by name
         self.features: dict[str, dict[str, object]] = {}
         #: the security-event ledger (set by the daemon; None: events are not kept)
@@ -351,6 +357,7 @@ class SandboxManager:
         self.fds.check(self._fds_held(), backend.fds_per_sandbox)
         self.admission.admit(rec.id, rec.resources)
         self._sandboxes[rec.id] = rec
+        self._reap_soon()
         if self.ledger is not None:
             self.ledger.sandbox_created(rec.id)
         lock = self._lock(rec.id)
@@ -546,6 +553,7 @@ class SandboxManager:
         if req.idle_timeout_s is not None:
             rec.idle_timeout_s = req.idle_timeout_s
             rec.touch()
+        self._reap_soon()
         self._save(rec)
         return rec
 
@@ -851,8 +859,14 @@ class SandboxManager:
         running sandboxes idle for their ``auto_pause_after_s``."""
         now = time.time() if now is None else now
         done = []
+        nxt = now + REAP_SCAN_MAX_S
+        pokes = self._reap_pokes
         for rec in list(self._sandboxes.values()):
             if rec.state not in (State.RUNNING, State.PAUSED):
+                continue
+            due = rec.reap_due(now)
+            if due is not None and due > now:
+                nxt = min(nxt, due)
                 continue
             why = rec.expired(now)
             if why is None:
@@ -862,17 +876,32 @@ class SandboxManager:
                         await self.pause(rec.id, cause="auto")
                     except EdgedError as e:
                         log.warning("auto-pause: sandbox %s: %s", rec.id, e)
+                        nxt = now  # tried again at the next tick
                 continue
             try:
                 await self.delete(rec.id, cause=why)
                 done.append(rec.id)
             except EdgedError as e:
                 log.warning("reaper: sandbox %s: %s", rec.id, e)
+                nxt = now
+        # a deadline that came earlier during the scan: scan again at the next tick
+        self._reap_next = nxt if self._reap_pokes == pokes else 0.0
         return done
 
+    def _reap_soon(self) -> None:
+        """A sandbox's deadline may have come earlier (a new one, a new timeout): the reaper
+        scans at its next tick."""
+        self._reap_pokes += 1
+        self._reap_next = 0.0
+
     async def _reap_forever(self) -> None:
+        """Every ``reaper_interval_s``, a scan if one may be due: the earliest of the
+        sandboxes' :meth:`SandboxRecord.reap_due` at the last scan, at most
+        ``REAP_SCAN_MAX_S`` later (3,200 idle sandboxes' records were read every second)."""
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
+            if time.time() < self._reap_next:
+                continue
             try:
                 await self.reap_once()
             except Exception:
@@ -934,6 +963,7 @@ class SandboxManager:
                     self.capacity.hold(sid, rec.resources)
                     rec.touch()
                     self._sandboxes[sid] = rec
+                    self._reap_soon()
                     if self.ledger is not None:  # its events: [] if it had none, not 404
                         self.ledger.sandbox_created(sid)
                     self._save_quietly(rec)

@@ -130,6 +130,18 @@ class SandboxRecord:
             return "idle"
         return None
 
+    def reap_due(self, now: float) -> float | None:
+        """The earliest wall time the reaper may have to act on this sandbox (its TTL's end,
+        its idle timeout's, its auto-pause's), or None if never. A lower bound: activity only
+        moves it later (while an exec runs or it is paused, the idle clocks count from
+        ``now`` at the earliest: the exec's end and a resume :meth:`touch` it); a new TTL or
+        idle timeout may move it earlier (the reaper is told, see ``set_timeout``)."""
+        due = [self.expires_at] if self.expires_at is not None else []
+        quiet = self.last_active if (self.state is State.RUNNING and not self.active_execs) \
+            else max(now, self.last_active)
+        due += [quiet + t for t in (self.idle_timeout_s, self.auto_pause_after_s) if t > 0]
+        return min(due) if due else None
+
     def to_json(self) -> dict[str, Any]:
         """The API's sandbox object (also the persisted form)."""
         r = self.resources

@@ -36,6 +36,7 @@ class Mem:
         self.wait_rate: dict[str, float] = {}  # cores' worth of time runnable, not running
         self.reclaims: list[str] = []
         self.fail: set[str] = set()
+        self.reads: dict[str, int] = {}  # memory() calls (cgroup file reads) per sandbox
 
     def add(self, sid: str, anon: int) -> None:
         self.use[sid] = MemoryUsage(resident_bytes=anon + MiB, anon_bytes=anon)
@@ -47,6 +48,7 @@ class Mem:
                 cpu_wait_ns=u.cpu_wait_ns + int(self.wait_rate.get(sid, 0.0) * dt * 1e9))
 
     async def memory(self, sid: str) -> MemoryUsage:
+        self.reads[sid] = self.reads.get(sid, 0) + 1
         return self.use[sid]
 
     async def reclaim(self, sid: str, nbytes: int | None) -> int:
@@ -247,3 +249,31 @@ def test_no_reclaim_into_a_swap_without_room(tmp_path: Path) -> None:
     assert asyncio.run(r.reclaim_now("d")) == 0 and "d" not in mem.reclaims
     room[0] = 8 * MiB
     assert asyncio.run(r.reclaim_now("d")) == 8 * MiB and mem.reclaims[-1] == "d"
+
+
+def test_idle_reclaimed_sandboxes_are_read_ever_less_often(tmp_path: Path) -> None:
+    """50 idle sandboxes, reclaimed, then 30 minutes of nothing: each is read (its cgroup's
+    memory and CPU files) after 60 s, then after twice as long each time it is found as it
+    was, up to 10 minutes: 5 reads each in those 30 minutes, not one a minute (30) as
+    before. A request starts it over; one whose memory grew back is reclaimed again."""
+    recs = [Rec(f"s{i}", last_active=1000.0) for i in range(50)]
+    r, mem, clock = make(tmp_path, recs, recheck_max_s=600.0)
+    for rec in recs:
+        mem.add(rec.id, 4 * MiB)
+    r.budget = r.cfg.rate_bytes = 10**12
+    assert sorted(run(r, mem, clock, 62)) == sorted(x.id for x in recs)
+    mem.reads.clear()
+    assert run(r, mem, clock, 1800, step=10.0) == []
+    per = sorted(set(mem.reads.values()))
+    assert per == [5], per  # at +60, +180, +420, +900, +1500 s
+    assert r.state["s0"].recheck_every == 600.0
+    # a request: checked again from the start (its idle window, then 60 s after a reclaim)
+    recs[0].last_active = clock.t
+    assert r.woke("s0") and r.state["s0"].recheck_every == 0.0
+    mem.reads.clear()
+    assert run(r, mem, clock, 64) == ["s0"]  # idle 30 s, CPU window 30 s: reclaimed again
+    assert mem.reads["s0"] >= 2 and set(mem.reads) == {"s0"}
+    # memory grown back in the background while backed off: reclaimed again at its check
+    mem.use["s1"] = replace(mem.use["s1"], resident_bytes=mem.use["s1"].resident_bytes
+                            + 8 * MiB, anon_bytes=8 * MiB)
+    assert run(r, mem, clock, 600) == ["s1"]
