@@ -23,7 +23,10 @@ memory pressure: when the share of time tasks stalled on memory over the last pa
 half of it, it grows back by a quarter, up to ``rate_bytes`` per second. Reclaim itself costs
 CPU (compression) and, done to sandboxes that are not quite idle, refaults; both show up as
 pressure first. Under a memory shortage (MemAvailable below ``low_bytes``) the whole budget
-goes to the biggest idle sandboxes first.
+goes to the biggest idle sandboxes first, and a sandbox is idle sooner: after
+``short_idle_after_s`` (10 s) quiet and a CPU window as long, not 30 + 30 s (creates had
+outrun reclaim: a wave of Python sandboxes held MemAvailable at admission's reserve for
+minutes, each waiting a minute to be reclaimed).
 
 Counters kept per sandbox (for ``/metrics`` and ``GET /v1/node``): resident and swapped
 bytes when last read, bytes reclaimed (sum over reclaims), wakes. The refault rate of
@@ -72,6 +75,7 @@ class ReclaimConfig:
 
     enabled: bool = True
     idle_after_s: float = 30.0
+    short_idle_after_s: float = 10.0
     idle_cpu: float = 0.01
     interval_s: float = 2.0
     recheck_s: float = 60.0
@@ -259,6 +263,9 @@ class Reclaimer:
         self.passes += 1
         if not self.cfg.enabled or not self.supported:
             return res
+        short = self._short()
+        idle_after = min(self.cfg.idle_after_s, self.cfg.short_idle_after_s) if short \
+            else self.cfg.idle_after_s
         live = {r.id: r for r in self.records()}
         for sid in list(self.state):
             if sid not in live:
@@ -272,7 +279,7 @@ class Reclaimer:
                 st.cpu_mark = None
                 continue
             quiet_since = rec.last_active
-            if now - quiet_since < self.cfg.idle_after_s or now < st.next_check:
+            if now - quiet_since < idle_after or now < st.next_check:
                 continue
             try:
                 use = await self.backend.memory(sid)
@@ -285,7 +292,7 @@ class Reclaimer:
             if st.cpu_mark is None or st.cpu_mark[0] < quiet_since:
                 # the CPU window starts now; judged once it is idle_after_s long
                 st.cpu_mark = (now, demand)
-                st.next_check = now + self.cfg.idle_after_s
+                st.next_check = now + idle_after
                 continue
             t0, c0 = st.cpu_mark
             busy = max(0, demand - c0) / 1e9 / max(1e-6, now - t0)
@@ -302,7 +309,7 @@ class Reclaimer:
                 st.next_check = now + st.recheck_every
                 continue
             due.append((use.resident_bytes, sid, st))
-        if self._short():
+        if short:
             due.sort(key=lambda x: -x[0])  # biggest first when memory is short
         room = await self._room() if due else None
         spent = 0

@@ -277,3 +277,19 @@ def test_idle_reclaimed_sandboxes_are_read_ever_less_often(tmp_path: Path) -> No
     mem.use["s1"] = replace(mem.use["s1"], resident_bytes=mem.use["s1"].resident_bytes
                             + 8 * MiB, anon_bytes=8 * MiB)
     assert run(r, mem, clock, 600) == ["s1"]
+
+
+def test_idle_sooner_when_memory_is_short(tmp_path: Path) -> None:
+    """With MemAvailable below low_bytes a sandbox quiet for 10 s, then 10 s of CPU window,
+    is reclaimed (20 s after its last request, not 60); with memory to spare it waits the
+    30 + 30 s."""
+    meminfo = tmp_path / "meminfo"
+    for avail_mib, first in ((512, 20.0), (8192, 60.0)):
+        meminfo.write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {avail_mib << 10} kB\n")
+        recs = [Rec("a", last_active=1000.0)]
+        r, mem, clock = make(tmp_path, recs, low_bytes=1 << 30)
+        r.meminfo_path = str(meminfo)
+        mem.add("a", 12 * MiB)
+        clock.t = 1000.0
+        assert run(r, mem, clock, first - 2.0) == []
+        assert run(r, mem, clock, 2.0) == ["a"], avail_mib
