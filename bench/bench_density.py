@@ -542,7 +542,8 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
             "reclaimed": info["reclaim"]["sandboxes_reclaimed"],
             "reclaimed_bytes": info["reclaim"]["reclaimed_bytes"],
             "swap": {k: v for k, v in (info.get("swap") or {}).items() if k.startswith(
-                ("zram_", "used_", "total_"))},
+                ("zram_", "used_", "total_", "room_", "ratio"))},
+            "swap_full_sandboxes": info["reclaim"].get("swap_full_sandboxes", 0),
             "kernel_per_sandbox_node_mib": info["memory"]["kernel_per_sandbox_bytes"] / MiB,
         })
         # idle CPU over a quiet window: nothing but idle sandboxes
@@ -551,6 +552,15 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
         dt = time.monotonic() - t1
         out["idle_cpu_daemon_pct"] = (d.cpu_s() - c0) / dt * 100
         out["idle_cpu_sandboxes_pct"] = (sandboxes_cpu_s(info) - s0) / dt * 100
+        # and minute by minute after it, as the reclaimer's rechecks of reclaimed sandboxes
+        # back off (60 s, then twice as long each time, up to 10 minutes)
+        by_min: list[float] = []
+        for _ in range(int(a.idle_watch_min)):
+            c0, t1 = d.cpu_s(), time.monotonic()
+            time.sleep(60.0)
+            by_min.append((d.cpu_s() - c0) / (time.monotonic() - t1) * 100)
+        if by_min:
+            out["idle_cpu_daemon_by_min_pct"] = by_min
         if reclaim and info["reclaim"]["sandboxes_reclaimed"]:
             # refaults are counted when reclaimed sandboxes are looked at again (every 60 s)
             time.sleep(max(0.0, a.refault_wait_s - a.idle_window_s))
@@ -655,6 +665,9 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=300.0,
                     help="longest wait for reclaim after a wave")
     ap.add_argument("--idle-window-s", type=float, default=30.0)
+    ap.add_argument("--idle-watch-min", type=float, default=0.0,
+                    help="after the idle window, the daemon's idle CPU minute by minute for "
+                         "this many minutes (the steady state of the reclaimer's rechecks)")
     ap.add_argument("--refault-wait-s", type=float, default=90.0,
                     help="idle time after reclaim before the refault rate is read")
     ap.add_argument("--wall-s", type=float, default=60.0,
@@ -805,6 +818,10 @@ def report(out: dict[str, Any]) -> None:
         ("zram stored / compressed, MiB", lambda w: (
             f"{w['swap'].get('zram_orig_bytes', 0) / MiB:.0f} / "
             f"{w['swap'].get('zram_mem_used_bytes', 0) / MiB:.0f}")),
+        ("zram RAM limit MiB / full / swap room MiB", lambda w: (
+            f"{w['swap'].get('zram_mem_limit_bytes', 0) / MiB:.0f} / "
+            f"{'yes' if w['swap'].get('zram_full') else 'no'} / "
+            f"{w['swap'].get('room_bytes', 0) / MiB:.0f}")),
         ("wake p50 / p99, ms (goal p99 <= 50)",
          lambda w: f"{w['wake_p50_ms']:.1f} / {w['wake_p99_ms']:.1f}"),
         ("awake exec p50 / p99, ms",
@@ -813,6 +830,8 @@ def report(out: dict[str, Any]) -> None:
             "n/a" if w["refault_pct_per_min"] is None else f"{w['refault_pct_per_min']:.3f}")),
         ("idle CPU daemon, % core (goal <= 2)", lambda w: f"{w['idle_cpu_daemon_pct']:.2f}"),
         ("idle CPU sandboxes, % core", lambda w: f"{w['idle_cpu_sandboxes_pct']:.2f}"),
+        ("idle CPU daemon by minute after, %", lambda w: " ".join(
+            f"{x:.2f}" for x in w.get("idle_cpu_daemon_by_min_pct", [])) or "-"),
         ("wall", lambda w: w["wall"] or "-"),
     ]
     waves = out["waves"]

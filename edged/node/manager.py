@@ -69,6 +69,7 @@ log = logging.getLogger("edged.node")
 #: the reaper scans at least this often (seconds), whatever the sandboxes' deadlines say
 REAP_SCAN_MAX_S = 60.0
 
+
 class SandboxManager:
     """Owns every :class:`SandboxRecord` of this node. One per daemon."""
 
