@@ -109,6 +109,9 @@ class Config:
     # Container spawners started ahead of demand (namespaces made, waiting for a sandbox):
     # takes process start-up and namespace creation off a create's latency; 0 = none.
     spawner_pool: int = 2
+    # A container sandbox's sbx-init drops the exec child it forks ahead of the next exec
+    # (host kernel memory no limit holds) once no exec started or ended this long; 0 = keep.
+    spare_idle_s: float = 10.0
     # A layer stays mounted this long after its last sandbox is gone (seconds), so that the
     # next create finds it mounted and its page cache warm; 0 = unmount at once.
     layer_linger_s: float = 30.0
@@ -193,7 +196,7 @@ class Config:
             if getattr(self, name) <= 0:
                 raise BadRequest(f"config {name}: must be > 0")
         for name in ("cpus", "memory_bytes", "default_ttl_s", "default_idle_timeout_s",
-                     "events_retention_s", "layers_cache_bytes", "spawner_pool",
+                     "events_retention_s", "layers_cache_bytes", "spawner_pool", "spare_idle_s",
                      "layer_linger_s", "cpu_overcommit", "memory_overcommit",
                      "memory_reserve_bytes", "memory_pressure_limit", "cpu_pressure_limit",
                      "idle_after_s", "idle_cpu", "reclaim_rate_bytes", "reclaim_psi_target",
@@ -320,6 +323,8 @@ _HELP = {
                           "destroys still under way then get up to 45 s more",
     "log_level": "debug, info, warning or error",
     "spawner_pool": "container spawners started ahead of demand (0 = none)",
+    "spare_idle_s": "seconds without an exec before a container sandbox drops the exec "
+                    "child it keeps forked ahead (0 = keep it)",
     "layer_linger_s": "seconds a layer stays mounted after its last sandbox (0 = unmount)",
     "events_retention_s": "seconds a sandbox's security events are kept after it is gone",
     "e2b_listen": "HOST:PORT of the E2B-compatible listener ('' = off; needs api_keys_file)",

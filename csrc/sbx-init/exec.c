@@ -203,6 +203,7 @@ static void exec_finish(struct sbx *s, struct exec *e)
 	 * spare moves into its own it holds the cgroup mutex for a grace period,
 	 * which would stall the rmdir above.  END goes out first. */
 	ctl_flush(s);
+	spare_note_use(s, now_ns());
 	spare_make(s);
 }
 
@@ -365,6 +366,7 @@ void exec_start(struct sbx *s, uint32_t id, uint8_t *payload, uint32_t len)
 	e->id = id;
 	e->t0 = now_ns();
 	e->oom_base = cg_oom_kills(&s->cg);
+	spare_note_use(s, e->t0);
 	pid = spare_take(s, e, &a, payload, len);
 	if (pid < 0) {
 		cg_make(&s->cg, e->cg, a.join);

@@ -8,7 +8,7 @@
  * Usage: sbx-init -g | (-l LISTEN_FD | -c FD[:WFD])
  *                 [-f FREEZER_CG_FD -m MEMORY_CG_FD | -u V2_CG_FD]
  *                 [-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE]
- *                 [-P LOWER_FD[:LOWER_FD...] -G PATH[:PATH...]]
+ *                 [-P LOWER_FD[:LOWER_FD...] -G PATH[:PATH...]] [-I SPARE_IDLE_MS]
  *   LISTEN_FD      a bound unix (or vsock) stream socket (sbx-init calls
  *                  listen(), so that SO_PEERCRED on a client's connection names
  *                  sbx-init); each connection replaces the last;
@@ -37,7 +37,10 @@
  *                  grader exec, and for the bottom of grader views;
  *   LOWER_FD...    the layers, detached read-only mounts, bottom first, and
  *                  the PATHs a grader exec (SBX_EXEC_GRADER) sees from an
- *                  overlay of them alone (grader.c).
+ *                  overlay of them alone (grader.c);
+ *   SPARE_IDLE_MS  the child forked ahead of the next exec is dropped when no
+ *                  exec has started or ended this long (spare.c; default 0:
+ *                  kept for good).
  * Every inherited fd is made close-on-exec at start-up: no workload process
  * inherits the control channel or a cgroup directory.  How each exec is
  * confined is in child.c; the child forked ahead of the next exec in spare.c.
@@ -325,7 +328,7 @@ int main(int argc, char **argv)
 	s->cg.freezer = s->cg.memory = s->cg.v2 = -1;
 	s->pol.ll_ruleset = s->pol.scratch_fd = s->pol.upper_fd = -1;
 	s->spare.sock = -1;
-	while ((opt = getopt(argc, argv, "gl:c:f:m:u:L:S:U:A:P:G:")) != -1) {
+	while ((opt = getopt(argc, argv, "gl:c:f:m:u:L:S:U:A:P:G:I:")) != -1) {
 		switch (opt) {
 		case 'g': guest_mode = 1; break;
 		case 'l': listen_fd = parse_fd(optarg); break;
@@ -360,11 +363,22 @@ int main(int argc, char **argv)
 			}
 			break;
 		case 'G': s->pol.grader_paths = optarg; break;
+		case 'I': {
+			unsigned long long ms = strtoull(optarg, NULL, 10);
+
+			if (!optarg[0] || strspn(optarg, "0123456789") != strlen(optarg) ||
+			    strlen(optarg) > 12 || ms > 86400000ull * 365) {
+				logmsg("sbx-init: -I `%s`: milliseconds, at most a year", optarg);
+				return 2;
+			}
+			s->spare.idle_ns = ms * 1000000ull;
+			break;
+		}
 		default:
 			logmsg("usage: sbx-init -g | (-l LISTEN_FD | -c FD[:WFD]) "
 			       "[-f FREEZER_FD -m MEMORY_FD | -u V2_FD] "
 			       "[-L LANDLOCK_FD] [-S SECCOMP_FD] [-U SCRATCH_FD] [-A PROFILE] "
-			       "[-P LOWER_FD[:LOWER_FD...] -G PATHS]");
+			       "[-P LOWER_FD[:LOWER_FD...] -G PATHS] [-I SPARE_IDLE_MS]");
 			return 2;
 		}
 	}
@@ -428,9 +442,10 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	ep_add(s, s->sig_fd, K_SIG, 0, EPOLLIN);
+	spare_note_use(s, now_ns());
 	spare_make(s);
 	for (;;) {
-		int n, k, timeout;
+		int n, k, timeout, spare_ms;
 
 		if (!ctl_connected(s) && s->ctl.retry_ms >= 0)
 			ctl_open(s);
@@ -441,6 +456,9 @@ int main(int argc, char **argv)
 		if (s->interest_dirty)
 			update_interest(s);
 		timeout = exec_next_timeout_ms(s, now_ns());
+		spare_ms = spare_next_timeout_ms(s, now_ns());
+		if (spare_ms >= 0 && (timeout < 0 || spare_ms < timeout))
+			timeout = spare_ms;
 		if (files_active(s) && ctl_pending(s) < OUTQ_HIGH)
 			timeout = 0; /* a get has more to send */
 		if (!ctl_connected(s) && s->ctl.retry_ms >= 0 &&
@@ -454,6 +472,7 @@ int main(int argc, char **argv)
 		for (k = 0; k < n; k++)
 			dispatch(s, &evs[k]);
 		exec_check_deadlines(s, now_ns());
+		spare_check_idle(s, now_ns());
 		/* An exec cgroup still busy at its exec's end goes at a child's exit
 		 * (on_sigchld); any other wake tries again too, and no timer does:
 		 * an idle sandbox never runs. */

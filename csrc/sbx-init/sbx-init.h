@@ -126,6 +126,8 @@ struct sbx_spare {
 	pid_t pid;
 	int sock;              /* the request goes here */
 	char cg[CG_NAME_MAX];  /* the cgroups it moved into */
+	uint64_t idle_ns;      /* -I: dropped when no exec started or ended this long; 0: kept */
+	uint64_t last_use;     /* when an exec last started or ended (or sbx-init started) */
 };
 
 struct sbx;
@@ -263,6 +265,9 @@ int grader_view(const struct sbx_policy *pol, uint32_t uid, uint32_t gid, struct
 /* spare.c */
 void spare_make(struct sbx *s);
 void spare_drop(struct sbx *s, int kill_it);
+void spare_note_use(struct sbx *s, uint64_t now);
+int spare_next_timeout_ms(const struct sbx *s, uint64_t now);
+void spare_check_idle(struct sbx *s, uint64_t now);
 pid_t spare_take(struct sbx *s, struct exec *e, const struct child_args *a,
 		 const uint8_t *payload, uint32_t len);
 

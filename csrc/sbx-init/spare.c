@@ -5,8 +5,18 @@
  * (milliseconds; tens on a loaded host), and an exec would otherwise wait for
  * it each time.  The spare keeps no fd but its own and waits for the exec's
  * request and fds; like sbx-init it is not dumpable and outside every
- * workload's Landlock domain (no signals or ptrace from the workload). */
+ * workload's Landlock domain (no signals or ptrace from the workload).
+ *
+ * An idle sandbox does not keep one (-I MS): when no exec has started or
+ * ended for MS, the spare is killed and its cgroup removed.  It is host
+ * kernel memory that no limit holds (its task, kernel stack, page tables and
+ * exec cgroup: ~75 KiB on Linux 6.18, the README's Density section), paid by
+ * every idle sandbox on the node.  The next exec then forks its child itself,
+ * as it does when the spare is busy, and the spare comes back at that exec's
+ * end.  The one timer this sets fires once per idle spell: after it, an idle
+ * sandbox never runs. */
 #include <errno.h>
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -146,6 +156,36 @@ void spare_make(struct sbx *s)
 	s->spare.pid = pid;
 	s->spare.sock = sv[0];
 	memcpy(s->spare.cg, cg, sizeof(s->spare.cg));
+}
+
+/* An exec started or ended at `now`: the spare is in use. */
+void spare_note_use(struct sbx *s, uint64_t now)
+{
+	s->spare.last_use = now;
+}
+
+/* epoll_wait's timeout for the idle spare's drop: ms until it is due, or -1
+ * (no spare, or spares are kept). */
+int spare_next_timeout_ms(const struct sbx *s, uint64_t now)
+{
+	uint64_t due;
+
+	if (s->spare.pid <= 0 || !s->spare.idle_ns)
+		return -1;
+	due = s->spare.last_use + s->spare.idle_ns;
+	if (due <= now)
+		return 0;
+	due = (due - now + 999999) / 1000000;
+	return due > INT_MAX ? INT_MAX : (int)due;
+}
+
+/* Drop the spare if no exec has started or ended for -I's time.  Killed, not
+ * told: a spare whose pages reclaim put in swap need not fault them back in
+ * to exit.  Its cgroup goes once it is reaped (cg_retry_pending). */
+void spare_check_idle(struct sbx *s, uint64_t now)
+{
+	if (spare_next_timeout_ms(s, now) == 0)
+		spare_drop(s, 1);
 }
 
 /* The spare is gone or of no use: let it go; its cgroups are removed once it

@@ -21,6 +21,9 @@
  *                                         making one: see "networked sandboxes")
  *                 [--landlock FILE] [--seccomp FILE] [--apparmor PROFILE]
  *                                        (policies sbx-init applies per exec)
+ *                 [--spare-idle-ms N]    (sbx-init drops the child it forks ahead
+ *                                         of the next exec after N ms without an
+ *                                         exec; 0 or none: it keeps it)
  * Writes one line to the status fd: "ok PID" (host pid of sbx-init) or
  * "error ERRNO MESSAGE", and exits 0 or 1.
  *
@@ -146,7 +149,7 @@ struct opts {
 	const char *join[MAX_JOIN];
 	int n_join;
 	const char *cg_freezer, *cg_memory, *cg_v2;
-	const char *upper_dir, *landlock, *seccomp, *apparmor;
+	const char *upper_dir, *landlock, *seccomp, *apparmor, *spare_idle_ms;
 	const char *protect[MAX_PROTECT];
 	int n_protect;
 	const char *pristine[MAX_PROTECT];
@@ -714,6 +717,10 @@ static void child_main(int sync)
 		if (o->apparmor) {
 			argv[argc++] = "-A";
 			argv[argc++] = (char *)o->apparmor;
+		}
+		if (o->spare_idle_ms) {
+			argv[argc++] = "-I";
+			argv[argc++] = (char *)o->spare_idle_ms;
 		}
 		if (f->n_lowers && o->n_pristine) {
 			size_t off = 0;
@@ -1342,6 +1349,11 @@ static int parse_args(int argc, char **argv, struct opts *o, struct lfs_error *e
 			o->seccomp = v;
 		else if (!strcmp(k, "--apparmor"))
 			o->apparmor = v;
+		else if (!strcmp(k, "--spare-idle-ms")) {
+			if (!v[0] || strspn(v, "0123456789") != strlen(v) || strlen(v) > 12)
+				return lfs_error_set(e, EINVAL, "--spare-idle-ms `%s` is not a number of ms", v);
+			o->spare_idle_ms = v;
+		}
 		else if (!strcmp(k, "--caps")) {
 			char *end;
 

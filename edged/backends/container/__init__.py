@@ -13,7 +13,8 @@ def from_config(config: Config, sink: EventSink | None) -> ContainerBackend:
     under ``runtime_dir``, ``spawner_pool`` spawners started ahead, events to ``sink``."""
     return ContainerBackend(config.runtime_dir, on_event=sink,
                             spawner_pool=config.spawner_pool,
-                            swap_share=config.sandbox_swap_share)
+                            swap_share=config.sandbox_swap_share,
+                            spare_idle_s=config.spare_idle_s)
 
 
 __all__ = ["ContainerBackend", "from_config"]

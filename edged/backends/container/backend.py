@@ -149,7 +149,12 @@ class ContainerBackend:
     started ahead of demand (0: spawn one per create; each pooled one is two waiting
     processes and holds a uid range; call :meth:`close` to end them). ``swap_share``: on
     cgroup v2, the swap each sandbox may hold as a share of its memory limit (see
-    :func:`edged.cgroups.swap_allowance`). Raises
+    :func:`edged.cgroups.swap_allowance`). ``spare_idle_s``: sbx-init forks each exec's child
+    ahead of it (the spare: off the exec's latency) and drops it once no exec has started or
+    ended for this long (seconds; 0, the default: kept for good; the daemon's config
+    ``spare_idle_s`` says 10), since it is host kernel memory that no limit holds (its task,
+    kernel stack, page tables and exec cgroup); the exec after forks its own child (~1 ms
+    more) and the spare comes back at that exec's end. Raises
     :class:`edged.errors` exceptions only.
     """
 
@@ -167,7 +172,10 @@ class ContainerBackend:
                  on_event: EventSink | None = None,
                  spawner_pool: int = 0,
                  uid_slots_dir: str | os.PathLike[str] = UID_SLOTS_DIR,
-                 swap_share: float = 1.0) -> None:
+                 swap_share: float = 1.0, spare_idle_s: float = 0.0) -> None:
+        if not 0 <= spare_idle_s <= 365 * 86400:
+            raise BadRequest(f"spare_idle_s: {spare_idle_s} is not 0..{365 * 86400} seconds")
+        self.spare_idle_ms = round(spare_idle_s * 1000)
         self.state_dir = Path(state_dir)
         self.scratch_dir = Path(scratch_dir) if scratch_dir is not None else None
         self.on_event = on_event
@@ -613,7 +621,8 @@ class ContainerBackend:
                     "--ctl", str(d / "ctl.sock"), "--log", str(d / "init.log"),
                     "--init", str(self.bin_dir / "sbx-init"), "--uid-base", str(uid_base),
                     "--id-count", str(self.id_count), "--hostname", spec.hostname,
-                    "--disk-bytes", str(spec.resources.disk_bytes)]
+                    "--disk-bytes", str(spec.resources.disk_bytes),
+                    "--spare-idle-ms", str(self.spare_idle_ms)]
             for lower in spec.lowers:
                 argv += ["--lower", lower]
             if policy is not None:
