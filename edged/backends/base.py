@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,6 +101,10 @@ class MemoryUsage:
     cpu_wait_ns: int = 0
 
 
+#: what a sandbox id matches (the API checks it too, :mod:`edged.node.sandbox`)
+SANDBOX_ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
+
+
 @dataclass(frozen=True)
 class SandboxSpec:
     """What a backend needs to create one sandbox.
@@ -132,6 +137,27 @@ class SandboxSpec:
     seccomp_profile: str | None = None
     qos: str = "best_effort"
     netns_fd: int | None = None
+
+    def check(self) -> None:
+        """Refuse what no backend can create: an ``id`` that does not match
+        :data:`SANDBOX_ID_RE`, no ``lowers``, a ``qos`` not in :data:`QOS_CLASSES`, a
+        ``hostname`` that is empty, over 64 bytes or holds a NUL (``HOST_NAME_MAX``,
+        include/uapi/linux/utsname.h), a limit of ``resources`` that is not positive (swap:
+        negative). Each backend then checks what it alone needs (network, layer forms).
+        Raises :class:`edged.errors.BadRequest`."""
+        if not SANDBOX_ID_RE.match(self.id):
+            raise BadRequest(f"sandbox id {self.id!r} does not match "
+                             f"[a-z0-9][a-z0-9_.-]{{0,62}}")
+        if not self.lowers:
+            raise BadRequest("lowers: at least one layer is needed")
+        if self.qos not in QOS_CLASSES:
+            raise BadRequest(f"qos {self.qos!r}: not one of {', '.join(QOS_CLASSES)}")
+        if not self.hostname or len(self.hostname) > 64 or "\0" in self.hostname:
+            raise BadRequest(f"hostname {self.hostname!r} must be 1..64 bytes")
+        r = self.resources
+        if not (r.cpus > 0 and r.memory_bytes > 0 and r.swap_bytes >= 0 and r.pids > 0
+                and r.disk_bytes > 0):
+            raise BadRequest(f"resources {r}: every limit must be positive")
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 import edged
 from edged.backends import memadvise, records
 from edged.backends.base import (
-    QOS_CLASSES,
     EventSink,
     ExecSpec,
     FailureSink,
@@ -71,7 +70,6 @@ from layerfs.mount import erofs_file_backed
 log = logging.getLogger("edged.container")
 _T = TypeVar("_T")
 
-ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 BIN_DIR = Path(edged.__file__).resolve().parent / "_bin"
 # sbx-init's first answer: a best-effort sandbox starts as SCHED_IDLE, so on a node whose
 # CPUs are busy with normal work its start-up gets only what that work leaves
@@ -1065,24 +1063,13 @@ def _policy_from_dir(d: Path) -> confinement.Policy | None:
 
 
 def _check_spec(spec: SandboxSpec) -> None:
-    if not ID_RE.match(spec.id):
-        raise BadRequest(f"sandbox id {spec.id!r} does not match [a-z0-9][a-z0-9_.-]{{0,62}}")
+    spec.check()
     if spec.network not in ("none", "policy") or (spec.network == "policy") != (
             spec.netns_fd is not None):
         raise BadRequest(f"network {spec.network!r}: 'none', or 'policy' with a namespace")
-    if not spec.lowers:
-        raise BadRequest("lowers: at least one layer is needed")
     for lower in spec.lowers:
         if not os.path.isabs(lower) or not os.path.isdir(lower):
             raise BadRequest(f"lower {lower!r} is not an existing absolute directory")
-    if spec.qos not in QOS_CLASSES:
-        raise BadRequest(f"qos {spec.qos!r}: not one of {', '.join(QOS_CLASSES)}")
-    if not spec.hostname or len(spec.hostname) > 64 or "\0" in spec.hostname:
-        raise BadRequest(f"hostname {spec.hostname!r} must be 1..64 bytes")
-    r = spec.resources
-    if not (r.cpus > 0 and r.memory_bytes > 0 and r.swap_bytes >= 0 and r.pids > 0
-            and r.disk_bytes > 0):
-        raise BadRequest(f"resources {r}: every limit must be positive")
 
 
 async def _read_line(fd: int) -> bytes:

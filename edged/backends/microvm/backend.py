@@ -43,7 +43,6 @@ import functools
 import logging
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -55,7 +54,6 @@ from typing import Any
 import edged
 from edged.backends import memadvise, records
 from edged.backends.base import (
-    QOS_CLASSES,
     EventSink,
     ExecSpec,
     FailureSink,
@@ -84,7 +82,6 @@ from edged.sbxinit import SbxExec
 
 log = logging.getLogger("edged.microvm")
 
-ID_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}\Z")
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
 #: Guest RAM beyond the sandbox's memory limit: the guest kernel, sbx-init, page cache.
 GUEST_HEADROOM_MIB = 96
@@ -827,29 +824,18 @@ def _cause_text(cause: dict[str, object]) -> str:
 
 
 def _check_spec(spec: SandboxSpec) -> None:
-    if not ID_RE.match(spec.id):
-        raise BadRequest(f"sandbox id {spec.id!r} does not match [a-z0-9][a-z0-9_.-]{{0,62}}")
+    spec.check()
     if spec.network != "none":
         raise BadRequest(f"network {spec.network!r}: only 'none' is supported")
-    if not spec.lowers:
-        raise BadRequest("lowers: at least one layer is needed")
     if len(spec.lowers) > MAX_LAYERS:
         raise BadRequest(f"lowers: a microVM takes at most {MAX_LAYERS} layers, not "
                          f"{len(spec.lowers)}")
     bad = guest_policy.image_paths_ok(spec.lowers)
     if bad:
         raise BadRequest(bad)
-    if spec.qos not in QOS_CLASSES:
-        raise BadRequest(f"qos {spec.qos!r}: not one of {', '.join(QOS_CLASSES)}")
-    if not spec.hostname or len(spec.hostname) > 64 or "\0" in spec.hostname:
-        raise BadRequest(f"hostname {spec.hostname!r} must be 1..64 bytes")
-    r = spec.resources
-    if not (r.cpus > 0 and r.memory_bytes > 0 and r.swap_bytes >= 0 and r.pids > 0
-            and r.disk_bytes > 0):
-        raise BadRequest(f"resources {r}: every limit must be positive")
-    if r.disk_bytes < (16 << 20):
-        raise BadRequest(f"disk_bytes {r.disk_bytes}: a microVM's upper disk needs at least "
-                         f"16 MiB")
+    if spec.resources.disk_bytes < (16 << 20):
+        raise BadRequest(f"disk_bytes {spec.resources.disk_bytes}: a microVM's upper disk "
+                         f"needs at least 16 MiB")
 
 
 __all__ = ["MAX_LAYERS", "MicroVmBackend"]

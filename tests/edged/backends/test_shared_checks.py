@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from edged.backends.base import ExecSpec, MemoryUsage, NoReclaim, instance_subdir, readable
+from edged.backends.base import (
+    ExecSpec,
+    MemoryUsage,
+    NoReclaim,
+    Resources,
+    SandboxSpec,
+    instance_subdir,
+    readable,
+)
 from edged.backends.uidslots import UidSlots
 from edged.errors import BadRequest
 
@@ -80,3 +88,21 @@ def test_no_reclaim_frees_nothing_and_counts_zeros() -> None:
     assert asyncio.run(b.prefetch("s")) is None
     assert b.totals() == MemoryUsage()
     b.set_memory_limit(1 << 30)
+
+
+def test_sandbox_spec_check_refuses_what_no_backend_can_create() -> None:
+    def sbx(**kw: object) -> SandboxSpec:
+        base: dict[str, object] = dict(id="a-1", lowers=("/l",), resources=Resources(),
+                                       env={}, hostname="h")
+        return SandboxSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+    sbx().check()
+    sbx(hostname="x" * 64, qos="latency_sensitive").check()
+    for bad, says in ((dict(id="A"), "sandbox id"), (dict(id="a" * 64), "sandbox id"),
+                      (dict(lowers=()), "lowers"), (dict(qos="gold"), "qos"),
+                      (dict(hostname=""), "hostname"), (dict(hostname="x" * 65), "hostname"),
+                      (dict(hostname="a\0b"), "hostname"),
+                      (dict(resources=Resources(cpus=0)), "resources"),
+                      (dict(resources=Resources(swap_bytes=-1)), "resources")):
+        with pytest.raises(BadRequest, match=says):
+            sbx(**bad).check()
