@@ -404,6 +404,9 @@ class SandboxManager:
                     raise
                 rec.transition(State.RUNNING)
                 rec.touch()
+                # a scan during the create skipped it (not running yet) and may have set the
+                # next one a minute off: its TTL counts from now
+                self._reap_soon()
                 # The sandbox runs: a failed save must not orphan it (a restart then finds
                 # the record at "creating" and destroys the sandbox)
                 self._save_quietly(rec)
