@@ -20,14 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from edged.datatypes import EventSink as EventSink
+from edged.datatypes import ExecEnd as ExecEnd
+from edged.datatypes import MemoryUsage as MemoryUsage
+from edged.datatypes import Resources as Resources
 from edged.errors import BackendError, BadRequest
 
 log = logging.getLogger(__name__)
-
-#: Where a backend sends security events: ``sink(sandbox_id, kind, *, pid=, process=,
-#: syscall=, path=, address=, detail=)``, the signature of
-#: :meth:`edged.security.ledger.Ledger.record` (what the daemon passes).
-EventSink = Callable[..., object]
 
 #: Where a backend reports a sandbox that died on its own (its init ended: killed, crashed,
 #: out of memory), at once: ``sink(sandbox_id, cause)``; ``cause`` is a JSON object,
@@ -56,49 +55,7 @@ def failure_text(cause: Mapping[str, object]) -> str:
 LayerForm = Literal["tree", "image"]
 
 
-@dataclass(frozen=True)
-class Resources:
-    """Limits of one sandbox.
-
-    ``cpus``: CPU quota in cores (cgroup cfs quota/period; the weight is derived from it).
-    ``memory_bytes``: memory limit. ``swap_bytes``: extra swap allowed beyond memory.
-    ``pids``: max tasks. ``disk_bytes``: size limit of the writable upper layer.
-    ``memory_request_bytes``: what the sandbox is expected to use soon after it starts (its
-    request; it may burst to ``memory_bytes``, its limit): the node's admission sets this
-    much aside until the sandbox's own use is measured (:mod:`edged.node.admission`).
-    """
-
-    cpus: float = 1.0
-    memory_bytes: int = 512 << 20
-    swap_bytes: int = 0
-    pids: int = 1024
-    disk_bytes: int = 1 << 30
-    memory_request_bytes: int = 32 << 20
-
-
 QOS_CLASSES = ("best_effort", "latency_sensitive")
-
-
-@dataclass(frozen=True)
-class MemoryUsage:
-    """One sandbox's memory as its memory cgroup counts it (bytes; counters cumulative).
-
-    ``resident_bytes``: charged now (anon + page cache + shmem + kernel objects charged);
-    ``anon_bytes``, ``file_bytes`` (page cache, shmem excluded), ``shmem_bytes`` (tmpfs: the
-    upper and /dev/shm) of it; ``swap_bytes``: pages of it in swap; ``major_faults``: page
-    faults that had to read (from swap, or from a layer); ``cpu_usage_ns``: CPU time used;
-    ``cpu_wait_ns``: time its tasks were runnable but waited for a CPU (a CPU-starved
-    sandbox uses little CPU and is still busy; 0 where unknown).
-    """
-
-    resident_bytes: int = 0
-    anon_bytes: int = 0
-    file_bytes: int = 0
-    shmem_bytes: int = 0
-    swap_bytes: int = 0
-    major_faults: int = 0
-    cpu_usage_ns: int = 0
-    cpu_wait_ns: int = 0
 
 
 #: what a sandbox id matches (the API checks it too, :mod:`edged.node.sandbox`)
@@ -248,31 +205,6 @@ def readable(fd: int) -> Iterator[asyncio.Future[None]]:
         loop.remove_reader(fd)
         if not fut.done():
             fut.cancel()
-
-
-@dataclass(frozen=True)
-class ExecEnd:
-    """How an exec ended.
-
-    ``reason``: ``"exited" | "signalled" | "timeout" | "oom" | "output_limit" | "killed"``.
-    ``exit_code``: set when reason is ``exited``, None otherwise (enforced here); ``signal``:
-    the signal that killed the exec's main process, when one did. ``duration_s``: wall time.
-    ``peak_memory_bytes``: when known.
-    """
-
-    reason: str
-    exit_code: int | None
-    signal: int | None
-    duration_s: float
-    peak_memory_bytes: int | None
-
-    def __post_init__(self) -> None:
-        # The contract, whoever reports the end: an exec that did not end by its own exit
-        # has no exit code (sbx-init reports the main process's status with an "oom" end
-        # when another process of its tree was killed: `sh -c 'dd ...; echo'` said
-        # oom with exit_code 0).
-        if self.reason != "exited" and self.exit_code is not None:
-            object.__setattr__(self, "exit_code", None)
 
 
 class ExecHandle(Protocol):

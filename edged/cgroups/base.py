@@ -23,8 +23,8 @@ import os
 import time
 from pathlib import Path
 
-from edged.backends.base import MemoryUsage, Resources
 from edged.cgroups import fs
+from edged.datatypes import MemoryUsage, Resources
 from edged.errors import BackendError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edged.backends.base import MemoryUsage, Resources
 from edged.cgroups.base import Hierarchy, SandboxCgroup
+from edged.datatypes import MemoryUsage, Resources
 from edged.errors import InvalidState
 
 

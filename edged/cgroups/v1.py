@@ -21,9 +21,9 @@ import os
 import time
 from pathlib import Path
 
-from edged.backends.base import MemoryUsage, Resources
 from edged.cgroups import fs
 from edged.cgroups.base import CFS_PERIOD_US, CGROUP_ROOT, POOL_PREFIX, Hierarchy, SandboxCgroup
+from edged.datatypes import MemoryUsage, Resources
 from edged.errors import BackendError
 
 CONTROLLERS = ("cpu", "cpuacct", "memory", "pids", "freezer")

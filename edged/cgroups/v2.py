@@ -14,7 +14,6 @@ import os
 import time
 from pathlib import Path
 
-from edged.backends.base import MemoryUsage, Resources
 from edged.cgroups import fs
 from edged.cgroups.base import (
     CFS_PERIOD_US,
@@ -23,6 +22,7 @@ from edged.cgroups.base import (
     SandboxCgroup,
     swap_allowance,
 )
+from edged.datatypes import MemoryUsage, Resources
 from edged.errors import BackendError
 
 

@@ -23,7 +23,7 @@ import struct
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from edged.backends.base import EventSink, ExecEnd
+from edged.datatypes import EventSink, ExecEnd
 from edged.errors import BackendError, BadRequest, InvalidState, NotFound, PidsExhausted
 from edged.sbxinit import events
 from edged.sbxinit import protocol as P

@@ -1,12 +1,12 @@
 """What sbx-init reports that is a security event: denied syscalls (``SBX_EVENT``) and exec
-ends that are limit hits, turned into records of an :data:`~edged.backends.base.EventSink`
+ends that are limit hits, turned into records of an :data:`~edged.datatypes.EventSink`
 (the daemon's ledger)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from edged.backends.base import EventSink, ExecEnd
+from edged.datatypes import EventSink, ExecEnd
 from edged.sbxinit import protocol as P
 from edged.security import seccomp
 from edged.security.confine import AUDIT_ARCH_X86_64
