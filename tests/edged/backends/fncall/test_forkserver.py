@@ -5,6 +5,7 @@ that looks for it."""
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -95,3 +96,89 @@ def test_a_previous_calls_data_is_not_in_the_childs_memory(fn_node) -> None:
     for _ in range(3):  # over the pool's sandboxes
         r = fn_node.run({"language": "python", "source": scan})
         assert r["stdout"] == "0\n", r
+
+
+# -- what the zygote does once for every child (server._prepare), held call by call --------
+
+STATE = r"""
+import gc, json, sys
+before = sorted(m for m in ('threading',) if m in sys.modules)
+st = open('/proc/self/status').read()
+mask = lambda k: int([l.split()[1] for l in st.splitlines() if l.startswith(k + ':')][0], 16)
+print(json.dumps({'threading': before, 'frozen': gc.get_freeze_count(),
+                  'gc': gc.isenabled(), 'ign': mask('SigIgn'), 'cgt': mask('SigCgt'),
+                  'stdout': [type(sys.stdout).__name__, sys.stdout.encoding,
+                             sys.stdout.line_buffering, sys.stdout.seekable()],
+                  'stderr': [sys.stderr.errors, sys.stderr.line_buffering]}))
+"""
+
+
+def _state(fn_node) -> dict:
+    r = fn_node.run({"language": "python", "source": STATE})
+    assert r["status"] == "Accepted", r
+    return json.loads(r["stdout"])
+
+
+def test_the_inherited_objects_are_frozen_and_the_childs_collector_runs(fn_node) -> None:
+    """gc.freeze() in the zygote: a child's collections never visit (and write to) the
+    inherited objects; the child's own garbage is still collected."""
+    p = _state(fn_node)
+    assert p["frozen"] > 1000 and p["gc"] is True
+    cyc = ("import gc\n"
+           "class N:\n"
+           "    pass\n"
+           "for _ in range(1000):\n"
+           "    a = N(); a.me = a\n"
+           "del a\n"
+           "print(gc.collect() >= 0, len([o for o in gc.get_objects() if type(o) is N]))\n")
+    r = fn_node.run({"language": "python", "source": cyc})
+    assert r["stdout"] == "True 0\n", r
+
+
+def test_every_signal_but_an_interpreters_own_is_at_its_default(fn_node) -> None:
+    """Only the signals not at their default in the zygote are reset (server._prepare):
+    the child sees exactly what an interpreter start sets (SIGPIPE, SIGXFSZ ignored; SIGINT
+    caught), nothing the server or sbx-init had (but glibc's two, which no process can
+    change through sigaction)."""
+    p = _state(fn_node)
+    bit = lambda s: 1 << (int(s) - 1)  # noqa: E731
+    glibc = bit(32) | bit(33)  # glibc's own (SIGCANCEL, SIGSETXID): sigaction refuses them
+    assert p["ign"] & ~glibc == bit(signal.SIGPIPE) | bit(signal.SIGXFSZ), hex(p["ign"])
+    assert p["cgt"] == bit(signal.SIGINT), hex(p["cgt"])
+
+
+def test_no_threading_inherited_but_a_calls_threads_are_joined(fn_node) -> None:
+    """The zygote does not import threading (its at-fork hook would run in every child);
+    a call that starts a non-daemon thread still has it joined before its exit, as an
+    interpreter's exit does."""
+    assert _state(fn_node)["threading"] == []
+    src = ("import threading, time\n"
+           "def late():\n"
+           "    time.sleep(0.3); print('late', flush=True)\n"
+           "threading.Thread(target=late).start()\n"
+           "print('main')\n")
+    r = fn_node.run({"language": "python", "source": src})
+    assert r["status"] == "Accepted" and r["stdout"] == "main\nlate\n", r
+
+
+def test_the_streams_are_an_interpreters_and_a_calls_own(fn_node) -> None:
+    """The text streams a child finds (made once by the zygote over /dev/null) behave as
+    an interpreter's over files; what one call left in them (unflushed output, a stream
+    reconfigured, stdin half read) is not in the next call's."""
+    p = _state(fn_node)
+    assert p["stdout"] == ["TextIOWrapper", "utf-8", False, True], p
+    assert p["stderr"] == ["backslashreplace", True], p
+    dirty = ("import os, sys\n"
+             "sys.stdout.reconfigure(line_buffering=True)  # flushes: before the write\n"
+             "sys.stdout.write('left in the buffer')\n"
+             "sys.stdin.readline()\n"
+             "os._exit(0)\n")
+    for _ in range(3):  # over the pool's sandboxes
+        r = fn_node.run({"language": "python", "source": dirty, "stdin": "a\nb\n"})
+        assert r["status"] == "Accepted" and r["stdout"] == "", r
+    echo = ("import sys\n"
+            "print(sys.stdin.read() + '|' + str(sys.stdout.line_buffering))\n"
+            "print('é', file=sys.stderr)\n")
+    for _ in range(3):
+        r = fn_node.run({"language": "python", "source": echo, "stdin": "x\ny"})
+        assert r["stdout"] == "x\ny|False\n" and r["stderr"] == "é\n", r
