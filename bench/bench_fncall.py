@@ -3,6 +3,7 @@ socket), 16 calls in flight, against a cold ``python3 -c`` in a fresh container 
 exec, delete: what a call costs without a warm pool) in the same run.
 
     .venv/bin/python bench/bench_fncall.py [--inflight 16] [--pool 8] [--n 400] [--json]
+                                           [--rows python,python_1,cpp,cpp_cases,true,cold]
 
 Needs root and the FnCall image's rootfs (``scripts/fncall-rootfs.sh``: Debian minbase with
 python3, gcc, g++), built into a layer once (cached in ``--store``). The daemon runs as a
@@ -45,6 +46,9 @@ sys.path.insert(0, str(ROOT))
 TAR = Path(os.environ.get("EDGED_TEST_CACHE", "/var/cache/edged-test")) / "fncall-rootfs.tar"
 ADD = ("#include <cstdio>\n"
        "int main(){long a,b;if(scanf(\"%ld %ld\",&a,&b)==2)printf(\"%ld\\n\",a+b);}\n")
+
+
+ROWS = {"python", "python_1", "cpp", "cpp_cases", "true", "cold"}
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -178,8 +182,13 @@ def main() -> int:
     ap.add_argument("--pool", type=int, default=8)
     ap.add_argument("--n", type=int, default=400, help="calls per row (cold: n/8)")
     ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
+    ap.add_argument("--rows", default=",".join(sorted(ROWS)),
+                    help="the rows to run, comma-separated (without cold: no ratios)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    want = set(args.rows.split(","))
+    if want - ROWS:
+        raise SystemExit(f"bench_fncall: no such row: {', '.join(sorted(want - ROWS))}")
     if os.geteuid() != 0:
         raise SystemExit("bench_fncall: needs root")
     store = Path(args.store)
@@ -205,32 +214,38 @@ def main() -> int:
         # a warm-up round, so every pool sandbox is up
         load(sock, k, 2 * args.pool, fncall(lambda i: {"argv": ["/bin/true"]},
                                             lambda r, i: True))
-        rows["python"] = load(sock, k, args.n, fncall(
-            lambda i: {"language": "python", "source": f"print({i})"},
-            lambda r, i: r["results"][0]["stdout"] == f"{i}\n"))
-        rows["python_1"] = load(sock, 1, max(20, args.n // 4), fncall(
-            lambda i: {"language": "python", "source": f"print({i})"},
-            lambda r, i: r["results"][0]["stdout"] == f"{i}\n"))
-        rows["cpp"] = load(sock, k, args.n, fncall(
-            lambda i: {"artifact": art, "stdin": f"{i} 1"},
-            lambda r, i: r["results"][0]["stdout"] == f"{i + 1}\n"))
-        t = time.perf_counter()
-        status, many = c.call("POST", "/v1/fncalls", {"artifact": art, "cases": [
-            {"stdin": f"{i} 2"} for i in range(100)]})
-        dt = time.perf_counter() - t
-        good = status == 200 and [r["stdout"] for r in many["results"]] == [
-            f"{i + 2}\n" for i in range(100)]
-        rows["cpp_cases"] = {"per_s": 100 / dt if good else 0.0, "p50_ms": dt * 1e3,
-                             "p99_ms": dt * 1e3, "n": 100 if good else 0,
-                             "failed": 0 if good else 1}
-        rows["true"] = load(sock, k, 2 * args.n, fncall(
-            lambda i: {"argv": ["/bin/true"]}, lambda r, i: r["results"][0]["status"] ==
-            "Accepted"))
-        rows["cold"] = load(sock, k, max(16, args.n // 8), cold(digest))
+        if "python" in want:
+            rows["python"] = load(sock, k, args.n, fncall(
+                lambda i: {"language": "python", "source": f"print({i})"},
+                lambda r, i: r["results"][0]["stdout"] == f"{i}\n"))
+        if "python_1" in want:
+            rows["python_1"] = load(sock, 1, max(20, args.n // 4), fncall(
+                lambda i: {"language": "python", "source": f"print({i})"},
+                lambda r, i: r["results"][0]["stdout"] == f"{i}\n"))
+        if "cpp" in want:
+            rows["cpp"] = load(sock, k, args.n, fncall(
+                lambda i: {"artifact": art, "stdin": f"{i} 1"},
+                lambda r, i: r["results"][0]["stdout"] == f"{i + 1}\n"))
+        if "cpp_cases" in want:
+            t = time.perf_counter()
+            status, many = c.call("POST", "/v1/fncalls", {"artifact": art, "cases": [
+                {"stdin": f"{i} 2"} for i in range(100)]})
+            dt = time.perf_counter() - t
+            good = status == 200 and [r["stdout"] for r in many["results"]] == [
+                f"{i + 2}\n" for i in range(100)]
+            rows["cpp_cases"] = {"per_s": 100 / dt if good else 0.0, "p50_ms": dt * 1e3,
+                                 "p99_ms": dt * 1e3, "n": 100 if good else 0,
+                                 "failed": 0 if good else 1}
+        if "true" in want:
+            rows["true"] = load(sock, k, 2 * args.n, fncall(
+                lambda i: {"argv": ["/bin/true"]}, lambda r, i: r["results"][0]["status"] ==
+                "Accepted"))
+        if "cold" in want:
+            rows["cold"] = load(sock, k, max(16, args.n // 8), cold(digest))
     finally:
         stop()
         shutil.rmtree(run, ignore_errors=True)
-    base = rows["cold"]["per_s"] or float("nan")
+    base = rows.get("cold", {}).get("per_s") or float("nan")
     goals = {"python": (200, 20), "python_1": (0, 20), "cpp": (500, None), "true": (800, None)}
     out = {"rows": rows, "ratio_over_cold": {k: v["per_s"] / base for k, v in rows.items()},
            "goals": {k: {"per_s": g[0], "p50_ms": g[1]} for k, g in goals.items()},
