@@ -43,8 +43,11 @@ A call's child (forked from the zygote; what it inherits and what it must not, h
 ``tests/edged/backends/fncall/test_forkserver.py``):
 
 - inherits: the modules imported by the zygote, as they were after import (the zygote runs
-  no call's code); ``str`` hash randomisation (one seed per pool sandbox); nothing else of
-  the environment than what the request names;
+  no call's code; not ``threading``, see :func:`_zygote`), all of them in the collector's
+  frozen generation (``gc.freeze``; the child's own objects are collected as usual); a
+  Python call's text streams over fds 0-2, made once by the zygote and never used there
+  (:func:`_prepare`); ``str`` hash randomisation (one seed per pool sandbox); nothing else
+  of the environment than what the request names;
 - does not inherit: any file descriptor of the zygote or the io process (it gets 0, 1, 2:
   its stdin file and its stdout and stderr files; every other descriptor is closed); a
   previous call's data (see above; /tmp and /dev/shm are wiped between calls); ``random``'s
