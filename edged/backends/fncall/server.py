@@ -183,6 +183,8 @@ def _serve(opts: dict[str, Any]) -> None:
         except OSError as e:
             spawn_error = str(e)
     present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
+    #: the server's own processes (and sbx-init), never a call's: not read for leftovers
+    servers = frozenset(str(p) for p in (1, os.getpid(), pid, spawn_pid) if p)
     out.line({"ready": True, "preload_failed": failed, "zygote": pid, "spawner": spawn_pid,
               "spawner_error": spawn_error, "present": present})
     while True:
@@ -195,7 +197,7 @@ def _serve(opts: dict[str, Any]) -> None:
             out.line({"id": None, "error": f"bad request: {e}"})
             return
         try:
-            rep, blobs = _call(req, inp, io, spawner)
+            rep, blobs = _call(req, inp, io, spawner, servers)
         except _Fatal as e:
             out.line({"id": req.get("id"), "error": str(e), "fatal": True})
             return
@@ -303,8 +305,8 @@ def _safe_rel(rel: object) -> str | None:
     return None
 
 
-def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None
-          ) -> tuple[dict[str, Any], list[bytes]]:
+def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None,
+          servers: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[bytes]]:
     import json
 
     uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
@@ -379,7 +381,7 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
         if got is not None:
             blobs.append(got)
     rep["files"] = files
-    rep["leftovers"] = _leftovers(uid)
+    rep["leftovers"] = _leftovers(uid, servers)
     rep["ipc"] = _ipc_left()
     try:
         _wipe()
@@ -451,12 +453,15 @@ def _read_file(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def _leftovers(uid: int) -> bool:
+def _leftovers(uid: int, servers: frozenset[str] = frozenset()) -> bool:
     """Whether any live process of the call's ``uid`` is left (zombies excepted): a call
     that daemonised or fork-bombed. Read from /proc/<pid>/status (the real uid; a process
-    that made itself non-dumpable still shows its uid there)."""
+    that made itself non-dumpable still shows its uid there). ``servers``: the pids (as
+    /proc names them) of the server's own live processes and sbx-init, which run as root
+    and are not read (a call cannot be one of them: they live, so their pids are not
+    reused)."""
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or name in servers:
             continue
         try:
             with open(f"/proc/{name}/status") as f:
