@@ -85,7 +85,9 @@ def layer(store: Path) -> str:
     return digest
 
 
-def start_daemon(argv: list[str], sock: str) -> Callable[[], None]:
+def start_daemon(argv: list[str], sock: str) -> tuple[Callable[[], None], int]:
+    """``edged serve ARGV`` as a process of its own, once it answers on ``sock``: (a
+    function that stops it, its pid)."""
     proc = subprocess.Popen([sys.executable, "-c",
                              "import sys; from edged.cli import main; sys.exit(main())",
                              "serve", *argv], cwd=str(ROOT))
@@ -110,7 +112,7 @@ def start_daemon(argv: list[str], sock: str) -> Callable[[], None]:
             proc.kill()
             proc.wait()
 
-    return stop
+    return stop, proc.pid
 
 
 def load(sock: str, inflight: int, n: int, one: Callable[[Conn, int], float | None]
@@ -197,7 +199,7 @@ def main() -> int:
     run = Path(tempfile.mkdtemp(prefix="edged-bench-fncall-", dir="/run"))
     sock = str(run / "s.sock")
     load0 = os.getloadavg()[0]
-    stop = start_daemon(["--socket", sock, "--state-dir", str(run / "state"), "--runtime-dir",
+    stop, _ = start_daemon(["--socket", sock, "--state-dir", str(run / "state"), "--runtime-dir",
                          str(run), "--store-dir", str(store), "--log-level", "warning",
                          "--fncall-layers", digest, "--fncall-pool", str(args.pool),
                          "--layer-linger-s", "60"], sock)

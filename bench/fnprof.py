@@ -4,10 +4,10 @@ per call of each party.
     .venv/bin/python bench/fnprof.py [--lang python|true|JSON-BODY] [--n 500] [--pool 2]
                                      [--perf FILE] [--json]
 
-The daemon (``edged serve --fncall-layers ...``, as ``bench_fncall.py`` starts it, same
-layer cache) serves ``--n`` calls one at a time (after a warm-up of 20), each ``print(i)``
-in Python (``--lang python``, default), ``/bin/true`` (``--lang true``) or the JSON body
-given. Per call:
+The daemon (``edged serve --fncall-layers ...``, started by ``bench_fncall.py``'s
+``start_daemon``, same layer cache) serves ``--n`` calls one at a time (after a warm-up of
+20), each ``print(i)`` in Python (``--lang python``, default), ``/bin/true`` (``--lang
+true``) or the JSON body given. Per call:
 
 - ``daemon_ms``: the daemon process's own CPU (``/proc/PID/stat`` utime + stime);
 - ``client_ms``: this process's CPU (the HTTP client);
@@ -135,26 +135,14 @@ def main() -> int:
     digest = bf.layer(store)
     run = Path(tempfile.mkdtemp(prefix="edged-fnprof-", dir="/run"))
     sock, state = str(run / "s.sock"), run / "state"
-    proc = subprocess.Popen([sys.executable, "-c",
-                             "import sys; from edged.cli import main; sys.exit(main())",
-                             "serve", "--socket", sock, "--state-dir", str(state),
-                             "--runtime-dir", str(run), "--store-dir", str(store),
-                             "--log-level", "warning", "--fncall-layers", digest,
-                             "--fncall-pool", str(args.pool), "--layer-linger-s", "60"],
-                            cwd=str(bf.ROOT))
+    stop, daemon = bf.start_daemon(["--socket", sock, "--state-dir", str(state),
+                                    "--runtime-dir", str(run), "--store-dir", str(store),
+                                    "--log-level", "warning", "--fncall-layers", digest,
+                                    "--fncall-pool", str(args.pool), "--layer-linger-s", "60"],
+                                   sock)
     perf = None
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                c = bf.Conn(sock)
-                if c.call("GET", "/v1/node")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("fnprof: the daemon did not start")
-            time.sleep(0.1)
+        c = bf.Conn(sock)
         for i in range(20):
             st, rep = c.call("POST", "/v1/fncalls", body(i))
             assert st == 200, rep
@@ -166,14 +154,14 @@ def main() -> int:
                                      "-p", ",".join(pids)])
             time.sleep(1.0)
         load0 = os.getloadavg()[0]
-        s0 = snapshot(cg, proc.pid)
+        s0 = snapshot(cg, daemon)
         t0 = time.perf_counter()
         for i in range(args.n):
             st, rep = c.call("POST", "/v1/fncalls", body(i))
             assert st == 200 and rep["results"][0]["status"] == "Accepted", rep
         wall = time.perf_counter() - t0
         time.sleep(0.2)  # the last call's exit and wipe are done by now
-        s1 = snapshot(cg, proc.pid)
+        s1 = snapshot(cg, daemon)
         if perf is not None:
             perf.send_signal(signal.SIGINT)
             perf.wait()
@@ -181,12 +169,7 @@ def main() -> int:
         if perf is not None and perf.poll() is None:
             perf.kill()
             perf.wait()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop()
         shutil.rmtree(run, ignore_errors=True)
     n: int = args.n
 
