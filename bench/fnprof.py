@@ -21,7 +21,8 @@ true``) or the JSON body given. Per call:
   the forked child's copy-on-write and first-touch faults.
 
 ``--perf FILE``: ``perf record -g`` of the pool sandboxes' processes during the calls
-(then ``perf report -i FILE``). Needs root and the FnCall image (``scripts/fncall-rootfs.sh``).
+(then ``perf report -i FILE``). Needs root, the FnCall image (``scripts/fncall-rootfs.sh``)
+and cgroup v1's cpuacct controller (this machine's; a v2-only host has none).
 CPU times from /proc are in clock ticks (10 ms): keep ``--n`` at 300 or more.
 """
 
