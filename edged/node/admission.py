@@ -20,8 +20,11 @@ So the node admits against what the host really has, not against the sum of limi
 - **counts and ratios**: ``max_sandboxes``; and, where configured (> 0), the sum of CPU and
   memory *limits* against capacity × overcommit.
 
-A refusal is :class:`~edged.errors.CapacityExhausted` with the reason and ``retry_after``
-(short when reclaim is about to free what is missing), never a queue. Behind admission, the
+A refusal is :class:`~edged.errors.CapacityExhausted` with the reason and ``retry_after``,
+never a queue: for memory, the time reclaim at its recent rate (``reclaim_rate()``, bytes a
+second) takes to free what is missing (at least ``reclaim_retry_s``, at most
+``max_retry_s``); ``reclaim_retry_s`` when reclaim has idle memory to take but no rate yet.
+A client retrying after it is paced, not walled, while reclaim catches up. Behind admission, the
 memory of all sandboxes together is capped by their parent cgroup (the backend's
 ``set_memory_limit``), so a sandbox that bursts after admission is reclaimed or OOM-killed
 among the sandboxes, never the host.
@@ -196,7 +199,9 @@ class Admission:
     overhead: KernelOverhead = field(default_factory=KernelOverhead)
     usage: Callable[[], Usage] = Usage
     reclaimable: Callable[[], int] = lambda: 0
+    reclaim_rate: Callable[[], float] = lambda: 0.0
     reclaim_retry_s: float = 2.0
+    max_retry_s: float = 30.0
     meminfo_path: str = hostmem.MEMINFO
     pressure_dir: str = hostmem.PRESSURE
     loadavg_path: str = "/proc/loadavg"
@@ -301,7 +306,8 @@ class Admission:
         need = res.memory_request_bytes + snap["kernel_per_sandbox_bytes"]
         if snap["headroom_bytes"] < need:
             mib = 1 / MiB
-            retry = self.reclaim_retry_s if snap["reclaimable_bytes"] > 0 else None
+            retry = self._memory_retry(need - snap["headroom_bytes"],
+                                       snap["reclaimable_bytes"])
             raise self._refuse(
                 f"memory: need {need * mib:.1f} MiB (request "
                 f"{res.memory_request_bytes * mib:.1f} + kernel "
@@ -314,6 +320,14 @@ class Admission:
         self.capacity.hold(sandbox_id, res)
         self._recent.append((self.clock(), sandbox_id, res.memory_request_bytes,
                              snap["available_bytes"]))
+
+    def _memory_retry(self, missing: int, reclaimable: int) -> float | None:
+        """Seconds until reclaim, at its recent rate, frees ``missing`` bytes; None (the
+        default Retry-After) when reclaim neither runs nor has idle memory to take."""
+        rate = self.reclaim_rate()
+        if rate > 0:
+            return min(self.max_retry_s, max(self.reclaim_retry_s, missing / rate))
+        return self.reclaim_retry_s if reclaimable > 0 else None
 
     def release(self, sandbox_id: str) -> None:
         """Give back what ``sandbox_id`` held; its request is no longer pending (a sandbox

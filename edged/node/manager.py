@@ -100,12 +100,15 @@ class SandboxManager:
         )
         #: the node's swap (set by the daemon; None: reclaim uses whatever the host has)
         self.swap: SwapManager | None = None
+        # a shortage (reclaim sooner, at least the deficit a pass) begins at 4 × the
+        # reserve: at ~10 creates a second of ~11 MiB each, the few seconds from a create
+        # to its reclaim hold ~1 GiB, and admission stops at the reserve
         self.reclaimer = Reclaimer(
             ReclaimConfig(enabled=config.reclaim, idle_after_s=config.idle_after_s,
                           idle_cpu=config.idle_cpu, interval_s=config.reclaim_interval_s,
                           rate_bytes=config.reclaim_rate_bytes,
                           psi_target=config.reclaim_psi_target,
-                          low_bytes=2 * config.memory_reserve()),
+                          low_bytes=4 * config.memory_reserve()),
             _ByRecord(self), self._live_records, on_reclaimed=self._reclaimed,
             ensure_swap=self._ensure_swap, swap_room=self._swap_room)
         self.admission = Admission(
@@ -113,7 +116,8 @@ class SandboxManager:
             memory_pressure_limit=config.memory_pressure_limit,
             cpu_pressure_limit=config.cpu_pressure_limit,
             window_s=config.admission_window_s, usage=self._usage,
-            reclaimable=self._reclaimable, reclaim_retry_s=config.reclaim_interval_s)
+            reclaimable=self._reclaimable, reclaim_rate=self._reclaim_rate,
+            reclaim_retry_s=config.reclaim_interval_s)
         #: the layer service's supervision (set by the daemon; None: nothing to supervise)
         self.layer_service: LayerService | None = None
         #: the daemon's descriptors: a create is refused (503) before EMFILE is possible
@@ -231,6 +235,10 @@ class SandboxManager:
         if self.swap is None or not self.swap.areas():
             return None
         return sum(self.swap.room())
+
+    def _reclaim_rate(self) -> float:
+        """Bytes a second reclaim frees lately (0.0 with reclaim off)."""
+        return self.reclaimer.rate() if self.config.reclaim else 0.0
 
     def _reclaimable(self) -> int:
         """What reclaim can free now: the idle sandboxes' swappable memory, the part that
@@ -1076,6 +1084,7 @@ class SandboxManager:
             "budget_bytes": self.reclaimer.budget,
             "refault_pct_per_min": self.reclaimer.refault_rate(),
             "swap_full_sandboxes": self.reclaimer.swap_full,
+            "rate_bytes_per_s": self.reclaimer.rate(),
             **rt,
         }
         info["swap"] = (self.swap.features() | self.swap.usage()) if self.swap else None

@@ -207,3 +207,25 @@ def test_kernel_overhead_measured_from_samples() -> None:
     assert k.per_sandbox == MiB // 2
     k.observe(100, 200 * MiB)  # grows with N (shrinker tables): follows it
     assert k.per_sandbox == MiB
+
+
+# -- pacing ---------------------------------------------------------------------------------
+
+def test_a_memory_refusal_says_when_reclaim_will_have_made_room(tmp_path: Path) -> None:
+    """Retry-After of a create refused for memory: the time reclaim at its recent rate takes
+    to free what is missing (bounded), so a client retrying is paced, not walled."""
+    host, clock = Host(tmp_path), [100.0]
+    rate = [100.0 * MiB]
+    a = adm(host, clock, reclaim_rate=lambda: rate[0])
+    host.set(avail=GiB + 200 * MiB)  # 200 MiB of headroom above the reserve
+    with pytest.raises(CapacityExhausted) as ei:
+        a.admit("a", res(699 * MiB))  # needs 700 MiB: 500 missing, 5 s at 100 MiB/s
+    assert ei.value.retry_after == pytest.approx(5.0, rel=0.01)
+    rate[0] = 1.0 * MiB
+    with pytest.raises(CapacityExhausted) as ei:
+        a.admit("a", res(699 * MiB))
+    assert ei.value.retry_after == a.max_retry_s
+    rate[0] = 1e12
+    with pytest.raises(CapacityExhausted) as ei:
+        a.admit("a", res(699 * MiB))
+    assert ei.value.retry_after == a.reclaim_retry_s

@@ -280,11 +280,11 @@ def test_idle_reclaimed_sandboxes_are_read_ever_less_often(tmp_path: Path) -> No
 
 
 def test_idle_sooner_when_memory_is_short(tmp_path: Path) -> None:
-    """With MemAvailable below low_bytes a sandbox quiet for 10 s, then 10 s of CPU window,
-    is reclaimed (20 s after its last request, not 60); with memory to spare it waits the
-    30 + 30 s."""
+    """With MemAvailable below low_bytes a sandbox quiet for 3 s, then 3 s of CPU window,
+    is reclaimed at the pass after (8 s after its last request, not 20 as before, nor
+    60); with memory to spare it waits the 30 + 30 s."""
     meminfo = tmp_path / "meminfo"
-    for avail_mib, first in ((512, 20.0), (8192, 60.0)):
+    for avail_mib, first in ((512, 8.0), (8192, 60.0)):
         meminfo.write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {avail_mib << 10} kB\n")
         recs = [Rec("a", last_active=1000.0)]
         r, mem, clock = make(tmp_path, recs, low_bytes=1 << 30)
@@ -293,3 +293,76 @@ def test_idle_sooner_when_memory_is_short(tmp_path: Path) -> None:
         clock.t = 1000.0
         assert run(r, mem, clock, first - 2.0) == []
         assert run(r, mem, clock, 2.0) == ["a"], avail_mib
+
+
+def short_of_memory(tmp_path: Path, r: Reclaimer, avail: int) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {16 << 20} kB\nMemAvailable: {avail >> 10} kB\n")
+    r.meminfo_path = str(meminfo)
+
+
+def stall(tmp_path: Path, some_s: float) -> None:
+    (tmp_path / "memory").write_text(
+        f"some avg10=50.00 avg60=0.00 avg300=0.00 total={int(some_s * 1e6)}\n"
+        f"full avg10=50.00 avg60=0.00 avg300=0.00 total={int(some_s * 1e6)}\n")
+
+
+def test_a_shortage_budget_is_the_deficit_whatever_the_pressure(tmp_path: Path) -> None:
+    """Short of memory by 400 MiB, with the host stalled half the time: a pass reclaims at
+    least the deficit (before: the budget halved on the stall, 16 MiB a pass at the
+    floor, and reclaim slowed down exactly when it was needed); with memory to spare the
+    same stall halves the budget."""
+    for deficit, want in ((400 * MiB, 400 * MiB), (0, 0)):
+        recs = [Rec(f"s{i}", last_active=0.0) for i in range(200)]
+        r, mem, clock = make(tmp_path, recs, rate_bytes=512 * MiB, low_bytes=2 << 30)
+        short_of_memory(tmp_path, r, (2 << 30) - deficit if deficit else 8 << 30)
+        for rec in recs:
+            mem.add(rec.id, 10 * MiB)
+        stall(tmp_path, 0.0)
+        run(r, mem, clock, 6)  # CPU windows start (and end: 3 s under a shortage)
+        before = len(mem.reclaims)
+        r.budget = 32 * MiB  # the pace had come down
+        spent = 0.0
+        for _ in range(3):  # each pass: half of its 2 s stalled, not by us
+            spent += 1.0
+            stall(tmp_path, spent)
+            clock.t += 2.0
+            mem.tick(2.0)
+            res = asyncio.run(r.pass_once())
+            assert res.stall_pct == pytest.approx(50.0, abs=1.0)
+            if deficit:
+                assert res.budget >= want
+                # whole sandboxes (11 MiB resident each) up to the deficit
+                assert len(res.reclaimed) >= want // (11 * MiB)
+        if not deficit:
+            assert r.budget == 16 * MiB  # halved twice to the floor, then held
+            assert len(mem.reclaims) - before <= 3 * 2
+        else:
+            assert len(mem.reclaims) - before >= 3 * (want // (11 * MiB))
+
+
+def test_a_busy_sandbox_is_looked_at_again_soon_when_memory_is_short(tmp_path: Path) -> None:
+    """A sandbox still starting (CPU in its window) under a shortage is judged again after
+    the short idle time, not after idle_after_s (30 s)."""
+    recs = [Rec("a", last_active=1000.0)]
+    r, mem, clock = make(tmp_path, recs, low_bytes=1 << 30)
+    short_of_memory(tmp_path, r, 512 * MiB)
+    mem.add("a", 12 * MiB)
+    clock.t = 1000.0
+    mem.cpu_rate["a"] = 0.5  # python importing
+    assert run(r, mem, clock, 8.0) == []
+    mem.cpu_rate["a"] = 0.0  # asleep now
+    assert run(r, mem, clock, 8.0) == ["a"]
+
+
+def test_rate_is_bytes_freed_lately(tmp_path: Path) -> None:
+    recs = [Rec(f"s{i}", last_active=0.0) for i in range(4)]
+    r, mem, clock = make(tmp_path, recs)
+    for rec in recs:
+        mem.add(rec.id, 15 * MiB)
+    assert r.rate() == 0.0
+    run(r, mem, clock, 62)
+    assert len(mem.reclaims) == 4
+    assert r.rate(window_s=30.0) == pytest.approx(60 * MiB / 30.0)
+    clock.t += 31
+    assert r.rate(window_s=30.0) == 0.0
