@@ -22,7 +22,9 @@ Phases:
    (``--reclaim false --pause-reclaim false``), then the same with the defaults, each settled:
    host memory per sandbox (MemAvailable drop / N), and the saving;
 2. **waves** of each workload up to N (or the wall: the first create refused for
-   ``--wall-s`` seconds, whose reason is reported); sampled as they grow: host MemAvailable,
+   ``--wall-s`` seconds, whose reason is reported; a refused create is retried after its
+   Retry-After, as a trainer would, and one admitted within ``--wall-s`` is *paced*, not
+   walled: counted, with its wait); sampled as they grow: host MemAvailable,
    kernel memory per sandbox (Slab + KernelStack + PageTables + Percpu, over the count) and
    its marginal cost near the 100th and the Nth sandbox, and over 200 sandboxes near the
    100th (100 -> 300) and the Nth (N-200 -> N) by meminfo field and by slab cache
@@ -298,6 +300,12 @@ class Wave:
     failed: int = 0  # creates that failed (not refused): counted, the first one kept
     failure: str | None = None
     snaps: list[Snap] = dataclasses.field(default_factory=list)  # at 100, 300, N-200, N
+    #: refusal spells that cleared (seconds from a create's first refusal to its admission):
+    #: pacing, as a trainer retrying after Retry-After sees it; one lasting ``wall_s`` is
+    #: the wall instead
+    paced_s: list[float] = dataclasses.field(default_factory=list)
+    refusals: int = 0
+    refusal_reasons: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
@@ -335,6 +343,9 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
             except CapacityExhaustedError as e:
                 now = time.monotonic()
                 refused_since = refused_since or now
+                w.refusals += 1
+                kind = str(e).split(":")[1].strip() if str(e).count(":") >= 1 else str(e)
+                w.refusal_reasons[kind] = w.refusal_reasons.get(kind, 0) + 1
                 if now - refused_since > wall_s:
                     w.wall = w.wall or str(e)
                     stop.set()
@@ -346,6 +357,8 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
                 w.failure = w.failure or f"{type(e).__name__}: {e}"
                 return
             dt = time.perf_counter() - t0
+            if refused_since is not None:
+                w.paced_s.append(time.monotonic() - refused_since)
             try:
                 if w.workload == "agent":
                     await s.files.write("/tmp/agent.py", AGENT)
@@ -376,6 +389,8 @@ async def fill(d: Daemon, digest: str, w: Wave, wall_s: float, conc: int = 8,
                             "workload": w.workload, "n": w.created,
                             "mem_available": w.samples[-1][1], "kernel": w.samples[-1][2],
                             "elapsed_s": time.monotonic() - t_start, "failed": w.failed,
+                            "refusals": w.refusals, "paced": len(w.paced_s),
+                            "paced_longest_s": max(w.paced_s, default=0.0),
                             "create_p50_ms": pct(w.create_s, 50) * 1e3,
                             "create_p99_ms": pct(w.create_s, 99) * 1e3})
             return
@@ -522,6 +537,10 @@ def run_wave(d: Daemon, digest: str, workload: str, n: int, a: argparse.Namespac
                 "failure": w.failure, "fill_s": fill_s,
                 "create_p50_ms": pct(w.create_s, 50) * 1e3,
                 "create_p99_ms": pct(w.create_s, 99) * 1e3,
+                "refusals": w.refusals, "refusal_reasons": w.refusal_reasons,
+                "paced": len(w.paced_s), "paced_s_total": sum(w.paced_s),
+                "paced_longest_s": max(w.paced_s, default=0.0),
+                "paced_p50_s": pct(w.paced_s, 50) if w.paced_s else 0.0,
                 "samples": w.samples,
                 "kernel_marginal_100th_mib": (marginal(w.samples, 100, 200)
                                               or float("nan")) / MiB,
@@ -683,6 +702,10 @@ def main() -> int:
     ap.add_argument("--wake-k", type=int, default=200, help="sandboxes woken per wave")
     ap.add_argument("--qos-k", type=int, default=200, help="exec round trips per QoS case")
     ap.add_argument("--no-qos", action="store_true")
+    ap.add_argument("--daemon-opt", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the waves' daemon off its default (e.g. "
+                         "memory_reserve_bytes=12884901888: a shortage at moderate scale); "
+                         "repeatable. The figures are then not of the defaults")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON lines of every phase as it ends (default: "
                          "/var/tmp/bench_density-<date>.jsonl)")
@@ -743,7 +766,7 @@ def main() -> int:
             out["saving"] = saving
             log.write("saving", {k: v for k, v in saving.items()
                                  if k not in ("no_reclaim", "reclaim")})
-        d = daemon("main")
+        d = daemon("main", **dict(o.split("=", 1) for o in a.daemon_opt))
         try:
             out["features"] = d.node().get("features")
             for wl in workloads:
@@ -812,6 +835,9 @@ def report(out: dict[str, Any]) -> None:
         ("  charged to sandboxes N-200->N, MiB", lambda w: (
             f"{w['kernel_by_cache']['near_nth']['charged_to_sandboxes'] / MiB:.2f}")),
         ("create p50 / p99, ms", lambda w: f"{w['create_p50_ms']:.1f} / {w['create_p99_ms']:.1f}"),
+        ("paced creates / longest wait, s", lambda w: (
+            f"{w['paced']} / {w['paced_longest_s']:.1f}")),
+        ("  refusals (all retries)", lambda w: f"{w['refusals']}"),
         ("fill / settle / delete, s", lambda w: (
             f"{w['fill_s']:.0f}/{w.get('settle_s', 0):.0f}/{w['delete_s']:.0f}")),
         ("reclaimed sandboxes", lambda w: f"{w['reclaimed']}"),
@@ -849,6 +875,12 @@ def report(out: dict[str, Any]) -> None:
                 for w, c in zip(waves, cells, strict=True):
                     if c != "-":
                         print(f"wall of {w['workload']}: {c}")
+                    if w.get("paced"):
+                        print(f"paced, not walled, {w['workload']}: {w['paced']} creates "
+                              f"refused then admitted, waiting {w['paced_s_total']:.0f} s in "
+                              f"all (p50 {w['paced_p50_s']:.1f} s, longest "
+                              f"{w['paced_longest_s']:.1f} s < --wall-s); refusals by "
+                              f"reason: {w.get('refusal_reasons')}")
                     if w.get("failure"):
                         print(f"first failed create of {w['workload']}: {w['failure']}")
                     if w.get("error"):
