@@ -186,8 +186,9 @@ class Guest:
     """The running QEMU: :meth:`start`, :meth:`wait_line` / :meth:`wait_exit` (bounded),
     :meth:`stop` (QMP ``quit``, then SIGKILL; always safe to call)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, stream: Path | None = None) -> None:
         self.work = work
+        self.stream = stream
         self.proc: subprocess.Popen[bytes] | None = None
         self._console_pos = 0
         self._partial = b""
@@ -217,6 +218,10 @@ class Guest:
         new = [w.decode(errors="replace").rstrip("\r") for w in whole]
         for line in new:
             print(f"guest| {line}", file=sys.stderr, flush=True)
+        cases = [line for line in new if report.STREAM_PREFIX in line]
+        if cases and self.stream is not None:
+            with open(self.stream, "a") as f:  # kept as it comes: a killed run keeps it
+                f.write("".join(f"{line}\n" for line in cases))
         self.lines += new
         return new
 
@@ -277,7 +282,9 @@ async def run(ns: argparse.Namespace) -> int:
         "%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="nodevm-", dir=ns.work_root))
-    guest = Guest(work)
+    stream = out / "stream.txt"
+    stream.unlink(missing_ok=True)
+    guest = Guest(work, stream)
     facts: dict[str, str] = {}
     outcome: report.Outcome | None = None
     timing: dict[str, float] = {}
@@ -325,6 +332,9 @@ async def run(ns: argparse.Namespace) -> int:
         facts = report.read_facts(results / "node.txt")
     with contextlib.suppress(OSError, ValueError):
         outcome = report.parse_junit(results / "junit.xml")
+    if outcome is None and stream.is_file():
+        # no JUnit XML (the run was cut short): what the guest streamed while it ran
+        outcome = report.parse_stream(stream.read_text().splitlines())
     timing["total_s"] = time.monotonic() - t_start
     load1 = Path("/proc/loadavg").read_text().split()[:3]
     why_not = report.verdict(facts, outcome)
@@ -332,6 +342,8 @@ async def run(ns: argparse.Namespace) -> int:
         slow = sorted(outcome.cases, key=lambda c: -c.seconds)[:10]
         print("node-vm: slowest inside: " + ", ".join(
             f"{c.nodeid.rsplit('::', 1)[-1]} {c.seconds:.0f}s" for c in slow), file=sys.stderr)
+        for n in outcome.unfinished:
+            print(f"node-vm: UNFINISHED {n}", file=sys.stderr)
         for c in outcome.cases:
             if c.outcome in ("failed", "error"):
                 print(f"node-vm: FAILED {c.nodeid}: {c.message[:300]}", file=sys.stderr)

@@ -14,6 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: What starts each streamed line (:mod:`tests.nodevm.stream`).
+STREAM_PREFIX = "nodevm-case:"
+
 #: (test id pattern, skip reason pattern, why that skip is right on the node VM). The test id
 #: is ``file::name`` as pytest prints it (class names folded in), matched with re.search.
 ALLOWED_SKIPS: tuple[tuple[str, str, str], ...] = (
@@ -45,6 +48,10 @@ class Outcome:
     ``bad_skips``: skipped cases no entry of :data:`ALLOWED_SKIPS` covers."""
 
     cases: list[Case] = field(default_factory=list)
+    #: Tests that started and never ended (a run cut short; only from :func:`parse_stream`).
+    unfinished: list[str] = field(default_factory=list)
+    #: True when the cases come from the streamed lines, not the session's JUnit XML.
+    partial: bool = False
 
     @property
     def passed(self) -> int:
@@ -96,6 +103,39 @@ def parse_junit(path: Path) -> Outcome:
     return out
 
 
+def _unquote_id(word: str) -> str:
+    """The test id a streamed line holds (``%20`` and ``%25`` back to space and ``%``)."""
+    return word.replace("%20", " ").replace("%25", "%")
+
+
+def parse_stream(lines: Iterable[str], prefix: str = STREAM_PREFIX) -> Outcome:
+    """The cases streamed by :mod:`tests.nodevm.stream` (console or file lines; other lines
+    and any text before ``prefix`` on a line, such as the kernel's timestamp, are ignored),
+    and the tests that started without an outcome (:attr:`Outcome.unfinished`: the one
+    running when the run was cut short). A test id seen twice keeps its last outcome."""
+    done: dict[str, Case] = {}
+    started: list[str] = []
+    for line in lines:
+        at = line.find(prefix)
+        if at < 0:
+            continue
+        fields = line[at + len(prefix):].strip().split(" ", 3)
+        if len(fields) == 2 and fields[0] == "start":
+            started.append(_unquote_id(fields[1]))
+            continue
+        if len(fields) < 3 or fields[0] not in ("passed", "failed", "error", "skipped"):
+            continue
+        try:
+            seconds = float(fields[1])
+        except ValueError:
+            continue
+        nodeid = _unquote_id(fields[2])
+        done[nodeid] = Case(nodeid, fields[0], fields[3].strip() if len(fields) > 3 else "",
+                            seconds)
+    return Outcome(list(done.values()), [n for n in dict.fromkeys(started) if n not in done],
+                   partial=True)
+
+
 def read_facts(path: Path) -> dict[str, str]:
     """The guest's ``key=value`` lines (``node.txt``)."""
     facts = {}
@@ -110,14 +150,15 @@ def summary_line(facts: Mapping[str, str], outcome: Outcome | None) -> str:
     """``node-vm: kernel K, cgroup v2, apparmor enforce, N passed, M failed, S skipped``: the
     kernel release, the cgroup hierarchy (``cgroup2fs`` on /sys/fs/cgroup is v2, ``tmpfs``
     is v1 or hybrid), AppArmor's state (its module's ``enabled`` and ``mode`` parameters),
-    the counts (all 0 when no results came back)."""
+    the counts (all 0 when no results came back); a run cut short says so at the end."""
     kernel = facts.get("kernel") or "unknown"
     cg = {"cgroup2fs": "v2", "tmpfs": "v1/hybrid"}.get(facts.get("cgroup_fs", ""), "unknown")
     enabled = facts.get("apparmor_enabled") == "Y"
     aa = (facts.get("apparmor_mode") or "enabled") if enabled else "off"
     o = outcome or Outcome()
     return (f"node-vm: kernel {kernel}, cgroup {cg}, apparmor {aa}, {o.passed} passed, "
-            f"{o.failed} failed, {o.skipped} skipped")
+            f"{o.failed} failed, {o.skipped} skipped"
+            + (" (cut short: outcomes as streamed)" if o.partial else ""))
 
 
 def verdict(facts: Mapping[str, str], outcome: Outcome | None,
@@ -128,6 +169,9 @@ def verdict(facts: Mapping[str, str], outcome: Outcome | None,
     why = []
     if outcome is None:
         return ["no test results came back from the guest"]
+    if outcome.partial:
+        why.append("the test run did not finish (outcomes as streamed; still running: "
+                   + (", ".join(outcome.unfinished) or "none") + ")")
     if not outcome.cases:
         why.append("no test ran")
     if outcome.failed:

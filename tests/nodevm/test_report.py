@@ -3,6 +3,10 @@ cases, which skips are allowed on a production-like node, the verdict and the la
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,77 @@ def test_not_junit_is_an_error(tmp_path: Path) -> None:
     p.write_text(JUNIT[:200])  # cut short: the guest stopped mid-write
     with pytest.raises(ValueError, match="not XML"):
         report.parse_junit(p)
+
+
+SAMPLE = '''
+import pytest
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+def test_ok():
+    pass
+
+def test_fails():
+    assert 1 == 2, "boom"
+
+def test_setup_error(broken):
+    pass
+
+def test_skips():
+    pytest.skip("needs Landlock ABI >= 4")
+
+def test_hangs():
+    import os, signal
+    os.kill(os.getpid(), signal.SIGKILL)  # the run cut short while this one runs
+'''
+
+
+def test_streamed_outcomes_survive_a_run_cut_short(tmp_path: Path) -> None:
+    """The guest's plugin writes each test's start and outcome as it happens; a run killed
+    mid-test (here: pytest itself, SIGKILLed in the last test, so no JUnit XML is written)
+    still gives every finished test's outcome and names the one that was running."""
+    (tmp_path / "test_sample.py").write_text(SAMPLE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    stream = tmp_path / "stream.txt"
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "NODEVM_STREAM": f"{stream}:{tmp_path / 'missing' / 'x'}",
+           "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "-p", "tests.nodevm.stream", "-q", "-c", str(tmp_path / "pytest.ini"),
+                           "--junitxml", str(tmp_path / "junit.xml"), str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
+    assert not (tmp_path / "junit.xml").exists()
+    # the kernel's console puts its own text before a line; other lines are ignored
+    lines = ["[  12.5] nodevm.service: " + line for line in stream.read_text().splitlines()]
+    o = report.parse_stream(["guest noise", *lines])
+    got = {c.nodeid.rsplit("::", 1)[-1]: (c.outcome, c.message) for c in o.cases}
+    assert got == {"test_ok": ("passed", ""),
+                   "test_fails": ("failed", "AssertionError: boom"),
+                   "test_setup_error": ("error", "RuntimeError: fixture broke"),
+                   "test_skips": ("skipped", "Skipped: needs Landlock ABI >= 4")}, got
+    assert [n.rsplit("::", 1)[-1] for n in o.unfinished] == ["test_hangs"]
+    assert o.partial and (o.passed, o.failed, o.skipped) == (1, 2, 1)
+    assert report.summary_line(NODE, o).endswith(
+        "1 passed, 2 failed, 1 skipped (cut short: outcomes as streamed)")
+    why = report.verdict(NODE, o)
+    assert why[0].startswith("the test run did not finish") and "test_hangs" in why[0], why
+    assert why[1] == "2 failed"
+
+
+def test_stream_lines_read_back() -> None:
+    o = report.parse_stream([
+        "nodevm-case: start tests/a.py::t1",
+        "nodevm-case: passed 1.50 tests/a.py::t1",
+        "nodevm-case: start tests/a.py::t2[x%20|%20100%25]",
+        "nodevm-case: failed 2.00 tests/a.py::t2[x%20|%20100%25] E: no | more",
+        "nodevm-case: failed notanumber tests/a.py::t3",
+        "nodevm-case: bogus 1.0 tests/a.py::t4",
+        "nodevm-case: start tests/a.py::t5",
+    ])
+    assert [(c.nodeid, c.outcome, c.seconds, c.message) for c in o.cases] == [
+        ("tests/a.py::t1", "passed", 1.5, ""),
+        ("tests/a.py::t2[x | 100%]", "failed", 2.0, "E: no | more")]
+    assert o.unfinished == ["tests/a.py::t5"]

@@ -97,8 +97,13 @@ say "pytest ${SELECTION[*]}"
 t0=$(date +%s)
 # The edged under test is the wheel's (site-packages of /opt/edged), not a checkout: the
 # suite directory holds only tests/ and pyproject.toml (pytest's configuration).
+# Each test's start and outcome is streamed as it happens (tests/nodevm/stream.py) to the
+# serial console, which the host keeps as the run goes, and to the results: a run cut short
+# still says what passed, failed and was running.
 NODEVM_GUEST=1 EDGED_TEST_TIME_SCALE=$TIME_SCALE LAYERFS_LAZY_START_WAIT_S=$LAZY_START_WAIT_S \
-  /opt/edged/bin/python -m pytest -p no:cacheprovider -o console_output_style=count \
+  NODEVM_STREAM="/dev/ttyS0:$R/stream.txt" \
+  /opt/edged/bin/python -m pytest -p no:cacheprovider -p tests.nodevm.stream \
+  -o console_output_style=count \
   --junitxml="$R/junit.xml" "${SELECTION[@]}" 2>&1 | tee "$R/pytest.txt"
 rc=${PIPESTATUS[0]}
 say "pytest exit $rc after $(( $(date +%s) - t0 )) s"
