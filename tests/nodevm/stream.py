@@ -19,6 +19,7 @@ failure's or skip's text, at most :data:`MESSAGE_MAX` characters. The host side 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -49,10 +50,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _emit(text: str) -> None:
     line = (" ".join(text.split("\n")) + "\n").encode(errors="replace")
     for fd in _fds:
-        try:
+        with contextlib.suppress(OSError):
             os.write(fd, line)
-        except OSError:
-            pass
 
 
 def outcome_of(reports: list[Any]) -> tuple[str, float, str]:
