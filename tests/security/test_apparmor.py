@@ -177,3 +177,29 @@ def test_signalling_sbx_init_through_a_pidfd_is_denied(node: Node, rootfs: Path)
             await b.destroy("sig")
 
     run(body)
+
+
+def test_the_workload_reads_its_netns_over_netlink(node: Node, rootfs: Path) -> None:
+    """NETLINK_ROUTE is opened as a raw socket by busybox's and iproute2's ``ip`` and by
+    glibc (getifaddrs; getaddrinfo with AI_ADDRCONFIG): the profile allows it, while raw IP
+    and packet sockets stay denied (tests/security/test_host_attacks.py). Its old bare
+    ``deny network raw`` denied netlink too: ``ip link`` printed nothing in every sandbox of
+    an AppArmor node (found in the node VM)."""
+    b = node.backend
+
+    async def body() -> None:
+        await b.create(spec(rootfs, "nl"))
+        try:
+            out, err, end = await sh(b, "nl", "ip -o link; ip -o addr")
+            assert end.exit_code == 0, (out, err)
+            lines = out.splitlines()
+            assert lines and lines[0].startswith("1: lo: <LOOPBACK,UP"), (out, err)
+            assert any(" lo " in x and "inet 127.0.0.1/8" in x for x in lines), (out, err)
+            if HAS_APPARMOR:
+                evs = [e for e in node.ledger.events("nl", limit=1000)
+                       if e.kind == "apparmor_denied"]
+                assert not evs, evs
+        finally:
+            await b.destroy("nl")
+
+    run(body)

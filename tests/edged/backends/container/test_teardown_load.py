@@ -16,6 +16,7 @@ import pytest
 
 from edged.backends.base import ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
+from edged.cgroups.base import SandboxCgroup
 from tests.edged.backends.container.conftest import cgroup_dirs, sandbox_processes
 from tests.edged.execs import collect
 
@@ -39,6 +40,15 @@ def host_busy() -> Iterator[None]:
             p.wait()
 
 
+def starve(cg: SandboxCgroup) -> None:
+    """The sandbox's CPU quota set to 1 ms per 100 ms period (v1 ``cpu.cfs_quota_us``, v2
+    ``cpu.max``)."""
+    if cg.version == "v2":
+        (cg.dirs["v2"] / "cpu.max").write_text("1000 100000")
+    else:
+        (cg.dirs["cpu"] / "cpu.cfs_quota_us").write_text("1000")
+
+
 @pytest.mark.parametrize("qos", ["best_effort", "latency_sensitive"])
 def test_destroy_of_a_starved_busy_sandbox_under_host_load_leaves_nothing(
         backend: ContainerBackend, busybox_tree: Path, qos: str) -> None:
@@ -53,8 +63,7 @@ def test_destroy_of_a_starved_busy_sandbox_under_host_load_leaves_nothing(
         assert out == b"started\n", end
         # then starve it: 1 % of a CPU (what ``cpus: 0.01`` sets; forking the loops at
         # that quota alone would take a minute)
-        cpu = backend._sandboxes["sbload"].cg.dirs["cpu"]
-        (cpu / "cpu.cfs_quota_us").write_text("1000")
+        starve(backend._sandboxes["sbload"].cg)
         with host_busy():
             await asyncio.sleep(1)  # the busy loops at full speed
             await backend.destroy("sbload")  # raised, or hung, before (at load ~60)
@@ -68,15 +77,22 @@ def test_destroy_of_a_starved_busy_sandbox_under_host_load_leaves_nothing(
 def test_unthrottle_lifts_the_quota_and_the_idle_class(
         backend: ContainerBackend, busybox_tree: Path) -> None:
     """What the destroy does first: the dying sandbox's quota and idle class lifted, and
-    (``leave_idle``) its processes out of the idle parent (v1)."""
+    (``leave_idle``) its processes out of the idle parent (v1; v2 has no idle parent: its
+    own ``cpu.idle``)."""
     async def body() -> None:
         await backend.create(SandboxSpec(id="sbunth", lowers=(str(busybox_tree),),
                                          resources=Resources(cpus=0.01), env=ENV,
                                          qos="best_effort", hostname="sbunth"))
         try:
             cg = backend._sandboxes["sbunth"].cg
-            if cg.version != "v1":
-                pytest.skip("the idle parent is v1's")
+            if cg.version == "v2":  # one directory: quota and class lifted there
+                d = cg.dirs["v2"]
+                assert (d / "cpu.max").read_text().split() == ["1000", "100000"]
+                assert (d / "cpu.idle").read_text().strip() == "1" and cg.procs()
+                cg.unthrottle(leave_idle=True)
+                assert (d / "cpu.max").read_text().split()[0] == "max"
+                assert (d / "cpu.idle").read_text().strip() == "0"
+                return
             cpu = cg.dirs["cpu"]
             assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "1000"
             assert cpu.parent.name.endswith("-idle") and cg.procs()
