@@ -28,6 +28,7 @@ from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.errors import BackendError
 from tests.edged.execs import collect
+from tests.timing import bound, repeats
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -35,7 +36,7 @@ ENV = {"PATH": "/bin"}
 
 
 def run(coro_fn: Callable[[], Awaitable[None]], timeout: float = 300) -> None:
-    asyncio.run(asyncio.wait_for(coro_fn(), timeout))  # type: ignore[arg-type]
+    asyncio.run(asyncio.wait_for(coro_fn(), bound(timeout)))  # type: ignore[arg-type]
 
 
 @dataclass(repr=False)
@@ -121,6 +122,8 @@ def none_lost(b: ContainerBackend, tree: Path, *, cpus: float, n: int, concurren
               want_err: Callable[[int], bytes] = lambda i: b"", **kw: Any) -> None:
     """``n`` execs in each of ``count`` sandboxes at ``cpus``, ``concurrency`` at once in
     each (``busy``: beside :func:`busy_loops`); fails unless every one delivered whole."""
+    n = repeats(n, least=8)  # fewer on an emulated node (tests/timing.py)
+
     async def body() -> None:
         async with sandboxes(b, tree, count, cpus=cpus) as sids, \
                 (busy_loops(b, sids[0]) if busy else contextlib.nullcontext()):
@@ -184,7 +187,7 @@ def test_a_spare_killed_under_the_exec_never_passes_for_a_run(
         async with sandboxes(backend, busybox_tree, 1, cpus=0.2) as sids:
             init = backend._get(sids[0]).pid
             tally = Tally()
-            for i in range(60):
+            for i in range(repeats(60, least=15)):
                 for kid in _children(init):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(kid, signal.SIGKILL)
