@@ -74,6 +74,21 @@ MARKERS = "not slow and not bench and not vm and not network"
 PR_SET_PDEATHSIG = 1
 
 
+def guest_pytest_args(given: Sequence[str]) -> list[str]:
+    """The guest's pytest arguments: the selection with :data:`MARKERS` when none are
+    given; else the given ones (a file, ``-k``, ``-x``: ``node-vm.sh -- -k name tests/x.py``),
+    with :data:`MARKERS` added unless they choose their own ``-m`` (as scripts/test.sh
+    does), and the whole :data:`SELECTION` when they name no path of their own."""
+    if not given:
+        return ["-m", MARKERS, *SELECTION]
+    out = list(given)
+    if not any(a == "-m" or a.startswith("-m") for a in out):
+        out = ["-m", MARKERS, *out]
+    if not any(a.startswith("tests") for a in out):
+        out += SELECTION
+    return out
+
+
 def _die_with_parent() -> None:
     """In QEMU's child before exec: SIGKILL when the driver dies (even by SIGKILL), so no
     QEMU outlives a killed run."""
@@ -289,7 +304,7 @@ async def run(ns: argparse.Namespace) -> int:
     outcome: report.Outcome | None = None
     timing: dict[str, float] = {}
     try:
-        pytest_args = ns.pytest or ["-m", MARKERS, *SELECTION]
+        pytest_args = guest_pytest_args(ns.pytest)
         payload = await asyncio.to_thread(stage_payload, work, pytest_args)
         await asyncio.to_thread(image.make_payload, payload, work / "payload.img")
         shutil.rmtree(payload)

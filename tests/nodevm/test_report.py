@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.nodevm import report
+from tests.nodevm import driver, report
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" tests="5">
@@ -150,3 +150,14 @@ def test_stream_lines_read_back() -> None:
         ("tests/a.py::t1", "passed", 1.5, ""),
         ("tests/a.py::t2[x | 100%]", "failed", 2.0, "E: no | more")]
     assert o.unfinished == ["tests/a.py::t5"]
+
+
+def test_guest_pytest_args_keep_the_markers_and_the_selection() -> None:
+    sel = list(driver.SELECTION)
+    assert driver.guest_pytest_args([]) == ["-m", driver.MARKERS, *sel]
+    assert driver.guest_pytest_args(["-k", "apparmor"]) == ["-m", driver.MARKERS, "-k",
+                                                            "apparmor", *sel]
+    assert driver.guest_pytest_args(["-x", "tests/security/test_apparmor.py"]) == [
+        "-m", driver.MARKERS, "-x", "tests/security/test_apparmor.py"]
+    assert driver.guest_pytest_args(["-m", "slow", "tests/edged/node"]) == [
+        "-m", "slow", "tests/edged/node"]
