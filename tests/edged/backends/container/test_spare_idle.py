@@ -66,10 +66,11 @@ def _inits(b: ContainerBackend, sid: str) -> list[int]:
 
 
 def _exec_cgroups(b: ContainerBackend, sid: str) -> list[str]:
-    """The exec cgroups beneath the sandbox's (freezer on v1, the one hierarchy on v2)."""
+    """The exec cgroups beneath the sandbox's (freezer on v1, the one hierarchy on v2, where
+    sbx-init's own leaf, ``init``, is beside them and not one)."""
     dirs = b._sandboxes[sid].cg.dirs
     top = dirs.get("freezer") or dirs["v2"]
-    return sorted(d.name for d in top.iterdir() if d.is_dir())
+    return sorted(d.name for d in top.iterdir() if d.is_dir() and d.name != "init")
 
 
 async def _settled(b: ContainerBackend, sid: str, spare: bool) -> list[int]:
