@@ -65,9 +65,14 @@ def _path_rules(paths: Iterable[str], what: str, perms: str) -> list[str]:
     for p in sorted(set(paths)):
         if not _PLAIN_PATH.match(p) or ".." in p.split("/"):
             raise ProfileError(f"apparmor: {what} path {p!r} must be plain and absolute")
-        p = p.rstrip("/") or "/"
-        rules.append(f"  deny {p} {perms},")
-        rules.append(f"  deny {p}/** {perms},")
+        p = p.rstrip("/")
+        # "audit": a bare deny rule is quiet (AppArmor logs no denial of it), and every
+        # denial must reach the ledger; "p/": a directory is matched with its slash, which
+        # neither "p" nor "p/**" matches (without it a hidden directory could be listed).
+        if p:
+            rules.append(f"  audit deny {p} {perms},")
+        rules.append(f"  audit deny {p}/ {perms},")
+        rules.append(f"  audit deny {p}/** {perms},")
     return rules
 
 

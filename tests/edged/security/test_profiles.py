@@ -51,7 +51,10 @@ def test_every_generated_profile_compiles() -> None:
         text = apparmor.render("sb-1", t.all_protected(), hidden=["/answers"], template=name)
         workload, grader = text.split("\nprofile edged-grader-sb-1 ", 1)
         assert "profile edged-sbx-sb-1 " in workload and "deny /usr/** wl," in workload
-        assert "deny /answers/** rwlkmx," in workload
+        # audited (a bare deny is quiet: no denial would reach the ledger), and the
+        # directory itself ("/answers/": else it could be listed)
+        assert "audit deny /answers/** rwlkmx," in workload
+        assert "audit deny /answers/ rwlkmx," in workload and "audit deny /usr/ wl," in workload
         # the grader: the protected paths too, the hidden ones readable, its own label
         assert "deny /usr/** wl," in grader and "/answers" not in grader
         assert "signal (send, receive) peer=edged-grader-sb-1," in grader
