@@ -45,7 +45,7 @@ def test_concurrent_processes_claim_disjoint_slots(tmp_path: Path) -> None:
                      max_slots=400)
         s._next = 0  # every process starts at the same slot: the worst case
         got = [s.claim(set(), f"x{i}") for i in range(100)]
-        print(json.dumps(got))
+        print(json.dumps(got), flush=True)  # a pipe: block-buffered unless PYTHONUNBUFFERED
         sys.stdin.read()  # hold the claims (daemon alive) until told to go
     """)
     procs = [subprocess.Popen([sys.executable, "-c", prog, str(tmp_path / f"o{i}"),
