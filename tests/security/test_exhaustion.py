@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from edged.backends.base import ExecEnd, ExecSpec
+from edged.security import landlock
 from tests.edged.execs import PATIENCE_S
 from tests.security.conftest import Node, execv, kinds, run, sh, spec
 
@@ -128,9 +129,13 @@ def test_exhaustion_contained(node: Node, rootfs: Path) -> None:
             await hog.kill()
             # kill -9 -1 as sandbox root: its own processes only. kill(-1) spares the caller
             # and PID 1; Landlock's signal scoping also spares other execs' processes (each
-            # exec is a domain of its own: a grader's tree is safe from the agent's).
+            # exec is a domain of its own: a grader's tree is safe from the agent's). Without
+            # signal scoping (Landlock ABI < 6: the 6.1 node) the workload's execs share one
+            # AppArmor profile, which lets them signal each other; a grader's exec, under its
+            # own profile, is still spared: there the other exec is a grader's.
             pid1 = b._get("victim").pid
-            bg = await b.exec("victim", ExecSpec(argv=("sleep", "30"), env={"PATH": "/bin"}))
+            bg = await b.exec("victim", ExecSpec(argv=("sleep", "30"), env={"PATH": "/bin"},
+                                                 trusted=landlock.abi() < 6))
             out, _, end = await victim(
                 "kill", "sleep 30 & kill -9 -1; wait $!; echo child=$?")
             assert out == "child=137\n" and end.exit_code == 0, (out, end)
