@@ -806,15 +806,17 @@ static void note_held(struct exec *e)
 	}
 }
 
-/* The tasks of /proc that are alive (not zombies, not kernel threads) but us. */
-static uint64_t count_alive(void)
+/* The tasks of /proc but us and kernel threads: *alive (not yet zombies) and
+ * *zombies (dead, not yet reaped: a zombie still holds its pid, and its charge in
+ * the pids cgroup, until its parent, or we, reap it). */
+static void count_tasks(uint64_t *alive, uint64_t *zombies)
 {
 	struct dirent *d;
 	DIR *dir = opendir("/proc");
-	uint64_t n = 0;
 
+	*alive = *zombies = 0;
 	if (!dir)
-		return 0;
+		return;
 	while ((d = readdir(dir))) {
 		char stat[512], state;
 		long pid = strtol(d->d_name, NULL, 10);
@@ -825,18 +827,41 @@ static uint64_t count_alive(void)
 		/* state, ppid, pgrp, session, tty_nr, tpgid, flags */
 		if (!f || sscanf(f, "%c %*d %*d %*d %*d %*d %u", &state, &flags) != 2)
 			continue;
-		if (state != 'Z' && state != 'X' && !(flags & 0x00200000u /* PF_KTHREAD */))
-			n++;
+		if (flags & 0x00200000u /* PF_KTHREAD */)
+			continue;
+		if (state == 'Z' || state == 'X')
+			(*zombies)++;
+		else
+			(*alive)++;
 	}
 	closedir(dir);
-	return n;
 }
 
-/* SBX_KILL_ALL: every process of the sandbox but sbx-init; running execs end KILLED. */
+/* Reap every child that has ended (each one's exec, the spare, an orphan). */
+void exec_reap(struct sbx *s)
+{
+	struct rusage ru;
+	int status;
+	pid_t pid;
+
+	while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0)
+		exec_on_reaped(s, pid, status, &ru);
+	if (s->cg.n_pending_rm)
+		cg_retry_pending(&s->cg);
+}
+
+/* How long SBX_KILL_ALL waits for the killed tasks to be gone. */
+#define KILL_ALL_NS (10ull * 1000000000ull)
+
+/* SBX_KILL_ALL: every process of the sandbox but sbx-init; running execs end KILLED.
+ * DONE is sent once they are gone, reaped included (or after KILL_ALL_NS): a
+ * zombie holds its place in the pids limit, and an exec started right after
+ * the DONE would otherwise have its fork refused (seen at load 70-100). */
 void exec_kill_all(struct sbx *s, uint32_t id)
 {
 	struct sbx_done done = {0};
-	unsigned i;
+	uint64_t deadline = now_ns() + KILL_ALL_NS, alive, zombies;
+	unsigned i, pass;
 
 	for (i = 0; i < SBX_MAX_EXECS; i++) {
 		struct exec *e = &s->execs[i];
@@ -860,17 +885,25 @@ void exec_kill_all(struct sbx *s, uint32_t id)
 	}
 	/* kill(-1) signals every process of the namespace but the caller, walking the
 	 * task list under its lock, so that none forks in between (a task with SIGKILL
-	 * pending forks no more); repeated while /proc lists one that is still dying. */
-	for (i = 0; i < 200; i++) {
-		uint64_t n = count_alive();
-
-		if (!n)
+	 * pending forks no more); repeated while /proc lists one that is still dying.
+	 * Then every zombie is reaped: ours here, the others' once their parents are
+	 * gone (they are then ours: we are the namespace's reaper). */
+	for (pass = 0;; pass++) {
+		exec_reap(s);
+		count_tasks(&alive, &zombies);
+		if (!pass)
+			done.count = alive;
+		if (!alive && !zombies)
 			break;
-		if (!i)
-			done.count = n;
-		if (kill(-1, SIGKILL) < 0 && errno == ESRCH)
+		if (now_ns() >= deadline) {
+			logmsg("sbx-init: kill all: %llu alive and %llu zombies left after %llu s",
+			       (unsigned long long)alive, (unsigned long long)zombies,
+			       KILL_ALL_NS / 1000000000ull);
 			break;
-		usleep(500);
+		}
+		if (alive && kill(-1, SIGKILL) < 0 && errno != ESRCH)
+			logmsg("sbx-init: kill all: %s", strerror(errno));
+		usleep(pass < 20 ? 500 : 5000);
 	}
 	ctl_send(s, SBX_DONE, id, &done, sizeof(done), NULL, 0);
 }

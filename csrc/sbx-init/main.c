@@ -178,16 +178,10 @@ static int parse_lowers(const char *arg, struct sbx_policy *pol)
 static void on_sigchld(struct sbx *s)
 {
 	struct signalfd_siginfo si;
-	struct rusage ru;
-	int status;
-	pid_t pid;
 
 	while (read(s->sig_fd, &si, sizeof(si)) == sizeof(si))
 		;
-	while ((pid = wait4(-1, &status, WNOHANG, &ru)) > 0)
-		exec_on_reaped(s, pid, status, &ru);
-	if (s->cg.n_pending_rm)
-		cg_retry_pending(&s->cg);
+	exec_reap(s);
 }
 
 /* What each frame means: HELLO is answered here, the rest are an exec's or a

@@ -245,6 +245,7 @@ void exec_check_deadlines(struct sbx *s, uint64_t now);
 int exec_next_timeout_ms(const struct sbx *s, uint64_t now);
 void exec_update_interest(struct sbx *s);
 void exec_kill_all(struct sbx *s, uint32_t id);
+void exec_reap(struct sbx *s);
 
 /* files.c */
 void files_init(struct sbx *s);

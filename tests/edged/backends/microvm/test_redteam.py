@@ -21,10 +21,12 @@ The attack tool is tests/security/attack.c (the container suite's), in an EROFS 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -255,6 +257,44 @@ def test_bombs_end_typed_and_the_guest_goes_on(make_backend: MakeBackend,
     run(body())
     kinds = {e.kind for e in ledger.events("bomb", limit=10_000)}
     assert "disk_full" in kinds, kinds
+
+
+def test_an_exec_right_after_kill_processes_forks_at_a_full_pids_limit(
+        make_backend: MakeBackend, attack_layer: Path) -> None:
+    """Bug (a flake of the test above at load 70-100): ``kill_processes`` returned while
+    the killed tasks still held the pids limit (zombies sbx-init had not reaped yet, or
+    tasks still dying), and the exec right after it was refused ``pids_exhausted``.
+    sbx-init's KILL_ALL now answers once every task but itself is gone, reaped included.
+    Rounds of a fork bomb filling the limit, kill_processes, an exec at once; on a quiet
+    host (where it failed every time before) and beside busy loops."""
+    b = make_backend()
+    hogs: list[subprocess.Popen[bytes]] = []
+
+    async def body() -> None:
+        await b.create(spec(attack_layer, "full", pids=64, memory_bytes=64 << 20))
+        try:
+            for i in range(6):
+                if i == 3:  # the second half beside busy loops on the host
+                    hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                                for _ in range(os.cpu_count() or 2))
+                _, _, end = await execv(b, "full", ("/usr/bin/attack", "forkbomb"),
+                                        uid=USER, gid=USER)
+                assert end.exit_code == 0, end
+                await asyncio.sleep(1)  # the bomb fills the limit and retries its forks
+                with contextlib.suppress(PidsExhausted):  # an exec beside it: refused
+                    await sh(b, "full", "echo beside")
+                assert await b.kill_processes("full") > 0
+                out, err, end = await sh(b, "full", "echo alive")  # not PidsExhausted
+                assert (out, end.exit_code) == ("alive\n", 0), (i, out, err, end)
+        finally:
+            await b.destroy("full")
+
+    try:
+        run(body())
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
 
 
 def test_kill_all_as_the_workload_user_and_guest_root(
