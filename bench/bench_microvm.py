@@ -11,8 +11,11 @@ working), one busybox EROFS layer disk + a 1 GiB sparse ext4 upper disk. What is
 - create→first exec: from "make the upper disk" to the end of `true` in the guest: template
   clone (upper disk copied from the template's, QEMU start, state load, guest boot record:
   the layers' mounts and the overlay, HELLO; where it went, p50, and the QEMU process's CPU
-  for it, ``qemu_cpu``) vs cold boot (the same with the kernel booted) vs the container
-  backend on the same layer (mounted file-backed) with the daemon's default task profile;
+  for it, ``qemu_cpu``) vs a clone started ahead (what a pool of waiting VMMs would hand
+  out: VMM up, state loaded, guest waiting; timed from binding the layers under its
+  placeholder disks: ``GuestVm.prestart``/``from_prestarted``) vs cold boot (the same with
+  the kernel booted) vs the container backend on the same layer (mounted file-backed) with
+  the daemon's default task profile;
 - exec round trip: `true`, guest vs container, after the first;
 - host memory per idle microVM: MemAvailable before and after N clones are up and idle
   (each wrote 60 MiB to its tmpfs and removed it: memory the guest freed), divided by N, and
@@ -137,6 +140,21 @@ async def bench_create(templates: Templates, machine: Machine, layer: Path, work
             await first_exec(g)
             rt.append(time.perf_counter() - t1)
         await g.destroy()
+    # a clone started ahead (as a pool of waiting VMMs would hold it): VMM up, state loaded,
+    # guest waiting; timed from binding the layers to the end of the first exec
+    pre_lat: list[float] = []
+    pre_cpu: list[float] = []
+    for i in range(n):
+        d = work / f"w{i}"
+        vm = await GuestVm.prestart(templates, t, d)
+        await asyncio.sleep(0.3)  # waiting in the pool
+        cpu0 = cpu_seconds(vm.pid)
+        t0 = time.perf_counter()
+        g = await GuestVm.from_prestarted(vm, t, [str(layer)], d, spec(i))
+        await first_exec(g)
+        pre_lat.append(time.perf_counter() - t0)
+        pre_cpu.append(cpu_seconds(g.vm.pid) - cpu0)
+        await g.destroy()
     cold_lat = []
     for i in range(cold):
         t0 = time.perf_counter()
@@ -148,7 +166,9 @@ async def bench_create(templates: Templates, machine: Machine, layer: Path, work
     phase_p50 = {k: statistics.median(p.get(k, 0.0) for p in phases) * 1e3
                  for k in dict.fromkeys(k for p in phases for k in p)}
     return {"template_boot_s": t.boot_s, "clone": summary(clone_lat),
-            "clone_phases_p50_ms": phase_p50, "cold": summary(cold_lat),
+            "clone_phases_p50_ms": phase_p50, "prestarted": summary(pre_lat),
+            "prestarted_qemu_cpu_p50_ms": statistics.median(pre_cpu) * 1e3,
+            "cold": summary(cold_lat),
             "guest_exec_rt": summary(rt)}
 
 
@@ -321,6 +341,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             mv, ct = res["microvm"], res["container"]
             res["ratios"] = {
                 "clone_vs_cold_p50": mv["clone"]["p50_ms"] / mv["cold"]["p50_ms"],
+                "prestarted_vs_clone_p50": mv["prestarted"]["p50_ms"] / mv["clone"]["p50_ms"],
                 "clone_vs_container_p50": mv["clone"]["p50_ms"] / ct["create"]["p50_ms"],
                 "guest_vs_container_exec_rt_p50":
                     mv["guest_exec_rt"]["p50_ms"] / ct["exec_rt"]["p50_ms"],
@@ -386,11 +407,15 @@ def main() -> int:
 def print_speed(res: dict[str, Any]) -> None:
     mv, ct = res["microvm"], res["container"]
     print(f"{'create -> first exec':32} {'p50 ms':>9} {'p99 ms':>9} {'n':>4}")
-    for name, s in (("template clone", mv["clone"]), ("cold boot", mv["cold"]),
-                    ("container", ct["create"])):
+    for name, s in (("template clone", mv["clone"]),
+                    ("clone started ahead (a pool's)", mv["prestarted"]),
+                    ("cold boot", mv["cold"]), ("container", ct["create"])):
         print(f"{name:32} {s['p50_ms']:9.1f} {s['p99_ms']:9.1f} {s['n']:4d}")
     print("clone phases p50 (ms): " + ", ".join(
         f"{k} {v:.1f}" for k, v in mv["clone_phases_p50_ms"].items()))
+    print(f"QEMU CPU per create + first exec p50: clone "
+          f"{mv['clone_phases_p50_ms']['qemu_cpu']:.0f} ms, started ahead "
+          f"{mv['prestarted_qemu_cpu_p50_ms']:.0f} ms (from the layers' bind)")
     print(f"exec round trip p50: guest {mv['guest_exec_rt']['p50_ms']:.2f} ms, container "
           f"{ct['exec_rt']['p50_ms']:.2f} ms")
     p = res.get("pause")

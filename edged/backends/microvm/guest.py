@@ -120,6 +120,61 @@ class GuestVm:
                                  sandbox_id, sink, on_end)
 
     @classmethod
+    async def prestart(cls, templates: Templates, template: Template, run_dir: Path, *,
+                       data_dir: Path | None = None, jail: Jail | None = None) -> Vm:
+        """A clone of ``template`` started ahead of its sandbox, for :meth:`from_prestarted`:
+        its VMM up, the template's state loaded and its guest waiting for a boot record on
+        the control port (connected: :meth:`~.vmm.Vm.take_port`), its upper disk (a copy
+        of the template's) in ``data_dir`` (default ``run_dir``), its layer disks
+        placeholders. What a create then no longer waits for is the VMM's start and the
+        state's load (~35 ms of ~330 quiet here; 2026-12-01). Raises BackendError (and
+        leaves nothing running, nor the upper)."""
+        upper = (data_dir or run_dir) / "upper.img"
+        for d in (run_dir, data_dir):
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        await asyncio.to_thread(disks.copy_upper, template.upper, upper)
+        dl = [*(Disk(None, f"{boot.SERIAL_LOWER}{i}")
+                for i in range(template.machine.ndisks - 1)),
+              Disk(str(upper), boot.SERIAL_UPPER, read_only=False)]
+        try:
+            return await templates.clone(template, dl, run_dir, jail, swappable=True)
+        except BaseException:
+            upper.unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    async def from_prestarted(cls, vm: Vm, template: Template, layers: Sequence[str],
+                              run_dir: Path, spec: boot.BootSpec, sandbox_id: str = "", *,
+                              data_dir: Path | None = None, sink: EventSink | None = None,
+                              on_end: Callable[[], None] | None = None) -> GuestVm:
+        """Create a sandbox on ``vm``, a clone of ``template`` from :meth:`prestart` (with
+        the same ``run_dir`` and ``data_dir``): ``layers`` bound under its placeholder
+        disks while its guest waits (:meth:`~.vmm.Vm.bind_disks`), then the boot record
+        and HELLO as in :meth:`clone`. Raises BackendError (and leaves nothing running,
+        nor ``run_dir`` and ``data_dir``) if any step fails."""
+        async def start(dl: list[Disk]) -> Vm:
+            try:
+                if len(layers) + 1 != template.machine.ndisks:
+                    raise BackendError(f"{len(layers)} layers for a template with "
+                                       f"{template.machine.ndisks - 1} layer disks")
+                await vm.bind_disks(list(enumerate(dl[:-1])))
+            except BaseException:
+                port = vm.take_port()
+                if port is not None:
+                    port[1].close()
+                await vm.kill()
+                raise
+            return vm
+
+        def upper(path: Path) -> None:
+            if not path.is_file():
+                raise BackendError(f"VM {run_dir.name}: no upper disk {path} (prestart)")
+
+        return await cls._launch(start, False, layers, run_dir, data_dir, spec, upper,
+                                 sandbox_id, sink, on_end)
+
+    @classmethod
     async def cold_boot(cls, vmm: Vmm, machine: Machine, layers: Sequence[str],
                         run_dir: Path, spec: boot.BootSpec, disk_bytes: int = 1 << 30,
                         sandbox_id: str = "", *, data_dir: Path | None = None,

@@ -243,17 +243,18 @@ class Templates:
         return Template(machine, dest, boot_s)
 
     async def clone(self, template: Template, disks: Sequence[Disk], run_dir: Path,
-                    jail: Jail | None = None) -> Vm:
+                    jail: Jail | None = None, swappable: bool = False) -> Vm:
         """Start a clone of ``template`` with ``disks`` (same count as the machine's), its
         RAM the template's sealed memfd (made on first use), its VMM confined by ``jail``
-        (None: the VMM's default)."""
+        (None: the VMM's default); ``swappable``: placeholder disks can be bound to files
+        later (:meth:`~.vmm.Vm.bind_disks`)."""
         key = template.dir.name
         fd = self._ram_fds.get(key)
         if fd is None:
             fd = await asyncio.to_thread(sealed_copy, template.mem)
             self._ram_fds[key] = fd
         return await self.vmm.restore(template.machine, disks, run_dir, fd, template.state,
-                                      jail)
+                                      jail, swappable=swappable)
 
     def close(self) -> None:
         """Close the templates' memfds (running clones keep their own references)."""

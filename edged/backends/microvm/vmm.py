@@ -130,6 +130,12 @@ class Vm(Protocol):
         """Resume the vCPUs."""
         ...
 
+    async def bind_disks(self, disks: Sequence[tuple[int, Disk]]) -> None:
+        """Put each ``(index, disk)``'s file under the placeholder disk ``index`` (a VM
+        restored with ``swappable`` placeholders), the guest running. Raises
+        BackendError."""
+        ...
+
     async def kill(self) -> None:
         """End the VMM process at once (SIGKILL) and reap it. Idempotent."""
         ...
@@ -161,10 +167,11 @@ class Vmm(Protocol):
 
     async def restore(self, machine: Machine, disks: Sequence[Disk], run_dir: Path,
                       mem_path: Path | int | None, state: Path,
-                      jail: Jail | None = None) -> Vm:
+                      jail: Jail | None = None, swappable: bool = False) -> Vm:
         """Start ``machine`` from a state written by :meth:`Vm.save`, its RAM mapped
         privately (copy-on-write) from ``mem_path`` (a template's RAM: a file, or an fd the
         VMM inherits), or anonymous RAM when None (a full snapshot, which carries every
         page), with ``disks`` in place of the saved VM's; the guest runs as soon as the
-        state is loaded."""
+        state is loaded. ``swappable``: placeholder disks (``path`` None) can be bound to
+        files later (:meth:`Vm.bind_disks`)."""
         ...

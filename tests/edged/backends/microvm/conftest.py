@@ -5,8 +5,11 @@ store shared by the session's tests, and a check that no QEMU of a test is left 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +26,20 @@ from edged.backends.microvm.vmm import Machine
 from layerfs.sources.directory import load_directory
 from layerfs.writer import write_image
 from tests.busybox import install_busybox
+
+
+@contextlib.contextmanager
+def busy_loops() -> Iterator[None]:
+    """A busy loop per CPU on the host (a loaded node) while the block runs, killed after."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
 
 SBX_INIT = Path(edged.__file__).resolve().parent / "_bin" / "sbx-init"
 #: The user the tests' VMMs run as: unprivileged, below the container uid grid (1 << 30).

@@ -9,7 +9,6 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from edged.backends.microvm.backend import MicroVmBackend
 from edged.errors import BadRequest, Conflict, InvalidState, NotFound
 from tests.edged.execs import collect
 
-from .conftest import run, vmm_processes
+from .conftest import busy_loops, run, vmm_processes
 
 pytestmark = [pytest.mark.vm, pytest.mark.root]
 
@@ -241,8 +240,6 @@ def test_a_best_effort_vm_starts_pauses_and_resumes_beside_busy_loops(
     normal tasks (a loaded node) got no CPU within the QMP bound (30 s): its create failed.
     It now starts, is snapshotted and resumes in the normal class, and runs in its own."""
     b = make_backend()
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(os.cpu_count() or 2)]
 
     def in_class(idle: bool) -> None:
         vm = b._get("be")
@@ -263,12 +260,8 @@ def test_a_best_effort_vm_starts_pauses_and_resumes_beside_busy_loops(
         finally:
             await b.destroy("be")
 
-    try:
+    with busy_loops():
         run(body())
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
 
 
 def test_a_guest_kernel_crash_fails_only_that_sandbox(make_backend: MakeBackend,

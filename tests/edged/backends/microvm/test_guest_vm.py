@@ -105,6 +105,44 @@ def test_clones_see_their_own_disks(templates: Templates, machine: Machine, laye
     run(go())
 
 
+def test_a_prestarted_clone_runs_on_the_layers_bound_while_it_waited(
+        templates: Templates, machine: Machine, layer: Path, run_dir: Path,
+        tmp_path: Path) -> None:
+    """A clone started ahead (VMM up, state loaded, guest waiting for its boot record, its
+    layer disks placeholders) runs on the layer files bound under its placeholders at
+    create: each of two such clones reads its own layer and writes only its own upper; a
+    layer count that does not match the machine, or a layer that cannot be opened, fails
+    typed and leaves no VMM and no directory."""
+    other = make_layer(tmp_path / "other", tmp_path / "other.erofs",
+                       {"etc/hostname": "other\n", "marker": "only in the other layer\n"})
+
+    async def go() -> None:
+        t = await templates.get(machine)
+        va, vb = await asyncio.gather(GuestVm.prestart(templates, t, run_dir / "a"),
+                                      GuestVm.prestart(templates, t, run_dir / "b"))
+        await asyncio.sleep(0.5)  # waiting, as in a pool
+        a, b = await asyncio.gather(
+            GuestVm.from_prestarted(va, t, [str(layer)], run_dir / "a", spec("pa")),
+            GuestVm.from_prestarted(vb, t, [str(other)], run_dir / "b", spec("pb")))
+        try:
+            ra, rb = await asyncio.gather(
+                a.run(["sh", "-c", "cat /etc/hostname; hostname; echo a > /w; sync"]),
+                b.run(["sh", "-c", "cat /etc/hostname /marker; test ! -e /w"]))
+            assert (ra[0].exit_code, ra[1]) == (0, b"layer\npa\n"), ra
+            assert (rb[0].exit_code, rb[1]) == (0, b"other\nonly in the other layer\n"), rb
+            assert a.vm.pid == va.pid
+        finally:
+            await asyncio.gather(a.destroy(), b.destroy())
+        for layers in ([], [str(tmp_path / "missing.erofs")]):
+            v = await GuestVm.prestart(templates, t, run_dir / "c")
+            with pytest.raises(BackendError):
+                await GuestVm.from_prestarted(v, t, layers, run_dir / "c", spec("pc"))
+            assert not v.alive()
+            assert not (run_dir / "c").exists()
+
+    run(go())
+
+
 def test_upper_disk_is_size_limited(templates: Templates, machine: Machine, layer: Path,
                                     run_dir: Path) -> None:
     async def go() -> None:

@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -44,7 +43,7 @@ from tests.security.conftest import assert_all_failed, build_attack, make_rootfs
 from tests.security.test_control_channel import CTL_ATTEMPTS
 from tests.security.test_protected_paths import ATTEMPTS as PROTECT_ATTEMPTS
 
-from .conftest import run
+from .conftest import busy_loops, run
 from .test_backend import spec as vm_spec
 
 pytestmark = [pytest.mark.vm, pytest.mark.root]
@@ -268,15 +267,14 @@ def test_an_exec_right_after_kill_processes_forks_at_a_full_pids_limit(
     Rounds of a fork bomb filling the limit, kill_processes, an exec at once; on a quiet
     host (where it failed every time before) and beside busy loops."""
     b = make_backend()
-    hogs: list[subprocess.Popen[bytes]] = []
+    loaded = contextlib.ExitStack()
 
     async def body() -> None:
         await b.create(spec(attack_layer, "full", pids=64, memory_bytes=64 << 20))
         try:
             for i in range(6):
                 if i == 3:  # the second half beside busy loops on the host
-                    hogs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
-                                for _ in range(os.cpu_count() or 2))
+                    loaded.enter_context(busy_loops())
                 _, _, end = await execv(b, "full", ("/usr/bin/attack", "forkbomb"),
                                         uid=USER, gid=USER)
                 assert end.exit_code == 0, end
@@ -289,12 +287,8 @@ def test_an_exec_right_after_kill_processes_forks_at_a_full_pids_limit(
         finally:
             await b.destroy("full")
 
-    try:
+    with loaded:
         run(body())
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
 
 
 def test_kill_all_as_the_workload_user_and_guest_root(
