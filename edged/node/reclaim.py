@@ -37,6 +37,12 @@ creates'). :meth:`Reclaimer.rate` is the bytes a second reclaim freed lately: ad
 Retry-After for a create refused for memory is the time that rate takes to free what is
 missing.
 
+Swap full: a pass that finds no room in swap for any sandbox due (see ``swap_room``) makes
+the passes after it do nothing for two passes, then look at the room alone (no sandbox), the
+wait doubling while it stays full, up to ``recheck_max_s``; a sandbox deleted ends the wait.
+Reclaim into a zram device at its RAM limit compresses each page and fails to store it (the
+page stays resident): with the zram full, the daemon spent a whole core on that.
+
 Counters kept per sandbox (for ``/metrics`` and ``GET /v1/node``): resident and swapped
 bytes when last read, bytes reclaimed (sum over reclaims), wakes. The refault rate of
 reclaimed sandboxes is major faults since their last reclaim per minute, over the resident
@@ -169,6 +175,11 @@ class Reclaimer:
                               log)
         self._lock = asyncio.Lock()  # one reclaim at a time: it is CPU-bound (compression)
         self.passes = 0
+        #: swap had no room for any sandbox due: passes do nothing until ``_full_until``,
+        #: then look at the room alone (see _swap_still_full); 0: not full
+        self._full_backoff = 0.0
+        self._full_until = 0.0
+        self._full_need = 0  # the least a sandbox found due then needed
 
     @property
     def supported(self) -> bool:
@@ -199,8 +210,10 @@ class Reclaimer:
         return was
 
     def forget(self, sid: str) -> None:
-        """Drop what is known of a sandbox that is gone."""
+        """Drop what is known of a sandbox that is gone (its swap is free again: a full
+        swap is looked at again at the next pass)."""
         self.state.pop(sid, None)
+        self._full_until = 0.0
 
     async def reclaim_now(self, sid: str) -> int:
         """Reclaim sandbox ``sid`` at once, whatever its idleness (a pause). Returns the bytes
@@ -289,6 +302,9 @@ class Reclaimer:
         self.passes += 1
         if not self.cfg.enabled or not self.supported:
             return res
+        if self._full_backoff > 0 and await self._swap_still_full(now):
+            res.swap_full = self.swap_full
+            return res
         idle_after = min(self.cfg.idle_after_s, self.cfg.short_idle_after_s) if short \
             else self.cfg.idle_after_s
         live = {r.id: r for r in self.records()}
@@ -359,7 +375,34 @@ class Reclaimer:
             res.reclaimed.append(sid)
             res.bytes += moved
         self.swap_full = res.swap_full
+        if res.swap_full and not res.reclaimed:
+            self._full_need = min(x.last.anon_bytes + x.last.shmem_bytes
+                                  for _r, _s, x in due)
+            self._back_off(now)
+        else:
+            self._full_backoff = 0.0
         return res
+
+    def _back_off(self, now: float) -> None:
+        self._full_backoff = min(self.cfg.recheck_max_s,
+                                 max(2 * self.cfg.interval_s, 2 * self._full_backoff))
+        self._full_until = now + self._full_backoff
+
+    async def _swap_still_full(self, now: float) -> bool:
+        """With swap found full (no room for any sandbox due): whether it still is. No
+        sandbox is looked at (each look reads its cgroup's files, and each reclaim into a
+        zram device at its RAM limit compresses pages only to fail them: the daemon spent a
+        whole core so): until ``_full_until`` nothing at all, then the room alone (a few
+        reads of ``/proc/swaps`` and ``mm_stat``), the wait doubling from two passes up to
+        ``recheck_max_s`` while it stays full; a sandbox deleted ends the wait."""
+        if now < self._full_until:
+            return True
+        room = await self._room()
+        if room is not None and room < max(PAGE, self._full_need):
+            self._back_off(now)
+            return True
+        self._full_backoff = 0.0
+        return False
 
     async def _room(self) -> int | None:
         """Bytes of pages swap can take now, the swap set up first if it is not yet."""

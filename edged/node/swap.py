@@ -20,8 +20,9 @@ Setting swap up is host-wide, so edged owns exactly what it made and nothing els
   RAM left at the compression observed (:meth:`SwapManager.room`). A device whose RAM is full
   fails every write to it (the pages stay resident, the kernel logs "Write-error on
   swap-device"), while the kernel still sends pages to it first (it has slots): so a swap
-  file added then goes *above* it in priority, and reclaim stops paging into a swap that
-  has no room (:mod:`edged.node.reclaim`);
+  file added then goes *above* it in priority (an empty one added below it earlier is moved
+  above), the areas below such a device count as no room (the kernel never reaches them),
+  and reclaim stops paging into a swap that has no room (:mod:`edged.node.reclaim`);
 - a record of all of it in ``<state_dir>/swap.json``, written before each is configured.
 At start a record left by a crashed daemon is honoured: a device of ours still in use as swap
 is adopted (sandboxes kept across the restart may have pages in it), one that never reached
@@ -383,6 +384,8 @@ class SwapManager:
         if self.file_bytes <= 0:
             return
         ratio = self.ratio()
+        if self._zram_ram_full(ratio):
+            self._raise_files()
         compressed, plain = self._free(ratio)
         if compressed + plain >= self.file_step_bytes // 2 and (
                 self.zram is not None or self.files):
@@ -394,6 +397,41 @@ class SwapManager:
         if self._zram_ram_full(ratio):
             prio = ZRAM_PRIORITY + 1 + len(self.files)
         self._add_file(min(self.file_step_bytes, room), prio)
+
+    def _raise_files(self) -> None:
+        """Move our empty swap files that sit below our zram device above it (swapoff, which
+        has nothing to read back, and swapon at a higher priority): a file added while the
+        device still had RAM left went below it, and once the device's RAM is full the
+        kernel sends it every page and fails them, never reaching the file (the daemon spent
+        a core compressing pages that stayed resident). A file holding pages stays where it
+        is (its swapoff would read them back into RAM); :meth:`_grow` adds one above then.
+        A file that cannot be switched back on is removed (and logged)."""
+        areas = {os.path.realpath(a.path): a for a in active_swaps(self.proc_swaps)}
+        zdev = areas.get(os.path.realpath(self._zdev(self.zram))) if self.zram is not None \
+            else None
+        if zdev is None:
+            return
+        for f in list(self.files):
+            a = areas.get(os.path.realpath(f))
+            if a is None or a.priority >= zdev.priority or a.used_bytes > 0:
+                continue
+            prio = min(SWAP_FLAG_PRIO_MASK, zdev.priority + 1 + len(self.files))
+            try:
+                _syscall_path("swapoff", str(f))
+            except OSError as e:
+                log.warning("swap: %s stays below zram%d: %s", f, self.zram, e)
+                continue
+            try:
+                _syscall_path("swapon", str(f), SWAP_FLAG_PREFER | prio)
+            except OSError as e:
+                log.error("swap: %s: swapon at priority %d: %s (removed)", f, prio, e)
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                self.files.remove(f)
+                self._save()
+                continue
+            log.info("swap: %s moved above zram%d (its RAM limit is full): priority %d",
+                     f, self.zram, prio)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -552,12 +590,29 @@ class SwapManager:
         left = self._zram_ram_left(ratio)
         return left is not None and left < self._margin()
 
+    def _blocking(self, areas: list[SwapArea], ratio: float) -> int | None:
+        """The priority of our zram device if its RAM limit is full while it has free
+        slots, else None. The kernel gives a page a slot of the highest-priority area with
+        free slots and only then writes it: such a device takes every page and fails each
+        write (the page stays resident, its slot held), so no area below it is reached."""
+        if self.zram is None or not self._zram_ram_full(ratio):
+            return None
+        zdev = os.path.realpath(self._zdev(self.zram))
+        for a in areas:
+            if os.path.realpath(a.path) == zdev and a.size_bytes > a.used_bytes:
+                return a.priority
+        return None
+
     def _free(self, ratio: float) -> tuple[int, int]:
         """:meth:`room` without what the swap files may still grow by."""
         zdev = os.path.realpath(self._zdev(self.zram)) if self.zram is not None else None
         ram_left = self._zram_ram_left(ratio)
         compressed = plain = 0
-        for a in self.areas():
+        areas = self.areas()
+        blocking = self._blocking(areas, ratio)
+        for a in areas:
+            if blocking is not None and a.priority < blocking:
+                continue  # behind a RAM-full zram device: never reached (see _blocking)
             free = max(0, a.size_bytes - a.used_bytes)
             real = os.path.realpath(a.path)
             if real == zdev:

@@ -251,6 +251,43 @@ def test_no_reclaim_into_a_swap_without_room(tmp_path: Path) -> None:
     assert asyncio.run(r.reclaim_now("d")) == 8 * MiB and mem.reclaims[-1] == "d"
 
 
+def test_a_full_swap_is_watched_not_the_sandboxes(tmp_path: Path) -> None:
+    """Swap with no room (a zram device at its RAM limit: each reclaim into it compressed
+    pages only to fail them, and the daemon spent a whole core so): 40 idle sandboxes due,
+    20 minutes. The first pass that finds none fits reads each once and reclaims none; then
+    no sandbox is read nor reclaimed, and the room is read ever less often (before: each
+    sandbox read every minute, 20 reads each, and the room every time one was due). Once a
+    sandbox is deleted the room is read at the next pass; once it has room, they go."""
+    recs = [Rec(f"s{i}", last_active=1000.0) for i in range(40)]
+    r, mem, clock = make(tmp_path, recs, recheck_max_s=600.0)
+    for rec in recs:
+        mem.add(rec.id, 50 * MiB)
+    room = [8 * MiB]
+    looks: list[float] = []
+    r.swap_room = lambda: bool(looks.append(clock.t)) or room[0]
+    r.budget = r.cfg.rate_bytes = 10**12
+    assert run(r, mem, clock, 62) == []  # idle 30 s, CPU window 30 s: due, none fits
+    assert set(mem.reads.values()) == {2}
+    mem.reads.clear()
+    looks.clear()
+    passes = r.passes
+    assert run(r, mem, clock, 1200) == []
+    assert r.passes - passes == 600 and not mem.reads and not mem.reclaims
+    assert 4 <= len(looks) <= 9, looks  # after 4, 8, 16, ... s, then every 600 s
+    assert r.swap_full == 40  # still reported while it waits
+    # a sandbox deleted: its swap is free, the room is read at once (and is still short)
+    recs.pop()
+    r.forget("s39")
+    looks.clear()
+    run(r, mem, clock, 2)
+    assert len(looks) == 1 and not mem.reads
+    # room again: read at the next look, and the sandboxes are reclaimed
+    room[0] = 10 * 1024 * MiB
+    r.forget("gone")
+    done = run(r, mem, clock, 130)
+    assert sorted(done) == sorted(x.id for x in recs)
+
+
 def test_idle_reclaimed_sandboxes_are_read_ever_less_often(tmp_path: Path) -> None:
     """50 idle sandboxes, reclaimed, then 30 minutes of nothing: each is read (its cgroup's
     memory and CPU files) after 60 s, then after twice as long each time it is found as it

@@ -458,3 +458,52 @@ def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
         m.stop()
     assert zram.gone(dev, ident) and not cg.exists()
     assert _zram_snapshot() == zram0
+
+
+def test_a_ram_full_zram_hides_the_swap_below_it(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Our device at its RAM limit with slots to spare, and two swap files of ours below it
+    (added while it still had RAM left): the kernel gives every page a slot of the device
+    and fails its write, never reaching the files, so they are no room (before: 1 GiB of
+    room, and the reclaimer paged sandboxes into the device for nothing, a core busy). The
+    empty one is moved above the device (swapoff, swapon at a higher priority); the one
+    holding pages stays (its swapoff would read them back) and a new file goes above."""
+    m = _zram_fake(tmp_path, orig=1020 * MiB, mem_used=1020 * MiB, mem_limit=1024 * MiB,
+                   slots=6144 * MiB, used_slots=1100 * MiB)
+    state = tmp_path / "state"
+    state.mkdir()
+    f0, f1 = state / "swapfile.0", state / "swapfile.1"
+    for f in (f0, f1):
+        f.write_bytes(b"\0" * 4096)
+    m.files = [f0, f1]
+    swaps = Path(m.proc_swaps)
+    swaps.write_text(swaps.read_text()
+                     + f"{f0}  file\t{512 * 1024}\t0\t10\n"
+                     + f"{f1}  file\t{512 * 1024}\t{100 * 1024}\t10\n")
+    assert m.room() == (4 * MiB, 0)  # the files are behind the device
+    assert m.usage()["zram_full"]
+    calls: list[tuple[str, str, tuple[int, ...]]] = []
+
+    def syscall(name: str, path: str, *args: int) -> None:
+        calls.append((name, path, args))
+        if name == "swapon":  # as /proc/swaps would show it after
+            text = swaps.read_text().replace(f"{path}  file\t{512 * 1024}\t0\t10",
+                                             f"{path}  file\t{512 * 1024}\t0\t{args[0] & 0x7FFF}")
+            swaps.write_text(text)
+
+    monkeypatch.setattr(swapmod, "_syscall_path", syscall)
+    added: list[tuple[int, int]] = []
+    monkeypatch.setattr(m, "_add_file", lambda n, p: added.append((n, p)) or tmp_path / "f")
+    m.file_bytes, m.file_step_bytes, m.disk_reserve = 4096 * MiB, 1024 * MiB, 0.0
+    m._grow()
+    prio = swapmod.ZRAM_PRIORITY + 1 + 2
+    assert calls == [("swapoff", str(f0), ()),
+                     ("swapon", str(f0), (swapmod.SWAP_FLAG_PREFER | prio,))]
+    assert m._free(m.ratio()) == (4 * MiB, 512 * MiB)  # f0 above it now; f1 still behind
+    assert added == []  # 516 MiB free: at least half a step
+    # f0 filled: another file, above the device
+    swaps.write_text(swaps.read_text().replace(f"{f0}  file\t{512 * 1024}\t0",
+                                               f"{f0}  file\t{512 * 1024}\t{512 * 1024}"))
+    m._grow()
+    assert added == [(1024 * MiB, swapmod.ZRAM_PRIORITY + 1 + 2)]
+    assert len(calls) == 2  # f1 holds pages: left where it is
