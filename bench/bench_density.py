@@ -4,7 +4,7 @@ the latency-sensitive CPU class fares under best-effort load.
 
     .venv/bin/python bench/bench_density.py [--n 3200] [--agent-n 1000]
         [--workloads sleep,python,agent] [--baseline-n 300] [--settle-s 300]
-        [--budget-min 40] [--out FILE.jsonl] [--json]
+        [--budget-min 0] [--out FILE.jsonl] [--json]
 
 Needs root. The daemon runs as a process of its own with its default settings (only its
 socket, state, runtime and layer store directories are its own); the layer is the Debian
@@ -37,9 +37,11 @@ Phases:
 3. **QoS**: exec round trip in a latency-sensitive sandbox on an idle node and with
    best-effort sandboxes running two busy loops per core.
 Every sandbox is deleted at the end of its phase (the node must come back to where it was).
-Time: the run keeps to ``--budget-min`` (40): ``--tail-s`` (240 s) is set aside for each
-phase's settle, measuring and deletes, and each wave's creating gets a share of the rest by
-weight (:data:`PHASE_WEIGHTS`); a wave cut short says so as its wall. Every phase's figures
+Time: the run keeps to ``--budget-min`` (0: enough for every wave's target, ~65 minutes
+with the defaults, see :class:`Budget`): ``--tail-s`` (240 s) is set aside for each phase's
+settle, measuring and deletes, and each wave's creating gets a share of the rest in
+proportion to its estimated creating time (:data:`CREATE_S` per sandbox); a wave cut short
+says so as its wall. Every phase's figures
 (and samples as a wave grows) are appended to ``--out`` as JSON lines as soon as they are
 measured, the whole run last; a failed phase is a figure (its ``error``) and the run goes on;
 SIGINT or SIGTERM ends the run with everything deleted and the table of what was measured.
@@ -481,26 +483,51 @@ def kernel_by_cache(snaps: list[Snap]) -> dict[str, Any]:
     return out
 
 
-PHASE_WEIGHTS = {"noreclaim": 0.5, "reclaim": 0.5, "sleep": 1.0, "python": 1.5, "agent": 3.0,
-                 "qos": 0.0}
+#: wall seconds a create takes on this 2-core node, per workload, start-up included (quiet
+#: runs of 2026-12-01: ``sleep`` 3,200 in 53 s; ``python`` 2,225 in 383 s; ``agent`` 400 in
+#: 182 s while memory was free, and each agent builds its heap with ~1 s of CPU, so 1,000
+#: need at least 500 s of both cores): what a wave's share of the time budget is sized by
+CREATE_S = {"sleep": 0.03, "python": 0.2, "agent": 0.8}
+#: the fill of a default budget is this many times the estimate (a loaded host, reclaim's
+#: CPU beside the creates)
+BUDGET_SLACK = 1.5
+
+
+def phase_cost(phase: str, n: int) -> float:
+    """Estimated seconds of creating in ``phase`` (``n`` sandboxes; the saving phases are
+    ``python`` waves; ``qos`` creates a handful)."""
+    workload = "python" if phase in ("noreclaim", "reclaim") else phase
+    return n * CREATE_S.get(workload, 0.0)
 
 
 class Budget:
     """The run's time budget: each phase's fill gets a share of what is left once the
-    measuring of every phase still to come (``tail_s`` each) is set aside, by weight (an
-    agent sandbox takes ~1 s of CPU to build its heap, a ``sleep`` one almost none); what
-    a phase does not use goes to the next ones."""
+    measuring of every phase still to come (``tail_s`` each) is set aside, in proportion to
+    its estimated creating time (:func:`phase_cost`: an agent sandbox takes ~1 s of CPU to
+    build its heap, a ``sleep`` one almost none); what a phase does not use goes to the next
+    ones. ``minutes`` 0: enough for every wave to reach its target at ``BUDGET_SLACK`` ×
+    its estimate (:meth:`default_minutes`)."""
 
-    def __init__(self, minutes: float, tail_s: float, phases: list[str]) -> None:
-        self.deadline = time.monotonic() + minutes * 60
+    def __init__(self, minutes: float, tail_s: float, phases: dict[str, int]) -> None:
+        self.minutes = minutes or self.default_minutes(tail_s, phases)
+        self.deadline = time.monotonic() + self.minutes * 60
         self.tail_s = tail_s
+        self.cost = {p: phase_cost(p, n) for p, n in phases.items()}
         self.left = list(phases)
+
+    @staticmethod
+    def default_minutes(tail_s: float, phases: dict[str, int]) -> float:
+        """Minutes for ``phases`` (phase -> sandboxes): their fills at ``BUDGET_SLACK`` × the
+        estimate, and ``tail_s`` for each phase's settle, measuring and deletes."""
+        return (BUDGET_SLACK * sum(phase_cost(p, n) for p, n in phases.items())
+                + tail_s * len(phases)) / 60
 
     def fill_s(self, phase: str, cap: float) -> float:
         """Seconds the fill of ``phase`` may take (at least 30; ``cap`` > 0 bounds it)."""
         rest = self.deadline - time.monotonic() - self.tail_s * len(self.left)
-        weights = sum(PHASE_WEIGHTS.get(p, 1.0) for p in self.left) or 1.0
-        share = max(30.0, rest * PHASE_WEIGHTS.get(phase, 1.0) / weights)
+        weights = sum(self.cost.get(p, 0.0) for p in self.left)
+        part = self.cost.get(phase, 0.0) / weights if weights > 0 else 1.0
+        share = max(30.0, rest * part)
         return min(share, cap) if cap > 0 else share
 
     def settle_s(self, cap: float) -> float:
@@ -694,9 +721,11 @@ def main() -> int:
     ap.add_argument("--fill-s", type=float, default=0.0,
                     help="a wave stops creating after this many seconds at most (0: its "
                          "share of the time budget)")
-    ap.add_argument("--budget-min", type=float, default=40.0,
+    ap.add_argument("--budget-min", type=float, default=0.0,
                     help="the whole run's time budget: each wave's creating ends at its share "
-                         "(the wall then says so)")
+                         "(the wall then says so); 0: enough for every wave's target "
+                         "(Budget.default_minutes: ~65 for the defaults, ~28 for 1,000 "
+                         "agents alone)")
     ap.add_argument("--tail-s", type=float, default=240.0,
                     help="time set aside for each phase's settle, measuring and deletes")
     ap.add_argument("--wake-k", type=int, default=200, help="sandboxes woken per wave")
@@ -733,9 +762,12 @@ def main() -> int:
         return d
 
     workloads = [x for x in a.workloads.split(",") if x]
-    phases = [*(["noreclaim", "reclaim"] if a.baseline_n > 0 else []), *workloads,
-              *([] if a.no_qos else ["qos"])]
+    phases = {**({"noreclaim": a.baseline_n, "reclaim": a.baseline_n} if a.baseline_n > 0
+                 else {}),
+              **{wl: a.agent_n if wl == "agent" else a.n for wl in workloads},
+              **({} if a.no_qos else {"qos": 0})}
     budget = Budget(a.budget_min, a.tail_s, phases)
+    out["budget_min"] = budget.minutes
     try:
         store, digest = build_layer(work)
         if a.baseline_n > 0:
