@@ -507,3 +507,84 @@ def test_a_ram_full_zram_hides_the_swap_below_it(tmp_path: Path,
     m._grow()
     assert added == [(1024 * MiB, swapmod.ZRAM_PRIORITY + 1 + 2)]
     assert len(calls) == 2  # f1 holds pages: left where it is
+
+
+def _hog(cg: Path, mib: int) -> subprocess.Popen[str]:
+    """A process of ``mib`` MiB of random (incompressible) bytes in memory cgroup ``cg``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\n"
+         f"b = bytearray(os.urandom({mib} << 20))\nprint('ok', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    (cg / "cgroup.procs").write_text(str(proc.pid))
+    assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
+    return proc
+
+
+@pytest.mark.root
+@needs_zram
+def test_a_real_file_below_a_ram_full_zram_is_moved_above_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zram device of ours (128 MiB of slots, 16 MiB of RAM) and a swap file of ours
+    added while the device had RAM left, so below it. 48 MiB of incompressible pages paged
+    out (``memory.force_empty``): the device fills its RAM, the rest stays resident and the
+    file below gets nothing (the kernel sends every page to the device and fails it), so
+    the file is no room. The next ensure moves the empty file above the device; pages paged
+    out then go to the file. At stop both are gone."""
+    own = fs.self_cgroups().get("memory")
+    base = Path("/sys/fs/cgroup/memory") / (own or "").lstrip("/")
+    if own is None or not (base / "memory.force_empty").exists():
+        pytest.skip("needs a cgroup v1 memory controller (memory.force_empty)")
+    monkeypatch.setattr(swapmod, "ZRAM_PRIORITY", 32000)  # above other helpers' devices
+    zram0 = _zram_snapshot()
+    m = SwapManager(tmp_path, mode="zram", zram_bytes=128 * MiB, zram_mem_limit_bytes=16 * MiB,
+                    file_bytes=96 * MiB, file_step_bytes=128 * MiB, disk_reserve=0.0)
+    cgs = [base / f"i11-zrambelow-{os.getpid()}-{tmp_path.name}-{i}" for i in range(2)]
+    procs: list[subprocess.Popen[str]] = []
+    m.start()
+    try:
+        assert m.ensure() and m.zram is not None and len(m.files) == 1
+        dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
+        f0 = str(m.files[0])
+
+        def area(path: str) -> swapmod.SwapArea:
+            return next(a for a in active_swaps() if os.path.realpath(a.path) ==
+                        os.path.realpath(path))
+
+        assert area(f0).priority == swapmod.FILE_PRIORITY  # below the device
+        for cg in cgs:
+            cg.mkdir()
+        procs.append(_hog(cgs[0], 48))
+        (cgs[0] / "memory.force_empty").write_text("0")
+        z = m.zram_stats()
+        assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # at its RAM limit
+        assert area(f0).used_bytes == 0  # never reached
+        assert int((cgs[0] / "memory.usage_in_bytes").read_text()) > 28 * MiB  # resident
+        assert sum(m._free(m.ratio())) < 2 * MiB  # the file behind it is no room
+        m.ensure()
+        assert area(f0).priority > 32000 and len(m.files) == 1  # moved above, not a new one
+        assert m.room()[1] > 90 * MiB
+        procs.append(_hog(cgs[1], 24))
+        (cgs[1] / "memory.force_empty").write_text("0")
+        assert area(f0).used_bytes >= 20 * MiB  # the new pages went to the file
+        assert int((cgs[1] / "memory.usage_in_bytes").read_text()) < 8 * MiB
+        assert all(p.poll() is None for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        for cg in cgs:
+            for _ in range(100):
+                try:
+                    cg.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        files = list(m.files)
+        m.stop()
+    assert zram.gone(dev, ident) and not any(cg.exists() for cg in cgs)
+    assert not any(f.exists() or _ours(str(f)) for f in files)
+    assert _zram_snapshot() == zram0
