@@ -399,6 +399,23 @@ def test_a_ram_full_zram_is_full_though_it_has_slots(tmp_path: Path,
     assert added == [(32 * MiB, swapmod.ZRAM_PRIORITY + 1)]
 
 
+def _end(cg: Path, proc: subprocess.Popen[str] | None) -> None:
+    """Kill ``proc`` (ours) and remove memory cgroup ``cg`` (ours) once it is empty."""
+    if proc is not None:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    for _ in range(100):
+        try:
+            cg.rmdir()
+            break
+        except FileNotFoundError:
+            break
+        except OSError:
+            time.sleep(0.05)
+
+
 @pytest.mark.root
 @needs_zram
 def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
@@ -442,19 +459,7 @@ def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
         assert int((cg / "memory.usage_in_bytes").read_text()) > 28 * MiB
         assert proc.poll() is None
     finally:
-        if proc is not None:
-            proc.kill()
-            proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        for _ in range(100):
-            try:
-                cg.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.05)
+        _end(cg, proc)
         m.stop()
     assert zram.gone(dev, ident) and not cg.exists()
     assert _zram_snapshot() == zram0
@@ -569,20 +574,8 @@ def test_a_real_file_below_a_ram_full_zram_is_moved_above_it(
         assert int((cgs[1] / "memory.usage_in_bytes").read_text()) < 8 * MiB
         assert all(p.poll() is None for p in procs)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        for cg in cgs:
-            for _ in range(100):
-                try:
-                    cg.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.05)
+        for cg, p in zip(cgs, procs + [None] * (len(cgs) - len(procs)), strict=True):
+            _end(cg, p)
         files = list(m.files)
         m.stop()
     assert zram.gone(dev, ident) and not any(cg.exists() for cg in cgs)
