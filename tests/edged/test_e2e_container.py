@@ -24,6 +24,7 @@ from edged.client import AsyncSandbox, BadRequestError, InvalidStateError, NotFo
 from edged.config import Config
 from edged.daemon import Server, ServerThread
 from tests.busybox import install_busybox
+from tests.timing import bound
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -94,7 +95,8 @@ def real_node(layer_store, tmp_path) -> Iterator[callable]:
         # the host's memory pressure is the other work on the machine's (a create answered
         # 503 at load 40-120): admission is tested on its own
         # (tests/edged/node/test_admission.py), not here
-        node = RealNode.start(sockdir, runtime, tmp_path / "state", store_dir, 30,
+        # (the start bound scaled: edged took 38 s to serve under TCG in the node VM)
+        node = RealNode.start(sockdir, runtime, tmp_path / "state", store_dir, bound(30),
                               {"memory_pressure_limit": 0.0}, overrides)
         nodes.append(node)
         return node
