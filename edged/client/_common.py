@@ -185,10 +185,11 @@ class ExecCollector:
                 cb(text)
 
     def result(self) -> ExecResult:
-        from edged.client.errors import SandboxError
+        from edged.client.errors import DaemonUnavailableError
 
         if self.end is None:
-            raise SandboxError("exec stream ended without an end event (daemon went away?)")
+            raise DaemonUnavailableError("exec stream ended without an end event (the "
+                                         "connection to the daemon was lost)")
         e = self.end
         out, err = b"".join(self.raw["stdout"]), b"".join(self.raw["stderr"])
         return ExecResult(

@@ -58,6 +58,14 @@ def retry_policy(retry: RetryPolicy | None, retries: int | None, backoff_s: floa
         max_wait_s=base.max_wait_s if max_wait_s is None else max_wait_s)
 
 
+def stream_cut(where: str | None, e: BaseException | None) -> DaemonUnavailableError:
+    """The error of an NDJSON stream that stopped before its ``end`` event (``e``: how, if
+    an exception said so)."""
+    how = f": {type(e).__name__}: {e}" if e is not None else ""
+    return DaemonUnavailableError(f"edged at {where}: the stream ended before its end event "
+                                  f"(connection lost{how}); the outcome is unknown")
+
+
 class Transport:
     """Requests to one daemon socket. ``timeout``: seconds per socket operation (None: wait
     forever, used by exec streams whose command decides its own time). A request refused
@@ -148,17 +156,28 @@ class Transport:
                on_open: Callable[[http.client.HTTPConnection], object] | None = None
                ) -> Iterator[dict[str, Any]]:
         """Stream the objects of an NDJSON response (``on_open`` gets the connection once
-        the response has begun: closing it ends the stream)."""
+        the response has begun: closing it ends the stream). Every stream the daemon sends
+        ends with an ``end`` event: one cut before it (the connection lost, a truncated
+        line, or a clean close without it) raises
+        :class:`~edged.client.errors.DaemonUnavailableError`, never a silent end — what ran
+        and what it wrote is then unknown."""
         conn, resp = self.open(method, path, encode_json(payload),
                                {"Content-Type": "application/json"}, timeout=None)
         if on_open is not None:
             on_open(conn)
+        ended = False
         try:
             for line in resp:
                 if line.strip():
-                    yield json.loads(line)
+                    ev = json.loads(line)
+                    ended = ended or "end" in ev
+                    yield ev
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise stream_cut(self.socket_path, e) from e
         finally:
             conn.close()
+        if not ended:
+            raise stream_cut(self.socket_path, None)
 
     def upload(self, path: str, body: bytes | Iterable[bytes]) -> Any:
         """``PUT`` a byte body (whole, or streamed from an iterable of chunks); the JSON

@@ -27,7 +27,7 @@ from edged.client._common import (
     network_value,
     path_for,
 )
-from edged.client._http import default_socket, retry_policy
+from edged.client._http import default_socket, retry_policy, stream_cut
 from edged.client.errors import (
     CapacityExhaustedError,
     DaemonUnavailableError,
@@ -123,12 +123,24 @@ class AsyncTransport:
             return await resp.json()
 
     async def ndjson(self, method: str, path: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
-        """The objects of an NDJSON response, as they arrive."""
+        """The objects of an NDJSON response, as they arrive; one cut before its ``end``
+        event raises :class:`~edged.client.errors.DaemonUnavailableError` (see
+        :meth:`edged.client._http.Transport.ndjson`)."""
+        import aiohttp
+
         resp = await self.request(method, path, **json_kw(payload))
+        ended = False
         async with resp:
-            async for line in resp.content:
-                if line.strip():
-                    yield json.loads(line)
+            try:
+                async for line in resp.content:
+                    if line.strip():
+                        ev = json.loads(line)
+                        ended = ended or "end" in ev
+                        yield ev
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                raise stream_cut(self.socket_path, e) from e
+        if not ended:
+            raise stream_cut(self.socket_path, None)
 
     async def upload(self, path: str, body: bytes | AsyncIterator[bytes]) -> Any:
         """``PUT`` a byte body (whole, or streamed from an async iterator); the JSON answer."""

@@ -33,7 +33,7 @@ from edged.client.async_sandbox import AsyncTransport
 from edged.client.errors import BadRequestError, DaemonUnavailableError, SandboxError
 from edged.cluster import wire
 from edged.cluster.actors import STREAM_BACKLOG
-from edged.cluster.errors import RelayUnreachableError
+from edged.cluster.errors import NodeUnavailableError, RelayUnreachableError
 
 #: bytes per call of a relayed upload
 UPLOAD_CHUNK = 4 << 20
@@ -219,6 +219,15 @@ class DirectTransport(Transport):
         except DaemonUnavailableError as e:
             raise self.on_fail(self.node, e) from e
 
+    def ndjson(self, method: str, path: str, payload: Any,
+               on_open: Callable[[Any], object] | None = None) -> Iterator[dict[str, Any]]:
+        try:
+            yield from super().ndjson(method, path, payload, on_open)
+        except NodeUnavailableError:  # read by on_fail already (in open)
+            raise
+        except DaemonUnavailableError as e:  # the stream cut mid-way
+            raise self.on_fail(self.node, e) from e
+
 
 class AsyncRelayTransport(AsyncTransport):
     """Calls to node ``node``'s daemon through its relay, awaited (see
@@ -333,6 +342,15 @@ class AsyncDirectTransport(AsyncTransport):
         try:
             return await super().request(method, path, **kw)
         except DaemonUnavailableError as e:
+            raise await self.on_fail(self.node, e) from e
+
+    async def ndjson(self, method: str, path: str, payload: Any) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for ev in super().ndjson(method, path, payload):
+                yield ev
+        except NodeUnavailableError:  # read by on_fail already (in request)
+            raise
+        except DaemonUnavailableError as e:  # the stream cut mid-way
             raise await self.on_fail(self.node, e) from e
 
     async def close(self) -> None:
@@ -529,7 +547,10 @@ class HttpRelayTransport(Transport):
         except DaemonUnavailableError as e:
             raise self.on_fail(self.node, e) from e
         yield first
-        yield from gen
+        try:
+            yield from gen
+        except DaemonUnavailableError as e:  # cut mid-way: no other route can take over
+            raise self.on_fail(self.node, e) from e
 
     def json(self, method: str, path: str, payload: Any = None) -> Any:
         return self._via(lambda: super(HttpRelayTransport, self).json(method, path, payload),
@@ -628,8 +649,11 @@ class AsyncHttpRelayTransport(AsyncTransport):
                 raise await self.on_fail(self.node, e) from e
             else:
                 yield first
-                async for item in gen:
-                    yield item
+                try:
+                    async for item in gen:
+                        yield item
+                except DaemonUnavailableError as e:  # cut mid-way: no other route takes over
+                    raise await self.on_fail(self.node, e) from e
                 return
         async for item in over_ray():
             yield item
