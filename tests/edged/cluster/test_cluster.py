@@ -8,10 +8,12 @@ from __future__ import annotations
 import collections
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -163,6 +165,18 @@ def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> No
     assert {i for i, s in listed.items() if s.info["state"] == "lost"} >= {b.id for b in on_x}
     # new creates go to the others (y had room for 3; it holds 5 - len(on_x))
     room = 3 - (5 - len(on_x))
+
+    def y_has_room() -> bool:  # by a report taken after the creates above (CI once saw
+        client.refresh()  # "no node has room by the last reports" here): what it saw, below
+        seen.append((client.placer.effective("y"), client.placer.in_flight(),
+                     next(v for v in client.placer.views() if v.name == "y")))
+        return seen[-1][0][0] >= room
+    seen: list[object] = []
+    try:
+        wait_for(y_has_room, 10, "y's room in the reports", step=REPORT_S)
+    except AssertionError as e:
+        raise AssertionError(f"{e}: the placer saw (free, load), in flight, y: {seen[-3:]}") \
+            from e
     new = [client.create(layers=[LAYER], node_labels=AUX) for _ in range(room)]
     assert {b.node for b in new} == {"y"}
     # the daemon comes back without them (this backend keeps no sandbox across a restart):
@@ -173,6 +187,17 @@ def test_kill_9_of_a_daemon_loses_its_sandboxes(aux: LocalCluster, client) -> No
              "the loss confirmed")
     assert set(client.lost("x")) == {b.id for b in on_x}
     assert client.create(layers=[LAYER], node_labels=AUX, node="x").node == "x"
+
+
+def _refuses(host: str, port: int) -> bool:
+    """Whether nothing listens on ``host:port`` any more."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _actor_dead(actor: object) -> bool:
@@ -201,6 +226,10 @@ def test_a_node_whose_relay_dies_is_dead_and_its_sandboxes_lost(aux: LocalCluste
     # ray.kill returns before the actor's worker process is gone; until it is, its HTTP
     # relay still answers (CI saw the next exec succeed): wait for the actor to be dead.
     wait_for(lambda: _actor_dead(actor), 30, "the killed relay actor gone")
+    # ... and even once Ray says so, its worker process (and HTTP relay) may still be going:
+    # CI saw the exec below succeed. Wait until the relay's port refuses connections.
+    url = urllib.parse.urlsplit(next(v for v in client.placer.views() if v.name == "y").http_url)
+    wait_for(lambda: _refuses(url.hostname or "", url.port or 0), 30, "y's HTTP relay gone")
     with pytest.raises((NodeUnavailableError, SandboxLostError)):
         sbx.exec("true")  # the HTTP relay refuses connections, the actor is gone
     t0 = time.monotonic()
