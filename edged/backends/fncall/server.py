@@ -75,10 +75,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, NoReturn
-
+#: not ``typing.TYPE_CHECKING``: the server does not import typing (a large module every
+#: call's child would inherit); mypy takes this name as that
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from typing import Any, NoReturn
 
 #: exit status of a server that refused to run (not inside a sandbox)
 REFUSED = 3
@@ -161,7 +163,9 @@ def _serve(opts: dict[str, Any]) -> None:
             importlib.import_module(name)
         except Exception as e:
             failed.append(f"{name}: {e}")
-    _wipe()
+    # The zygote is forked before the io process imports what only it needs (shutil for
+    # the wipe, and bz2, lzma, fnmatch with it): every call's fork copies the zygote's page
+    # tables, the smaller the cheaper.
     zy, io = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -173,6 +177,7 @@ def _serve(opts: dict[str, Any]) -> None:
         _zygote(zy)
         os._exit(0)
     zy.close()
+    _wipe()
     out = _Out()
     inp = _In(0)
     spawner = spawn_pid = spawn_error = None
@@ -308,6 +313,7 @@ def _safe_rel(rel: object) -> str | None:
 def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None,
           servers: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[bytes]]:
     import json
+    import marshal
 
     uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
     os.makedirs(PRIVATE, mode=0o700, exist_ok=True)
@@ -350,9 +356,10 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
         job.update(uid=uid, gid=gid, cwd=WORK, stdin=stdin,
                    stdout=os.path.join(PRIVATE, "stdout"),
                    stderr=os.path.join(PRIVATE, "stderr"))
-        to, who, msg = zy, "zygote", b""
+        # the zygote speaks marshal (see _zygote), the spawner its own format and JSON
+        to, who, msg, decode = zy, "zygote", b"", marshal.loads
         if spawner is not None and job.get("argv"):
-            to, who = spawner, "spawner"
+            to, who, decode = spawner, "spawner", json.loads
             try:
                 msg = _spawn_job(job)
             except ValueError as e:
@@ -360,13 +367,13 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
         if rep["error"] is None:
             try:
                 to.settimeout(float(req.get("wall_s") or 3600) + 10.0)
-                to.send(msg or json.dumps(job).encode())
+                to.send(msg or marshal.dumps(job))
                 answer = to.recv(1 << 16)
             except OSError as e:
                 raise _Fatal(f"{who}: {e}") from e
             if not answer:
                 raise _Fatal(f"{who}: gone")
-            rep.update(json.loads(answer))
+            rep.update(decode(answer))
     limit = int(req.get("output") or (1 << 20))
     blobs = []
     for name in ("stdout", "stderr"):
@@ -516,21 +523,27 @@ def _wipe() -> None:
 
 def _zygote(sock: socket.socket) -> None:
     # What a call's child uses, imported once here rather than in every child (an import
-    # of a C extension is a dlopen).
-    import builtins  # noqa: F401
-    import contextlib  # noqa: F401
+    # of a C extension is a dlopen), and bound as globals (an import statement in the child
+    # looks the module up and reads its spec: writes to pages it would not touch otherwise).
+    global _signal, _resource, _types, _builtins, _select, _time
+    import _signal
+    import builtins as _builtins
     import io  # noqa: F401
-    import json
-    import resource  # noqa: F401
-    import select  # noqa: F401
+    import marshal
+    import resource as _resource
+    import select as _select
     import signal  # noqa: F401
-    import time  # noqa: F401
+    import time as _time
     import traceback  # noqa: F401
-    import types  # noqa: F401
+    import types as _types
 
     # Not threading: imported, its at-fork hook runs in every child (~80 page faults and
     # ~0.5 ms of CPU a call); a call that uses threads imports it itself.
     _prepare()
+    # The loop is lean on purpose: every page the zygote writes after a fork is a page
+    # fault (a copy while the child lives), so requests and answers are marshal (one C
+    # call each way), not json.
+    loads, dumps, run = marshal.loads, marshal.dumps, _run_child
     while True:
         try:
             msg = sock.recv(1 << 16)
@@ -539,18 +552,33 @@ def _zygote(sock: socket.socket) -> None:
         if not msg:
             return
         try:
-            rep = _run_child(json.loads(msg))
+            rep = run(loads(msg))
         except Exception as e:
             rep = {"error": f"{type(e).__name__}: {e}"}
-        sock.send(json.dumps(rep).encode())
+        sock.send(dumps(rep))
 
 
 #: set by :func:`_prepare` in the zygote: the signals whose disposition a child resets (those
 #: not at their default), whether a child can raise its ``oom_score_adj``, a Python call's
 #: stdin, stdout and stderr
 _RESET_SIGNALS: tuple[int, ...] = ()
+#: the same for a Python call: those of :data:`_RESET_SIGNALS` a Python call would set
+#: back to what the zygote has anyway (SIGPIPE and SIGXFSZ ignored, SIGINT raising
+#: KeyboardInterrupt: an interpreter start's) are left as they are
+_RESET_SIGNALS_PY: tuple[int, ...] = ()
+#: (signal, handler) a Python call sets because the zygote's differs from an interpreter's
+_SET_SIGNALS_PY: tuple[tuple[int, Any], ...] = ()
 _OOM_ADJ = False
 _STREAMS: dict[str, Any] = {}
+#: a Python call's ``__main__`` module, made once by the zygote, never used there
+_MAIN: Any = None
+#: modules the child uses, bound by :func:`_zygote`
+_signal: Any = None
+_resource: Any = None
+_types: Any = None
+_builtins: Any = None
+_select: Any = None
+_time: Any = None
 
 
 def _streams() -> dict[str, Any]:
@@ -571,13 +599,20 @@ def _prepare() -> None:
 
     - the signals a child must reset: those the kernel holds as ignored or caught for this
       process (``SigIgn``/``SigCgt`` of /proc/self/status; the zygote's dispositions never
-      change after this), so that a child makes a few ``sigaction`` calls, not 62;
+      change after this), so that a child makes a few ``sigaction`` calls, not 62; for a
+      Python call, fewer still: not those it would set again to what they are (SIGPIPE and
+      SIGXFSZ ignored, SIGINT's ``default_int_handler``); glibc's own (32 to SIGRTMIN - 1)
+      never, sigaction refuses them;
+    - the environment emptied (``os.environ`` and the C library's): a child starts from
+      none and sets what its request names, instead of unsetting the server's variables
+      one by one in every call;
     - whether ``/proc/self/oom_score_adj`` can be opened for writing at all (the task
       profile's Landlock rules may refuse it: then no child tries, and fails, every call);
     - a Python call's text streams (:func:`_streams`), made over fds 0-2 while each is
       ``/dev/null`` and never used by the zygote: a child, whose fds 0-2 are then its own
       files (opened at offset 0, seekable, as ``/dev/null`` is), takes its pristine
-      copy-on-write copy instead of making three streams and their codecs;
+      copy-on-write copy instead of making three streams and their codecs; and its
+      ``__main__`` module, empty, as an interpreter makes it;
     - the first use of ``compile``, on no call's data;
     - then every object is moved to the collector's permanent generation (``gc.freeze``):
       a child's collections (and the zygote's own) never visit the inherited objects, so
@@ -586,14 +621,20 @@ def _prepare() -> None:
     import gc
     import signal
 
-    global _RESET_SIGNALS, _OOM_ADJ, _STREAMS
+    global _RESET_SIGNALS, _RESET_SIGNALS_PY, _SET_SIGNALS_PY, _OOM_ADJ, _STREAMS, _MAIN
     masks = 0
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(("SigIgn:", "SigCgt:")):
                 masks |= int(line.split()[1], 16)
+    glibc = range(32, signal.SIGRTMIN)  # SIGCANCEL, SIGSETXID: sigaction refuses them
     _RESET_SIGNALS = tuple(s for s in range(1, signal.NSIG) if masks >> (s - 1) & 1
-                           and s not in (signal.SIGKILL, signal.SIGSTOP))
+                           and s not in (signal.SIGKILL, signal.SIGSTOP) and s not in glibc)
+    wanted = {signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN,
+              signal.SIGINT: signal.default_int_handler}
+    _SET_SIGNALS_PY = tuple((s, h) for s, h in wanted.items() if signal.getsignal(s) != h)
+    _RESET_SIGNALS_PY = tuple(s for s in _RESET_SIGNALS if s not in wanted)
+    os.environ.clear()
     try:
         with open("/proc/self/oom_score_adj", "w"):
             _OOM_ADJ = True  # opened, nothing written
@@ -609,16 +650,15 @@ def _prepare() -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
+    _MAIN = _types.ModuleType("__main__")
+    setattr(_MAIN, "__builtins__", _builtins)  # noqa: B010 - an attribute mypy does not know
     compile("pass\n", "<prepare>", "exec")
     gc.collect()
     gc.freeze()
 
 
 def _run_child(job: dict[str, Any]) -> dict[str, Any]:
-    import select
-    import signal
-    import time
-
+    select, signal, time = _select, _signal, _time
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -650,14 +690,11 @@ def _run_child(job: dict[str, Any]) -> dict[str, Any]:
 def _child(job: dict[str, Any]) -> NoReturn:
     """In the forked child: become the call, then exec its program or run its Python
     script. Never returns: exit status 127 (the reason on stderr) if the set-up fails."""
-    import contextlib
-    import resource
-    import signal
-
+    resource, signal = _resource, _signal  # the C module: no enums made per call
     try:
-        for s in _RESET_SIGNALS:  # those not at their default (see _prepare)
-            with contextlib.suppress(OSError, ValueError):  # 32, 33: glibc's own
-                signal.signal(s, signal.SIG_DFL)
+        python = not job.get("argv")
+        for s in _RESET_SIGNALS_PY if python else _RESET_SIGNALS:  # see _prepare
+            signal.signal(s, signal.SIG_DFL)
         os.setsid()
         fin = os.open(job["stdin"], os.O_RDONLY)
         fout = os.open(job["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -684,7 +721,7 @@ def _child(job: dict[str, Any]) -> NoReturn:
         os.setresgid(job["gid"], job["gid"], job["gid"])
         os.setresuid(job["uid"], job["uid"], job["uid"])
         env = job.get("env") or {}
-        if job.get("argv"):
+        if not python:
             os.execvpe(job["argv"][0], job["argv"], env)
         _run_python(job, env)
     except BaseException as e:
@@ -698,26 +735,21 @@ def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
     """Run the script as ``python3 SCRIPT ARGS`` would: ``__main__``, sys.argv, sys.path[0]
     the script's directory, fresh stdio on fds 0-2, the signals an interpreter start sets,
     exit status 1 with the traceback for an uncaught exception, SystemExit's code."""
-    import builtins
-    import contextlib
-    import signal
-    import traceback
-    import types
-
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    os.environ.clear()
-    os.environ.update(env)
+    for s, handler in _SET_SIGNALS_PY:  # what an interpreter start sets (see _prepare)
+        _signal.signal(s, handler)
+    if env:
+        os.environ.update(env)  # the zygote's is empty (see _prepare)
     path = os.path.join(job["cwd"], job["script"])
     sys.argv = [path, *(job.get("args") or [])]
     sys.path.insert(0, os.path.dirname(path))
     for name, stream in (_STREAMS or _streams()).items():  # they live as long as the call
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
-    main = types.ModuleType("__main__")
+    main = _MAIN
+    if main is None:
+        main = _types.ModuleType("__main__")
+        setattr(main, "__builtins__", _builtins)  # noqa: B010 - mypy does not know it
     main.__file__ = path
-    setattr(main, "__builtins__", builtins)  # noqa: B010 - an attribute mypy does not know
     sys.modules["__main__"] = main
     code = 0
     try:
@@ -736,12 +768,16 @@ def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next  # our own frames are not the call's
+        import traceback
+
         traceback.print_exception(type(e), e, tb, file=sys.stderr)
         code = 1
     threading = sys.modules.get("threading")
     if threading is not None:  # as the interpreter's exit: only if the call imported it
-        with contextlib.suppress(Exception):
+        try:
             getattr(threading, "_shutdown")()  # noqa: B009 - non-daemon threads end first
+        except Exception:
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
