@@ -75,11 +75,13 @@ from __future__ import annotations
 
 import os
 import sys
+
 #: not ``typing.TYPE_CHECKING``: the server does not import typing (a large module every
 #: call's child would inherit); mypy takes this name as that
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import socket
+    from collections.abc import Callable
     from typing import Any, NoReturn
 
 #: exit status of a server that refused to run (not inside a sandbox)
@@ -357,7 +359,8 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
                    stdout=os.path.join(PRIVATE, "stdout"),
                    stderr=os.path.join(PRIVATE, "stderr"))
         # the zygote speaks marshal (see _zygote), the spawner its own format and JSON
-        to, who, msg, decode = zy, "zygote", b"", marshal.loads
+        to, who, msg = zy, "zygote", b""
+        decode: Callable[[bytes], Any] = marshal.loads
         if spawner is not None and job.get("argv"):
             to, who, decode = spawner, "spawner", json.loads
             try:
@@ -526,7 +529,7 @@ def _zygote(sock: socket.socket) -> None:
     # of a C extension is a dlopen), and bound as globals (an import statement in the child
     # looks the module up and reads its spec: writes to pages it would not touch otherwise).
     global _signal, _resource, _types, _builtins, _select, _time
-    import _signal
+    import _signal  # type: ignore[import-not-found]  # the C module (no stub)
     import builtins as _builtins
     import io  # noqa: F401
     import marshal
@@ -774,10 +777,10 @@ def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
         code = 1
     threading = sys.modules.get("threading")
     if threading is not None:  # as the interpreter's exit: only if the call imported it
-        try:
+        import contextlib
+
+        with contextlib.suppress(Exception):
             getattr(threading, "_shutdown")()  # noqa: B009 - non-daemon threads end first
-        except Exception:
-            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
