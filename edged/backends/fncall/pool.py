@@ -149,15 +149,15 @@ class Member:
         self._next += 1
         try:
             await self.handle.write_stdin(json.dumps(head).encode() + b"\n" + b"".join(blobs))
-            raw = await asyncio.wait_for(self.chan.line(), timeout_s)
-            rep: dict[str, Any] = json.loads(raw)
-            if rep.get("id") != head["id"]:
-                raise Broken(f"fncall sandbox {self.id}: answer to call {rep.get('id')}, "
-                             f"not {head['id']}")
-            sizes = [rep["stdout"][0], rep["stderr"][0]] if "stdout" in rep else []
-            sizes += [s for _, s in rep.get("files", []) if s is not None]
-            out = [await asyncio.wait_for(self.chan.exactly(int(n)), timeout_s)
-                   for n in sizes]
+            async with asyncio.timeout(timeout_s):  # the whole answer (no task per read)
+                raw = await self.chan.line()
+                rep: dict[str, Any] = json.loads(raw)
+                if rep.get("id") != head["id"]:
+                    raise Broken(f"fncall sandbox {self.id}: answer to call "
+                                 f"{rep.get('id')}, not {head['id']}")
+                sizes = [rep["stdout"][0], rep["stderr"][0]] if "stdout" in rep else []
+                sizes += [s for _, s in rep.get("files", []) if s is not None]
+                out = [await self.chan.exactly(int(n)) for n in sizes]
         except TimeoutError as exc:
             raise Broken(f"fncall sandbox {self.id}: no answer within {timeout_s:.0f} s"
                          ) from exc

@@ -165,9 +165,8 @@ def _serve(opts: dict[str, Any]) -> None:
             importlib.import_module(name)
         except Exception as e:
             failed.append(f"{name}: {e}")
-    # The zygote is forked before the io process imports what only it needs (shutil for
-    # the wipe, and bz2, lzma, fnmatch with it): every call's fork copies the zygote's page
-    # tables, the smaller the cheaper.
+    # The zygote is forked before the io process does anything else: what the io process
+    # imports later stays out of the zygote, whose page tables every call's fork copies.
     zy, io = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
@@ -208,9 +207,8 @@ def _serve(opts: dict[str, Any]) -> None:
         except _Fatal as e:
             out.line({"id": req.get("id"), "error": str(e), "fatal": True})
             return
-        out.line(rep)
-        for b in blobs:
-            out.write(b)
+        # one write: sbx-init reads it at once and sends the daemon one frame, not three
+        out.write(b"".join([(json.dumps(rep) + "\n").encode(), *blobs]))
 
 
 def _start_spawner(binary: bytes, host_pidns: str) -> tuple[socket.socket, int]:
@@ -314,11 +312,13 @@ def _safe_rel(rel: object) -> str | None:
 
 def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None,
           servers: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[bytes]]:
+    import contextlib
     import json
     import marshal
 
     uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
-    os.makedirs(PRIVATE, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(PRIVATE, 0o700)  # wiped after every call
     os.mkdir(WORK, 0o755)
     os.chown(WORK, uid, gid)
     err = None
@@ -368,8 +368,7 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
             except ValueError as e:
                 rep["error"] = f"cannot start the call: {e}"
         if rep["error"] is None:
-            try:
-                to.settimeout(float(req.get("wall_s") or 3600) + 10.0)
+            try:  # a blocking socket: the daemon gives up on a call that does not end
                 to.send(msg or marshal.dumps(job))
                 answer = to.recv(1 << 16)
             except OSError as e:
@@ -425,16 +424,18 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _read_capped(path: str, limit: int) -> tuple[bytes, int]:
-    """(the first ``limit`` bytes of the file, its size); (b"", 0) if absent."""
+    """(the first ``limit`` bytes of the file, its size); (b"", 0) if absent. Read up to
+    its size when opened (what a process left running writes later is not waited for)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return b"", 0
     try:
         total = os.fstat(fd).st_size
+        want = min(limit, total)
         chunks, n = [], 0
-        while n < limit:
-            c = os.read(fd, min(1 << 20, limit - n))
+        while n < want:
+            c = os.read(fd, min(1 << 20, want - n))
             if not c:
                 break
             chunks.append(c)
@@ -492,34 +493,62 @@ def _leftovers(uid: int, servers: frozenset[str] = frozenset()) -> bool:
 
 def _ipc_left() -> bool:
     """Whether System V IPC objects exist in this IPC namespace (a call made them; they
-    would outlive it, and only their owner may remove them)."""
+    would outlive it, and only their owner may remove them): a /proc/sysvipc file holds
+    more than its heading line."""
     for kind in ("shm", "sem", "msg"):
         try:
-            with open("/proc/sysvipc/" + kind) as f:
-                if len(f.readlines()) > 1:
-                    return True
+            fd = os.open("/proc/sysvipc/" + kind, os.O_RDONLY)
         except OSError:
-            pass
+            continue
+        try:
+            # one read: a seq_file read fills the buffer with as many lines as fit
+            if os.read(fd, 1 << 12).count(b"\n") > 1:
+                return True
+        finally:
+            os.close(fd)
     return False
 
 
 def _wipe() -> None:
     """Remove everything beneath the scratch paths (/tmp, /dev/shm): what a call left.
-    Symlinks are removed, never followed (fd-based rmtree)."""
-    import shutil
-
+    Symlinks are removed, never followed: every directory is opened with ``O_NOFOLLOW``
+    relative to its parent's descriptor and emptied through its own (:func:`_rmtree_at`)."""
     if not _guarded:  # never on a host: see main()
         raise RuntimeError("fncall server: wipe outside a sandbox")
     for top in SCRATCH:
         try:
-            entries = list(os.scandir(top))
+            fd = os.open(top, _DIR_FLAGS)
         except FileNotFoundError:
             continue
-        for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path)
-            else:
-                os.unlink(e.path)
+        try:
+            _empty_at(fd)
+        finally:
+            os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _empty_at(fd: int) -> None:
+    """Remove every entry of the directory open at ``fd``."""
+    with os.scandir(fd) as it:
+        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+    for name, is_dir in entries:
+        if is_dir:
+            _rmtree_at(fd, name)
+        else:
+            os.unlink(name, dir_fd=fd)
+
+
+def _rmtree_at(parent: int, name: str) -> None:
+    """Remove the directory ``name`` of the directory open at ``parent`` and all beneath
+    it. Raises OSError (ELOOP, ENOTDIR: it was swapped for a symlink or a file meanwhile)."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    try:
+        _empty_at(fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent)
 
 
 # -- the zygote -----------------------------------------------------------------------------
