@@ -193,3 +193,46 @@ def test_a_pool_sandbox_deleted_under_it_is_replaced(fn_node) -> None:
     for _ in range(4):
         assert fn_node.run({"argv": ["/bin/true"]})["status"] == "Accepted"
     assert pool.stats.get("replaced_died", 0) >= 1
+
+
+def test_the_wipe_removes_links_not_what_they_point_to(fn_node) -> None:
+    """What a call leaves in /tmp and /dev/shm (symlinks to directories and files, one
+    dangling, a FIFO, a directory it made unreadable, a deep tree) is gone for the next
+    call; what the links pointed to outside the scratch is not touched."""
+    plant = ("import os\n"
+             "os.symlink('/usr/bin', '/tmp/to-dir')\n"
+             "os.symlink('/etc/passwd', '/tmp/work/to-file')\n"
+             "os.symlink('/nonexistent', '/dev/shm/dangling')\n"
+             "os.mkfifo('/tmp/fifo')\n"
+             "os.makedirs('/tmp/locked/inner'); open('/tmp/locked/inner/f', 'w').close()\n"
+             "os.chmod('/tmp/locked/inner', 0); os.chmod('/tmp/locked', 0)\n"
+             "os.makedirs('/tmp/deep/' + '/'.join(['d'] * 40))\n"
+             "print('planted')\n")
+    look = ("import os\n"
+            "print(sorted(os.listdir('/tmp')), sorted(os.listdir('/dev/shm')),\n"
+            "      os.path.isdir('/usr/bin'), os.path.isfile('/etc/passwd'))\n")
+    for _ in range(2):  # over the pool's sandboxes
+        r = fn_node.run({"language": "python", "source": plant})
+        assert r["stdout"] == "planted\n", r
+    for _ in range(4):
+        r = fn_node.run({"language": "python", "source": look})
+        assert r["stdout"] == "['.fncall', 'work'] [] True True\n", r  # the server's
+
+
+def test_system_v_ipc_left_replaces_the_sandbox(fn_node) -> None:
+    """A call that leaves a System V shared memory segment (it would outlive the call,
+    and only its owner may remove it): its pool sandbox is replaced."""
+    pool = fn_node.backend().pools["default"]
+    before = pool.stats.get("replaced_ipc", 0)
+    src = ("import ctypes\n"
+           "libc = ctypes.CDLL(None, use_errno=True)\n"
+           "print(libc.shmget(0, 4096, 0o1600) >= 0)  # IPC_PRIVATE, IPC_CREAT | 0600\n")
+    r = fn_node.run({"language": "python", "source": src})
+    assert (r["status"], r["stdout"]) == ("Accepted", "True\n"), r
+    deadline = time.monotonic() + 30
+    while pool.stats.get("replaced_ipc", 0) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.stats.get("replaced_ipc", 0) == before + 1
+    look = "print(open('/proc/sysvipc/shm').read().count(chr(10)))\n"
+    for _ in range(3):
+        assert fn_node.run({"language": "python", "source": look})["stdout"] == "1\n"

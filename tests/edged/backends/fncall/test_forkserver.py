@@ -182,3 +182,29 @@ def test_the_streams_are_an_interpreters_and_a_calls_own(fn_node) -> None:
     for _ in range(3):
         r = fn_node.run({"language": "python", "source": echo, "stdin": "x\ny"})
         assert r["stdout"] == "x\ny|False\n" and r["stderr"] == "é\n", r
+
+
+def test_the_zygote_holds_only_what_a_call_uses(fn_node) -> None:
+    """The zygote (every call's fork copies its page tables) is forked before the io
+    process imports what only it needs, and the server imports no ``typing``: none of
+    them is in a call's child (the preloaded modules are, see above)."""
+    src = ("import sys\n"
+           "print(sorted(m for m in ('typing', 'shutil', 'bz2', 'lzma', 'fnmatch')"
+           " if m in sys.modules))\n")
+    for _ in range(2):  # over the pool's sandboxes
+        r = fn_node.run({"language": "python", "source": src})
+        assert (r["status"], r["stdout"]) == ("Accepted", "[]\n"), r
+
+
+def test_a_calls_environment_is_its_own_with_the_zygotes_emptied(fn_node) -> None:
+    """The zygote empties its environment once; a child sets what its request names and
+    nothing of one call's variables is in the next call's (C library's environ too)."""
+    src = ("import ctypes, os\n"
+           "getenv = ctypes.CDLL(None).getenv\n"
+           "getenv.restype = ctypes.c_char_p\n"
+           "os.environ['LEFT'] = 'x'\n"
+           "print(sorted(os.environ), getenv(b'MINE'), getenv(b'LEFT'))\n")
+    for mine in ("1", "2", "3"):
+        r = fn_node.run({"language": "python", "source": src, "env": {"MINE": mine}})
+        assert r["stdout"] == ("['HOME', 'LANG', 'LC_ALL', 'LEFT', 'MINE', 'PATH'] "
+                               f"b'{mine}' b'x'\n"), r

@@ -166,3 +166,20 @@ def test_a_spawner_that_cannot_start_leaves_programs_to_the_zygote(
     assert (r["status"], r["stdout"]) == ("Accepted", "python3\n"), r
     (m,) = list(node.backend().pools["default"]._idle)
     assert m.spawner_pid is None
+
+
+def test_a_program_from_the_zygote_gets_every_signal_at_its_default(
+        fn_node_factory, monkeypatch) -> None:
+    """Without the spawner a program runs from the zygote, whose Python ignores SIGPIPE
+    and SIGXFSZ: the program gets them at their default (a Python call keeps them ignored,
+    as an interpreter start sets them)."""
+    monkeypatch.setattr(fnpool, "_spawner_bytes", b"#!/nonexistent/interpreter\n")
+    node = fn_node_factory(fncall_pool=1, fncall_listen="", api_keys_file="")
+    r = node.run({"argv": ["/bin/sh", "-c", "grep -E '^Sig(Ign|Cgt)' /proc/self/status"]})
+    masks = dict(line.split(":") for line in r["stdout"].splitlines())
+    glibc = (1 << 31) | (1 << 32)  # 32, 33: glibc's own, sigaction refuses them
+    assert int(masks["SigIgn"], 16) & ~glibc == 0, r
+    r = node.run({"language": "python", "source": "import signal\n"
+                  "print(int(signal.getsignal(signal.SIGPIPE)), "
+                  "int(signal.getsignal(signal.SIGXFSZ)))"})
+    assert r["stdout"] == f"{int(signal.SIG_IGN)} {int(signal.SIG_IGN)}\n", r
