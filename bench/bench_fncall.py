@@ -4,6 +4,7 @@ exec, delete: what a call costs without a warm pool) in the same run.
 
     .venv/bin/python bench/bench_fncall.py [--inflight 16] [--pool 8] [--n 400] [--json]
                                            [--rows python,python_1,cpp,cpp_cases,true,cold]
+                                           [--ref REV [--rounds 2]]
 
 Needs root and the FnCall image's rootfs (``scripts/fncall-rootfs.sh``: Debian minbase with
 python3, gcc, g++), built into a layer once (cached in ``--store``). The daemon runs as a
@@ -19,6 +20,12 @@ clients are ``--inflight`` threads here, each with its own keep-alive connection
 - ``true``: ``/bin/true`` (``argv``); goal >= 800 calls/s (go-judge's single-thread figure);
 - ``cold``: ``python3 -c 'print(1)'`` in a fresh container per call, same image, same
   concurrency (the baseline; each ratio is a row's rate over this one's).
+
+``--ref REV``: this tree against an earlier commit of it in the same run: REV is checked out
+(``git worktree add --detach``, removed at the end) with this tree's built C binaries
+(``edged/_bin``, the cffi modules: refused unless ``csrc/`` is the same at REV), and
+``--rounds`` times the rows run against REV's daemon and this tree's, in turns (REV first in
+odd rounds); printed per row: each tree's median rate and p50, and this tree's over REV's.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -85,12 +93,13 @@ def layer(store: Path) -> str:
     return digest
 
 
-def start_daemon(argv: list[str], sock: str) -> tuple[Callable[[], None], int]:
-    """``edged serve ARGV`` as a process of its own, once it answers on ``sock``: (a
-    function that stops it, its pid)."""
+def start_daemon(argv: list[str], sock: str, tree: Path = ROOT
+                 ) -> tuple[Callable[[], None], int]:
+    """``edged serve ARGV`` as a process of its own (the ``edged`` package of ``tree``),
+    once it answers on ``sock``: (a function that stops it, its pid)."""
     proc = subprocess.Popen([sys.executable, "-c",
                              "import sys; from edged.cli import main; sys.exit(main())",
-                             "serve", *argv], cwd=str(ROOT))
+                             "serve", *argv], cwd=str(tree))
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -178,31 +187,15 @@ def cold(digest: str) -> Callable[[Conn, int], float | None]:
     return one
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--inflight", type=int, default=16)
-    ap.add_argument("--pool", type=int, default=8)
-    ap.add_argument("--n", type=int, default=400, help="calls per row (cold: n/8)")
-    ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
-    ap.add_argument("--rows", default=",".join(sorted(ROWS)),
-                    help="the rows to run, comma-separated (without cold: no ratios)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    want = set(args.rows.split(","))
-    if want - ROWS:
-        raise SystemExit(f"bench_fncall: no such row: {', '.join(sorted(want - ROWS))}")
-    if os.geteuid() != 0:
-        raise SystemExit("bench_fncall: needs root")
-    store = Path(args.store)
-    store.mkdir(parents=True, exist_ok=True)
-    digest = layer(store)
+def measure(tree: Path, args: argparse.Namespace, want: set[str], digest: str
+            ) -> dict[str, dict[str, float]]:
+    """The rows ``want`` against a daemon of ``tree``'s."""
     run = Path(tempfile.mkdtemp(prefix="edged-bench-fncall-", dir="/run"))
     sock = str(run / "s.sock")
-    load0 = os.getloadavg()[0]
     stop, _ = start_daemon(["--socket", sock, "--state-dir", str(run / "state"), "--runtime-dir",
-                         str(run), "--store-dir", str(store), "--log-level", "warning",
+                         str(run), "--store-dir", args.store, "--log-level", "warning",
                          "--fncall-layers", digest, "--fncall-pool", str(args.pool),
-                         "--layer-linger-s", "60"], sock)
+                         "--layer-linger-s", "60"], sock, tree)
     rows: dict[str, dict[str, float]] = {}
     try:
         c = Conn(sock)
@@ -247,6 +240,88 @@ def main() -> int:
     finally:
         stop()
         shutil.rmtree(run, ignore_errors=True)
+    return rows
+
+
+def checkout(rev: str) -> Path:
+    """REV in a worktree of its own, with this tree's built binaries (same C sources)."""
+    if subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", rev, "--", "csrc"]).returncode:
+        raise SystemExit(f"bench_fncall: csrc/ differs at {rev}: its binaries would need "
+                         "a build of their own")
+    tree = Path(tempfile.mkdtemp(prefix="edged-bench-fncall-ref-"))
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), rev],
+                   check=True)
+    shutil.copytree(ROOT / "edged" / "_bin", tree / "edged" / "_bin", dirs_exist_ok=True)
+    for so in [*ROOT.glob("edged/*.so"), *ROOT.glob("layerfs/*.so")]:
+        shutil.copy2(so, tree / so.relative_to(ROOT))
+    return tree
+
+
+def remove_checkout(tree: Path) -> None:
+    """Undo :func:`checkout`."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)],
+                   check=False)
+    shutil.rmtree(tree, ignore_errors=True)
+
+
+def compare(args: argparse.Namespace, want: set[str], digest: str, load0: float) -> int:
+    """``--ref``: the rows against REV's daemon and this tree's, in turns."""
+    tree = checkout(args.ref)
+    got: dict[str, list[dict[str, dict[str, float]]]] = {"ref": [], "this": []}
+    try:
+        for r in range(args.rounds):
+            for who in (("ref", "this") if r % 2 == 0 else ("this", "ref")):
+                got[who].append(measure(tree if who == "ref" else ROOT, args, want, digest))
+    finally:
+        remove_checkout(tree)
+    out: dict[str, Any] = {"ref": args.ref, "rounds": args.rounds, "rows": {},
+                           "loadavg_1min": [load0, os.getloadavg()[0]],
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": got}
+    for name in sorted(got["this"][0]):
+        row = {}
+        for fig in ("per_s", "p50_ms"):
+            ref = statistics.median(run[name][fig] for run in got["ref"])
+            this = statistics.median(run[name][fig] for run in got["this"])
+            row[fig] = {"ref": ref, "this": this, "this_over_ref": this / ref if ref else None}
+        out["rows"][name] = row
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"this tree against {args.ref}, median of {args.rounds} turns each")
+    print(f"{'row':10} {'per s ref':>10} {'this':>8} {'x':>6} {'p50 ref':>9} {'this':>8} {'x':>6}")
+    for name, row in out["rows"].items():
+        a, b = row["per_s"], row["p50_ms"]
+        print(f"{name:10} {a['ref']:10.1f} {a['this']:8.1f} {a['this_over_ref'] or 0:6.2f} "
+              f"{b['ref']:9.2f} {b['this']:8.2f} {b['this_over_ref'] or 0:6.2f}")
+    print(f"load average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f}; "
+          f"{args.inflight} in flight, pool {args.pool}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--inflight", type=int, default=16)
+    ap.add_argument("--pool", type=int, default=8)
+    ap.add_argument("--n", type=int, default=400, help="calls per row (cold: n/8)")
+    ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
+    ap.add_argument("--rows", default=",".join(sorted(ROWS)),
+                    help="the rows to run, comma-separated (without cold: no ratios)")
+    ap.add_argument("--ref", default=None, help="an earlier commit to run against, in turns")
+    ap.add_argument("--rounds", type=int, default=2, help="with --ref: turns of each tree")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    want = set(args.rows.split(","))
+    if want - ROWS:
+        raise SystemExit(f"bench_fncall: no such row: {', '.join(sorted(want - ROWS))}")
+    if os.geteuid() != 0:
+        raise SystemExit("bench_fncall: needs root")
+    store = Path(args.store)
+    store.mkdir(parents=True, exist_ok=True)
+    digest = layer(store)
+    load0 = os.getloadavg()[0]
+    if args.ref:
+        return compare(args, want, digest, load0)
+    rows = measure(ROOT, args, want, digest)
     base = rows.get("cold", {}).get("per_s") or float("nan")
     goals = {"python": (200, 20), "python_1": (0, 20), "cpp": (500, None), "true": (800, None)}
     out = {"rows": rows, "ratio_over_cold": {k: v["per_s"] / base for k, v in rows.items()},

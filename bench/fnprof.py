@@ -2,7 +2,7 @@
 per call of each party.
 
     .venv/bin/python bench/fnprof.py [--lang python|true|JSON-BODY] [--n 500] [--pool 2]
-                                     [--perf FILE] [--json]
+                                     [--perf FILE] [--ref REV [--rounds 2]] [--json]
 
 The daemon (``edged serve --fncall-layers ...``, started by ``bench_fncall.py``'s
 ``start_daemon``, same layer cache) serves ``--n`` calls one at a time (after a warm-up of
@@ -20,6 +20,10 @@ true``) or the JSON body given. Per call:
 - ``child_minflt``: minor page faults of the zygote's children per call (its cminflt):
   the forked child's copy-on-write and first-touch faults.
 
+``--ref REV``: this tree against an earlier commit of it, in turns (``--rounds`` each, REV
+first in odd rounds; REV checked out as ``bench_fncall.py --ref`` does): each figure's
+median per tree and this tree's over REV's.
+
 ``--perf FILE``: ``perf record -g`` of the pool sandboxes' processes during the calls
 (then ``perf report -i FILE``). Needs root, the FnCall image (``scripts/fncall-rootfs.sh``)
 and cgroup v1's cpuacct controller (this machine's; a v2-only host has none).
@@ -34,6 +38,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,17 +120,8 @@ def instance_cgroup(c: bf.Conn) -> Path:
     raise SystemExit(f"fnprof: no cpuacct cgroup holds the pool sandboxes {ids}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lang", default="python", help="python, true, or a JSON request body")
-    ap.add_argument("--n", type=int, default=500)
-    ap.add_argument("--pool", type=int, default=2)
-    ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
-    ap.add_argument("--perf", default=None, help="perf record -g into this file")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    if os.geteuid() != 0:
-        raise SystemExit("fnprof: needs root")
+def profile(tree: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One measurement (see the module) against a daemon of ``tree``'s."""
     fixed = BODIES[args.lang] if args.lang in BODIES else json.loads(args.lang)
 
     def body(i: int) -> dict[str, Any]:
@@ -140,7 +136,7 @@ def main() -> int:
                                     "--runtime-dir", str(run), "--store-dir", str(store),
                                     "--log-level", "warning", "--fncall-layers", digest,
                                     "--fncall-pool", str(args.pool), "--layer-linger-s", "60"],
-                                   sock)
+                                   sock, tree)
     perf = None
     try:
         c = bf.Conn(sock)
@@ -191,15 +187,68 @@ def main() -> int:
     out["other_ms"] = out["sandbox_ms"] - sum(out[k] for k in ("io_ms", "zygote_ms",
                                                                "child_ms", "spawner_ms"))
     out["all_ms"] = out["daemon_ms"] + out["client_ms"] + out["sandbox_ms"]
+    return out
+
+
+KEYS = ("daemon_ms", "client_ms", "sandbox_ms", "io_ms", "zygote_ms", "child_ms", "spawner_ms",
+        "other_ms", "all_ms")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lang", default="python", help="python, true, or a JSON request body")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--pool", type=int, default=2)
+    ap.add_argument("--store", default="/var/tmp/edged-bench-fncall-store")
+    ap.add_argument("--perf", default=None, help="perf record -g into this file")
+    ap.add_argument("--ref", default=None, help="an earlier commit to run against, in turns")
+    ap.add_argument("--rounds", type=int, default=2, help="with --ref: turns of each tree")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("fnprof: needs root")
+    if args.ref:
+        return compare(args)
+    out = profile(bf.ROOT, args)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
-    print(f"{args.lang}: {n} sequential calls, {out['wall_ms']:.2f} ms wall per call; CPU ms"
-          " per call:")
-    for k in ("daemon_ms", "client_ms", "sandbox_ms", "io_ms", "zygote_ms", "child_ms",
-              "spawner_ms", "other_ms", "all_ms"):
+    print(f"{args.lang}: {out['n']} sequential calls, {out['wall_ms']:.2f} ms wall per call; "
+          "CPU ms per call:")
+    for k in KEYS:
         print(f"  {k[:-3]:10} {out[k]:6.2f}")
     print(f"  child minor faults per call: {out['child_minflt']:.0f}")
+    print(f"load average (1 min) before/after: {out['loadavg_1min'][0]:.2f} / "
+          f"{out['loadavg_1min'][1]:.2f}")
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    """``--ref``: REV's daemon and this tree's, in turns."""
+    load0 = os.getloadavg()[0]
+    tree = bf.checkout(args.ref)
+    got: dict[str, list[dict[str, Any]]] = {"ref": [], "this": []}
+    try:
+        for r in range(args.rounds):
+            for who in (("ref", "this") if r % 2 == 0 else ("this", "ref")):
+                got[who].append(profile(tree if who == "ref" else bf.ROOT, args))
+    finally:
+        bf.remove_checkout(tree)
+    keys = (*KEYS, "wall_ms", "child_minflt")
+    med = {who: {k: statistics.median(o[k] for o in runs) for k in keys}
+           for who, runs in got.items()}
+    out = {"ref": args.ref, "rounds": args.rounds, "lang": args.lang, "n": args.n,
+           "median": med, "runs": got, "loadavg_1min": [load0, os.getloadavg()[0]],
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"{args.lang}: {args.n} sequential calls, this tree against {args.ref}, median of "
+          f"{args.rounds} turns each; CPU ms per call:")
+    print(f"  {'':12} {'ref':>7} {'this':>7} {'x':>6}")
+    for k in keys:
+        a, b = med["ref"][k], med["this"][k]
+        print(f"  {k.removesuffix('_ms'):12} {a:7.2f} {b:7.2f} {b / a if a else 0:6.2f}")
     print(f"load average (1 min) before/after: {load0:.2f} / {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -602,6 +602,8 @@ _RESET_SIGNALS_PY: tuple[int, ...] = ()
 _SET_SIGNALS_PY: tuple[tuple[int, Any], ...] = ()
 _OOM_ADJ = False
 _STREAMS: dict[str, Any] = {}
+#: the interpreter's own streams, replaced by those in the zygote (kept, never flushed)
+_ORIGINAL_STREAMS: list[Any] = []
 #: a Python call's ``__main__`` module, made once by the zygote, never used there
 _MAIN: Any = None
 #: modules the child uses, bound by :func:`_zygote`
@@ -626,6 +628,13 @@ def _streams() -> dict[str, Any]:
     }
 
 
+def _install(streams: dict[str, Any]) -> None:
+    """Make ``streams`` sys.stdin, stdout, stderr (and ``sys.__stdin__``...)."""
+    for name, stream in streams.items():
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
 def _prepare() -> None:
     """Once in the zygote, before its first fork: do here what every child would do alike.
 
@@ -641,10 +650,12 @@ def _prepare() -> None:
     - whether ``/proc/self/oom_score_adj`` can be opened for writing at all (the task
       profile's Landlock rules may refuse it: then no child tries, and fails, every call);
     - a Python call's text streams (:func:`_streams`), made over fds 0-2 while each is
-      ``/dev/null`` and never used by the zygote: a child, whose fds 0-2 are then its own
-      files (opened at offset 0, seekable, as ``/dev/null`` is), takes its pristine
-      copy-on-write copy instead of making three streams and their codecs; and its
-      ``__main__`` module, empty, as an interpreter makes it;
+      ``/dev/null``, and made the zygote's ``sys.stdin``, ``stdout``, ``stderr`` (the
+      zygote never writes to them: its stdout is /dev/null, its fd 2 the exec's stderr
+      again once they are made): a child, whose fds 0-2 are then its own files (opened at
+      offset 0, seekable, as ``/dev/null`` is), finds them pristine in place instead of
+      making three streams and their codecs, or even setting them; and its ``__main__``
+      module, empty, as an interpreter makes it;
     - the first use of ``compile``, on no call's data;
     - then every object is moved to the collector's permanent generation (``gc.freeze``):
       a child's collections (and the zygote's own) never visit the inherited objects, so
@@ -682,6 +693,8 @@ def _prepare() -> None:
         os.dup2(saved, 2)
         os.close(saved)
         os.close(null)
+    _ORIGINAL_STREAMS[:] = [getattr(sys, name) for name in _STREAMS]  # never freed
+    _install(_STREAMS)
     _MAIN = _types.ModuleType("__main__")
     setattr(_MAIN, "__builtins__", _builtins)  # noqa: B010 - an attribute mypy does not know
     compile("pass\n", "<prepare>", "exec")
@@ -744,9 +757,12 @@ def _child(job: dict[str, Any]) -> NoReturn:
         if job.get("as_bytes"):
             resource.setrlimit(resource.RLIMIT_AS, (int(job["as_bytes"]), int(job["as_bytes"])))
         if _OOM_ADJ:
-            try:
-                with open("/proc/self/oom_score_adj", "w") as f:
-                    f.write("1000")  # the call, never the server, is the one OOM-killed
+            try:  # the call, never the server, is the one OOM-killed
+                fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+                try:
+                    os.write(fd, b"1000")
+                finally:
+                    os.close(fd)
             except OSError:
                 pass
         os.setgroups([])
@@ -771,12 +787,11 @@ def _run_python(job: dict[str, Any], env: dict[str, str]) -> NoReturn:
         _signal.signal(s, handler)
     if env:
         os.environ.update(env)  # the zygote's is empty (see _prepare)
-    path = os.path.join(job["cwd"], job["script"])
+    path = f"{job['cwd']}/{job['script']}"  # a name relative to it (languages.py)
     sys.argv = [path, *(job.get("args") or [])]
-    sys.path.insert(0, os.path.dirname(path))
-    for name, stream in (_STREAMS or _streams()).items():  # they live as long as the call
-        setattr(sys, name, stream)
-        setattr(sys, f"__{name}__", stream)
+    sys.path.insert(0, path.rpartition("/")[0])
+    if not _STREAMS:  # else the zygote's sys.std* are the call's already (see _prepare)
+        _install(_streams())
     main = _MAIN
     if main is None:
         main = _types.ModuleType("__main__")
