@@ -516,8 +516,8 @@ def _wipe() -> None:
     if not _guarded:  # never on a host: see main()
         raise RuntimeError("fncall server: wipe outside a sandbox")
     for top in SCRATCH:
-        try:
-            fd = os.open(top, _DIR_FLAGS)
+        try:  # the tops are the sandbox's mounts, not a call's to replace: followed
+            fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             continue
         try:
