@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from edged.client._http import UnixConnection
 
@@ -264,16 +264,27 @@ def remove_checkout(tree: Path) -> None:
     shutil.rmtree(tree, ignore_errors=True)
 
 
-def compare(args: argparse.Namespace, want: set[str], digest: str, load0: float) -> int:
-    """``--ref``: the rows against REV's daemon and this tree's, in turns."""
-    tree = checkout(args.ref)
-    got: dict[str, list[dict[str, dict[str, float]]]] = {"ref": [], "this": []}
+T = TypeVar("T")
+
+
+def in_turns(rev: str, rounds: int, run: Callable[[Path], T]) -> dict[str, list[T]]:
+    """``run(tree)`` for REV's tree (:func:`checkout`) and this one, ``rounds`` times each,
+    in turns (REV first in odd rounds, so drift in the load favours neither): {"ref": [...],
+    "this": [...]}."""
+    tree = checkout(rev)
+    got: dict[str, list[T]] = {"ref": [], "this": []}
     try:
-        for r in range(args.rounds):
+        for r in range(rounds):
             for who in (("ref", "this") if r % 2 == 0 else ("this", "ref")):
-                got[who].append(measure(tree if who == "ref" else ROOT, args, want, digest))
+                got[who].append(run(tree if who == "ref" else ROOT))
     finally:
         remove_checkout(tree)
+    return got
+
+
+def compare(args: argparse.Namespace, want: set[str], digest: str, load0: float) -> int:
+    """``--ref``: the rows against REV's daemon and this tree's, in turns."""
+    got = in_turns(args.ref, args.rounds, lambda tree: measure(tree, args, want, digest))
     out: dict[str, Any] = {"ref": args.ref, "rounds": args.rounds, "rows": {},
                            "loadavg_1min": [load0, os.getloadavg()[0]],
                            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "runs": got}

@@ -226,14 +226,7 @@ def main() -> int:
 def compare(args: argparse.Namespace) -> int:
     """``--ref``: REV's daemon and this tree's, in turns."""
     load0 = os.getloadavg()[0]
-    tree = bf.checkout(args.ref)
-    got: dict[str, list[dict[str, Any]]] = {"ref": [], "this": []}
-    try:
-        for r in range(args.rounds):
-            for who in (("ref", "this") if r % 2 == 0 else ("this", "ref")):
-                got[who].append(profile(tree if who == "ref" else bf.ROOT, args))
-    finally:
-        bf.remove_checkout(tree)
+    got = bf.in_turns(args.ref, args.rounds, lambda tree: profile(tree, args))
     keys = (*KEYS, "wall_ms", "child_minflt")
     med = {who: {k: statistics.median(o[k] for o in runs) for k in keys}
            for who, runs in got.items()}

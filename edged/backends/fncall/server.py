@@ -1,7 +1,7 @@
 """The call server: the long-lived processes of one FnCall pool sandbox. Runs INSIDE a
 sandbox only, and refuses to run anywhere else (see :func:`why_not_in_sandbox`).
 
-Started by the daemon as one exec of sbx-init in a pool sandbox (``python3 -I -S -B -c
+Started by the daemon as one exec of sbx-init in a pool sandbox (``python3 -I -B -c
 <this file's source> --host-pidns pid:[N] --preload a,b``, as the sandbox's root, confined
 like every exec: task profile ``fncall``, which lets it change only /tmp and /dev/shm). It
 imports nothing of edged: the sandbox's own Python runs it.
