@@ -95,6 +95,9 @@ PRIVATE = "/tmp/.fncall"
 SCRATCH = ("/tmp", "/dev/shm")
 #: a job for the spawner at most (one datagram; execve takes 128 KiB per string at most)
 SPAWN_JOB_MAX = 1 << 17
+#: a job for the zygote in one datagram at most; a larger one (a Python call's environment
+#: or arguments) goes by a file of the server's, the datagram naming it
+ZYGOTE_MSG_MAX = 1 << 16
 
 _guarded = False
 
@@ -368,8 +371,19 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
             except ValueError as e:
                 rep["error"] = f"cannot start the call: {e}"
         if rep["error"] is None:
+            if not msg:
+                msg = marshal.dumps(job)
+                if len(msg) > ZYGOTE_MSG_MAX:
+                    path = os.path.join(PRIVATE, "job")
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+                                 0o600)
+                    try:
+                        _write_all(fd, msg)
+                    finally:
+                        os.close(fd)
+                    msg = marshal.dumps({"job_file": path})
             try:  # a blocking socket: the daemon gives up on a call that does not end
-                to.send(msg or marshal.dumps(job))
+                to.send(msg)
                 answer = to.recv(1 << 16)
             except OSError as e:
                 raise _Fatal(f"{who}: {e}") from e
@@ -415,6 +429,18 @@ def _expand(fetch: list[Any]) -> list[Any]:
         else:
             out.append(rel)
     return out
+
+
+def _read_all(path: str) -> bytes:
+    """The whole file at ``path`` (one of the server's own: no call can write there)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        chunks = []
+        while c := os.read(fd, 1 << 20):
+            chunks.append(c)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -578,13 +604,16 @@ def _zygote(sock: socket.socket) -> None:
     loads, dumps, run = marshal.loads, marshal.dumps, _run_child
     while True:
         try:
-            msg = sock.recv(1 << 16)
+            msg = sock.recv(ZYGOTE_MSG_MAX)
         except OSError:
             return
         if not msg:
             return
         try:
-            rep = run(loads(msg))
+            job = loads(msg)
+            if "job_file" in job:  # larger than a datagram: the io process's file
+                job = loads(_read_all(job["job_file"]))
+            rep = run(job)
         except Exception as e:
             rep = {"error": f"{type(e).__name__}: {e}"}
         sock.send(dumps(rep))

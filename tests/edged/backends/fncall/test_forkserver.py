@@ -208,3 +208,15 @@ def test_a_calls_environment_is_its_own_with_the_zygotes_emptied(fn_node) -> Non
         r = fn_node.run({"language": "python", "source": src, "env": {"MINE": mine}})
         assert r["stdout"] == ("['HOME', 'LANG', 'LC_ALL', 'LEFT', 'MINE', 'PATH'] "
                                f"b'{mine}' b'x'\n"), r
+
+
+def test_an_environment_and_arguments_past_one_datagram_reach_the_call(fn_node) -> None:
+    """A Python call's job for the zygote larger than one datagram (its environment, its
+    arguments) goes by a file: the call gets all of it (it used to be an Internal Error)."""
+    src = "import os, sys\nprint(len(os.environ['BIG']), len(sys.argv[1]))\n"
+    r = fn_node.run({"language": "python", "source": src, "env": {"BIG": "x" * 100_000},
+                     "cases": [{"args": ["y" * 70_000]}]})
+    assert (r["status"], r["stdout"]) == ("Accepted", "100000 70000\n"), r
+    r = fn_node.run({"language": "python", "source": src, "env": {"BIG": "x"},
+                     "cases": [{"args": ["y"]}]})
+    assert r["stdout"] == "1 1\n", r  # and the next, small one as ever
