@@ -24,7 +24,10 @@ A refusal is :class:`~edged.errors.CapacityExhausted` with the reason and ``retr
 never a queue: for memory, the time reclaim at its recent rate (``reclaim_rate()``, bytes a
 second) takes to free what is missing (at least ``reclaim_retry_s``, at most
 ``max_retry_s``); ``reclaim_retry_s`` when reclaim has idle memory to take but no rate yet.
-A client retrying after it is paced, not walled, while reclaim catches up. Behind admission, the
+A client retrying after it is paced, not walled, while reclaim catches up. Memory a backend
+holds ahead of demand (``spares``: e.g. the microVM pool's clones started ahead) is part of
+what the host has used, shown as ``spare_bytes``; a create short of headroom first has it
+given back (:meth:`SpareHolder.drain_pool`) and counts it as headroom. Behind admission, the
 memory of all sandboxes together is capped by their parent cgroup (the backend's
 ``set_memory_limit``), so a sandbox that bursts after admission is reclaimed or OOM-killed
 among the sandboxes, never the host.
@@ -36,13 +39,27 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from edged.backends.base import Resources
 from edged.errors import CapacityExhausted
 from edged.node import hostmem
 
 MiB = 1 << 20
+
+
+@runtime_checkable
+class SpareHolder(Protocol):
+    """A backend holding memory ahead of demand that it can give back at once."""
+
+    def pool_bytes(self) -> int:
+        """Bytes it holds ahead of demand now."""
+        ...
+
+    def drain_pool(self) -> int:
+        """Give it back now (ending what holds it) and hold off a while; returns how many
+        things it ended."""
+        ...
 
 
 @dataclass
@@ -207,6 +224,8 @@ class Admission:
     loadavg_path: str = "/proc/loadavg"
     pid_max_path: str = "/proc/sys/kernel/pid_max"
     clock: Callable[[], float] = time.monotonic
+    #: backends holding memory ahead of demand (see the module docstring)
+    spares: list[SpareHolder] = field(default_factory=list)
     #: admissions within ``window_s``: (when, sandbox id, its request, MemAvailable then)
     _recent: collections.deque[tuple[float, str, int, int]] = field(
         default_factory=collections.deque)
@@ -251,6 +270,7 @@ class Admission:
                 "zram_bytes": use.zram, "kernel_bytes": kernel_bytes(mi),
                 "kernel_per_sandbox_bytes": per, "pending_bytes": pending,
                 "reclaimable_bytes": reclaimable, "headroom_bytes": headroom,
+                "spare_bytes": sum(h.pool_bytes() for h in self.spares),
             },
             "pressure": {"memory": psi_mem.to_json() if psi_mem else None,
                          "cpu": psi_cpu.to_json() if psi_cpu else None},
@@ -304,6 +324,10 @@ class Admission:
                                    f"the last 10 s (limit {self.cpu_pressure_limit:g}%)")
         snap = self.snapshot()["memory"]
         need = res.memory_request_bytes + snap["kernel_per_sandbox_bytes"]
+        if snap["headroom_bytes"] < need and snap["spare_bytes"] > 0:
+            for h in self.spares:  # short: what is held ahead of demand goes first
+                h.drain_pool()
+            snap["headroom_bytes"] += snap["spare_bytes"]
         if snap["headroom_bytes"] < need:
             mib = 1 / MiB
             retry = self._memory_retry(need - snap["headroom_bytes"],

@@ -55,7 +55,7 @@ from edged.metrics import Metrics
 from edged.net.manager import NetworkManager
 from edged.net.policy import NONE as NO_NETWORK
 from edged.net.policy import Policy
-from edged.node.admission import Admission, Capacity, Usage
+from edged.node.admission import Admission, Capacity, SpareHolder, Usage
 from edged.node.fds import FdBudget
 from edged.node.reclaim import ReclaimConfig, Reclaimer
 from edged.node.requests import CreateRequest, ExecRequest, SignalRequest, TimeoutRequest
@@ -117,7 +117,8 @@ class SandboxManager:
             cpu_pressure_limit=config.cpu_pressure_limit,
             window_s=config.admission_window_s, usage=self._usage,
             reclaimable=self._reclaimable, reclaim_rate=self._reclaim_rate,
-            reclaim_retry_s=config.reclaim_interval_s)
+            reclaim_retry_s=config.reclaim_interval_s,
+            spares=[b for b in backends if isinstance(b, SpareHolder)])
         #: the layer service's supervision (set by the daemon; None: nothing to supervise)
         self.layer_service: LayerService | None = None
         #: the daemon's descriptors: a create is refused (503) before EMFILE is possible

@@ -8,7 +8,7 @@ import pytest
 
 from edged.backends.base import Resources
 from edged.errors import CapacityExhausted
-from edged.node.admission import Admission, Capacity, KernelOverhead, Usage
+from edged.node.admission import Admission, Capacity, KernelOverhead, SpareHolder, Usage
 
 GiB = 1 << 30
 
@@ -229,3 +229,42 @@ def test_a_memory_refusal_says_when_reclaim_will_have_made_room(tmp_path: Path) 
     with pytest.raises(CapacityExhausted) as ei:
         a.admit("a", res(699 * MiB))
     assert ei.value.retry_after == a.reclaim_retry_s
+
+
+class Spare:
+    """A backend holding memory ahead of demand (the microVM pool's clones)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.drains = 0
+
+    def pool_bytes(self) -> int:
+        return self.nbytes
+
+    def drain_pool(self) -> int:
+        self.drains += 1
+        n, self.nbytes = (1 if self.nbytes else 0), 0
+        return n
+
+
+def test_memory_held_ahead_of_demand_is_shown_and_given_back_when_short(
+        tmp_path: Path) -> None:
+    """The pool's memory is in ``spare_bytes`` (GET /v1/node); a create that fits the
+    headroom leaves it alone, one that is short has the pool drained first and counts what
+    it gave back; with nothing left to give, the refusal comes as before."""
+    host, clock = Host(tmp_path), [100.0]
+    host.set(avail=GiB + 300 * MiB)  # 300 MiB above the reserve; the pool holds 200 of it
+    spare = Spare(200 * MiB)
+    a = adm(host, clock, spares=[spare])
+    assert isinstance(spare, SpareHolder)
+    assert a.snapshot()["memory"]["spare_bytes"] == 200 * MiB
+    a.admit("fits", res(100 * MiB))
+    assert spare.drains == 0
+    clock[0] += 20.0  # past the window: "fits" is no longer pending
+    host.set(avail=GiB + 150 * MiB)
+    a.admit("short", res(300 * MiB))  # 150 + 200 given back >= 300 + 1
+    assert spare.drains == 1 and a.snapshot()["memory"]["spare_bytes"] == 0
+    clock[0] += 20.0
+    with pytest.raises(CapacityExhausted, match="memory: need"):
+        a.admit("over", res(300 * MiB))
+    assert spare.drains == 1  # nothing held: nothing to drain
