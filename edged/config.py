@@ -161,9 +161,11 @@ class Config:
     network_proxy_tls_port: int = 443
     network_proxy_http_port: int = 80
     # MicroVMs: the accelerator ("auto": KVM if a guest boots on it within a bound, else
-    # TCG; "tcg"; "kvm") and TCG's translation cache per VM (MiB; 0 = QEMU's default).
+    # TCG; "tcg"; "kvm") and TCG's translation cache per VM (MiB; 0 = QEMU's default);
+    # clones started ahead per machine of the last creates (0: no pool).
     microvm_accel: str = "auto"
     microvm_tb_size_mib: int = 32
+    microvm_pool: int = 2
 
     def capacity_cpus(self) -> float:
         """CPU capacity in cores (configured, else the CPUs this process may run on)."""
@@ -203,7 +205,7 @@ class Config:
                      "default_auto_pause_after_s", "zram_bytes", "zram_mem_limit_bytes",
                      "swap_file_bytes", "swap_disk_reserve_bytes", "sandbox_swap_share",
                      "fncall_recycle_after", "fncall_queue", "fncall_keep_s", "fncall_keep_bytes",
-                     "network_prepare_ahead", "microvm_tb_size_mib"):
+                     "network_prepare_ahead", "microvm_tb_size_mib", "microvm_pool"):
             if getattr(self, name) < 0:
                 raise BadRequest(f"config {name}: must be >= 0")
         for name in ("fncall_pool", "fncall_cpus", "fncall_memory_bytes", "fncall_disk_bytes",
@@ -356,6 +358,7 @@ _HELP = {
     "network_proxy_http_port": "the Host proxy's port on the gateway address",
     "microvm_accel": "microVM accelerator: 'auto' (KVM if a guest boots on it), 'tcg', 'kvm'",
     "microvm_tb_size_mib": "TCG translation cache per microVM, MiB (0 = QEMU's default)",
+    "microvm_pool": "microVM clones started ahead per machine of the last creates (0 = none)",
 }
 
 

@@ -70,12 +70,14 @@ from edged.backends.microvm import accel as accel_probe
 from edged.backends.microvm import guestkit
 from edged.backends.microvm import policy as guest_policy
 from edged.backends.microvm.guest import GuestVm
+from edged.backends.microvm.pool import MACHINES as pool_machines
+from edged.backends.microvm.pool import VmPool
 from edged.backends.microvm.qemu import QemuVm, QemuVmm
-from edged.backends.microvm.template import Templates, console_tail
+from edged.backends.microvm.template import Template, Templates, console_tail
 from edged.backends.microvm.vmm import Disk, Jail, Machine
 from edged.backends.uidslots import DEFAULT_DIR as UID_SLOTS_DIR
 from edged.backends.uidslots import UidSlots, starttime
-from edged.cgroups import SandboxCgroup
+from edged.cgroups import POOL_PREFIX, SandboxCgroup
 from edged.cgroups import probe as probe_cgroups
 from edged.errors import BackendError, BadRequest, Conflict, InvalidState, NotFound
 from edged.sbxinit import SbxExec
@@ -122,6 +124,30 @@ class _Vm:
     policy: guest_policy.GuestPolicy | None = None
 
 
+@dataclass
+class _PoolVm:
+    """A clone waiting in the pool (:mod:`.pool`) for a sandbox: its VMM ``vm`` (a clone of
+    ``template`` from :meth:`.guest.GuestVm.prestart`, its layer disks placeholders), the uid
+    ``slot`` it runs as, its cgroups ``cg`` (``.pool-<slot>``: no limits while it waits; a
+    create renames them to the sandbox's, :meth:`~edged.cgroups.Hierarchy.claim`), and
+    ``run_dir``/``data_dir`` (``<runtime_dir>/microvm/pool/<slot>``,
+    ``<state_dir>/microvm/pool/<slot>``: renamed to the sandbox's at the create)."""
+
+    vm: QemuVm
+    template: Template
+    slot: int
+    cg: SandboxCgroup
+    run_dir: Path
+    data_dir: Path
+
+    @property
+    def pid(self) -> int:
+        return self.vm.pid
+
+    def alive(self) -> bool:
+        return self.vm.alive()
+
+
 class MicroVmBackend:
     """MicroVM sandboxes (implements :class:`edged.backends.base.Backend`).
 
@@ -132,7 +158,8 @@ class MicroVmBackend:
     VMM (default QEMU). ``cache_dir``: where templates and the initramfs are kept (default
     ``<state_dir>/microvm``; shared by backends on other dirs, e.g. tests).
     ``tb_size_mib``: TCG's translation cache per VM. ``swap_share``: see
-    :func:`edged.cgroups.swap_allowance`. ``on_event``: where security events go.
+    :func:`edged.cgroups.swap_allowance`. ``pool``: clones started ahead per machine of
+    the last creates (:mod:`.pool`; 0: none). ``on_event``: where security events go.
     ``on_failure``: told at once when a VMM ends on its own (a guest kernel crash, the VMM
     killed or out of memory), with what is known of why. Raises :mod:`edged.errors`
     exceptions only.
@@ -152,7 +179,7 @@ class MicroVmBackend:
                  vmm: QemuVmm | None = None, kit_dir: str | os.PathLike[str] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
                  tb_size_mib: int | None = 32, swap_share: float = 1.0,
-                 on_event: EventSink | None = None) -> None:
+                 pool: int = 0, on_event: EventSink | None = None) -> None:
         if accel not in ("auto", "tcg", "kvm"):
             raise BadRequest(f"microvm accel {accel!r}: not 'auto', 'tcg' or 'kvm'")
         self.run_root = Path(runtime_dir) / "microvm"
@@ -181,6 +208,12 @@ class MicroVmBackend:
         self._slots: set[int] = set()
         self._kit: guestkit.GuestKit | None = None
         self._initrd: Path | None = None
+        self.pool_run = self.run_root / "pool"
+        self.pool_data = self.data_root / "pool"
+        self.pool: VmPool[_PoolVm] = VmPool(pool, self._pool_start, self._pool_stop)
+        #: slots of the clones the pool is starting or holds (their cgroups and dirs)
+        self._pool_slots: set[int] = set()
+        self._pool_off = "" if pool > 0 else "configured off (microvm_pool 0)"
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -389,23 +422,134 @@ class MicroVmBackend:
         """Kill and remove everything of a sandbox, whatever state it is in (by its meta:
         also one of an earlier daemon, or half made)."""
         run_dir = self.sandboxes_dir / sandbox_id
-        if meta and self._alive(meta):
-            pidfd = -1
-            with contextlib.suppress(ProcessLookupError):
-                pidfd = os.pidfd_open(int(meta["pid"]))
-            if pidfd >= 0:
-                try:
-                    with contextlib.suppress(ProcessLookupError):
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    await _wait_readable(pidfd, 10.0)
-                finally:
-                    os.close(pidfd)
+        await _kill_recorded(meta or {})
         cg = self.cgroups.path_of(sandbox_id)
         await asyncio.to_thread(cg.remove)
         await asyncio.to_thread(shutil.rmtree, run_dir, True)
         await asyncio.to_thread(shutil.rmtree, self.vms_dir / sandbox_id, True)
         if meta and isinstance(meta.get("slot"), int):
             self._free_slot(meta["slot"])
+
+    # ---- the pool of clones started ahead ------------------------------------------------
+
+    async def _pool_start(self, machine: Machine) -> _PoolVm:
+        """A clone of ``machine``'s template for the pool: a uid slot, cgroups
+        ``.pool-<slot>`` (the normal CPU class; the create that takes it renames them), its
+        VMM started and its guest waiting (:meth:`.guest.GuestVm.prestart`), recorded in
+        ``pool/<slot>/meta.json`` (so that a restarted daemon finds and ends it). Raises
+        BackendError (nothing left)."""
+        template = self.templates.find(machine)
+        if template is None:
+            raise BackendError(f"no template for machine {machine.key()} yet")
+        slot = await asyncio.to_thread(self._claim_slot, None)
+        self._pool_slots.add(slot)
+        run_dir, data_dir = self.pool_run / str(slot), self.pool_data / str(slot)
+        cg: SandboxCgroup | None = None
+        vm: QemuVm | None = None
+        try:
+            cg = await asyncio.to_thread(self.cgroups.create_pooled, str(slot),
+                                         self._uid_of(slot), qos=STARTING_QOS)
+            if cg is None:
+                self._pool_off = (f"cgroup {self.cgroups.version}: a pooled VMM's cgroups "
+                                  "cannot be handed to its sandbox (no rename)")
+                self.pool.size = 0
+                raise BackendError(f"microvm pool off: {self._pool_off}")
+            for d in (run_dir, data_dir):
+                await asyncio.to_thread(shutil.rmtree, d, True)
+            self.pool_run.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.run_root, 0o700)  # host-only: control sockets live below
+            run_dir.mkdir(mode=0o700)
+            meta: dict[str, Any] = {"slot": slot, "state": "pooled", "key": machine.key()}
+            records.write(run_dir, meta)
+            started = await GuestVm.prestart(self.templates, template, run_dir,
+                                             data_dir=data_dir, jail=self._jail(slot, cg))
+            assert isinstance(started, QemuVm)
+            vm = started
+            meta.update(pid=vm.pid, starttime=starttime(vm.pid))
+            records.write(run_dir, meta)
+            await asyncio.to_thread(self.uid_slots.bind, slot, POOL_PREFIX + str(slot),
+                                    vm.pid)
+        except BaseException:
+            if vm is not None:
+                _close_port(vm)
+                await vm.kill()
+            await self._pool_remove(slot, cg)
+            raise
+        return _PoolVm(vm, template, slot, cg, run_dir, data_dir)
+
+    async def _pool_stop(self, p: _PoolVm) -> None:
+        """End a pooled clone and remove all of it (VMM, cgroups, dirs, uid slot)."""
+        try:
+            await p.vm.kill()
+            _close_port(p.vm)
+            await self._pool_remove(p.slot, p.cg)
+        except Exception:
+            log.exception("microvm pool: removing the clone of slot %d", p.slot)
+
+    async def _pool_remove(self, slot: int, cg: SandboxCgroup | None) -> None:
+        """Remove a pooled clone's cgroups, run and data dirs, and give its slot back."""
+        if cg is not None:
+            with contextlib.suppress(BackendError):
+                await asyncio.to_thread(cg.remove)
+        for d in (self.pool_run / str(slot), self.pool_data / str(slot)):
+            await asyncio.to_thread(shutil.rmtree, d, True)
+        self._pool_slots.discard(slot)
+        self._free_slot(slot)
+
+    async def _pool_leftovers(self) -> int:
+        """End the pooled clones of an earlier daemon (by their records: pid and start
+        time) and remove their cgroups, dirs and slots; returns how many were found."""
+        found = set(records.read_all(self.pool_run))
+        for root in (self.pool_run, self.pool_data):
+            with contextlib.suppress(FileNotFoundError):
+                found |= {e.name for e in os.scandir(root)}
+        found |= {n.removeprefix(POOL_PREFIX) for n in self.cgroups.existing()
+                  if n.startswith(POOL_PREFIX)}
+        n = 0
+        for tag in sorted(found):
+            if not tag.isdigit() or int(tag) in self._pool_slots:
+                continue
+            meta = records.read(self.pool_run, tag) or {}
+            await _kill_recorded(meta)
+            slot = int(tag)
+            await self._pool_remove(slot, self.cgroups.path_of(POOL_PREFIX + tag))
+            n += 1
+        return n
+
+    async def _from_pool(self, vm: _Vm, p: _PoolVm, spec: SandboxSpec,
+                         pol: guest_policy.GuestPolicy) -> GuestVm:
+        """Make ``vm`` (its run dir made, empty) the sandbox of the pooled clone ``p``: its
+        run and data dirs renamed to the sandbox's (the VMM keeps its open files: sockets,
+        logs, the upper disk), its uid slot and cgroups (renamed, the sandbox's limits set)
+        the sandbox's, the layers bound under its placeholders and the boot record sent.
+        Raises BackendError or OSError (the caller removes what is left)."""
+        os.rename(p.run_dir, vm.run_dir)  # over the empty dir made as the create's claim
+        p.vm.run_dir = vm.run_dir
+        vm.slot = p.slot
+        self._write_meta(vm)
+        vm.cg = await asyncio.to_thread(
+            self.cgroups.claim, p.cg, vm.id, self._vmm_resources(vm.machine, spec.resources),
+            qos=STARTING_QOS)
+        self._pool_slots.discard(p.slot)
+        self.vms_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.rename(p.data_dir, vm.data_dir)
+        return await GuestVm.from_prestarted(
+            p.vm, p.template, list(spec.lowers), vm.run_dir, pol.boot_spec(spec), spec.id,
+            data_dir=vm.data_dir, sink=self.on_event,
+            on_end=functools.partial(self._poll_limits, vm))
+
+    def pool_bytes(self) -> int:
+        """Memory the pool's waiting clones hold (their cgroups' resident bytes)."""
+        total = 0
+        for p in self.pool.waiting():
+            with contextlib.suppress(OSError, ValueError, BackendError):
+                total += p.cg.memory_usage().resident_bytes
+        return total
+
+    def drain_pool(self) -> int:
+        """End the pool's waiting clones now and start none for a while (the node is short
+        of memory); returns how many."""
+        return self.pool.drain()
 
     # ---- Backend ---------------------------------------------------------------------------
 
@@ -439,6 +583,8 @@ class MicroVmBackend:
             "execs_across_pause": True,
             "free_page_reporting": False,
             "tb_size_mib": self.tb_size_mib,
+            "pool": {"size": self.pool.size, "machines": pool_machines,
+                     **({"reason": self._pool_off} if self._pool_off else {})},
         })
         return feats
 
@@ -455,6 +601,7 @@ class MicroVmBackend:
         meta: dict[str, Any] = {"id": sid}
         vm: _Vm | None = None
         tslot: int | None = None
+        pooled: _PoolVm | None = None
         try:
             pol = await asyncio.to_thread(guest_policy.prepare, spec)
             kit, initrd = await asyncio.to_thread(self._boot_files)
@@ -464,30 +611,53 @@ class MicroVmBackend:
                 os.chmod(self.run_root, 0o700)  # host-only: control sockets live below
             run_dir.mkdir(mode=0o700)
             vm = _Vm(sid, run_dir, self.vms_dir / sid, machine, [], meta, policy=pol)
-            vm.slot = await asyncio.to_thread(self._claim_slot, sid)
-            meta.update(slot=vm.slot, state="creating", machine=dataclasses.asdict(machine),
+            meta.update(state="creating", machine=dataclasses.asdict(machine),
                         lowers=list(spec.lowers), task_profile=spec.task_profile,
                         resources=dataclasses.asdict(spec.resources), qos=spec.qos)
-            self._write_meta(vm)
-            # normal CPU class while it starts, the sandbox's once it runs (see _settle)
-            vm.cg = await asyncio.to_thread(
-                self.cgroups.create, sid, self._vmm_resources(machine, spec.resources), 0,
-                qos=STARTING_QOS)
-            if self.templates.find(machine) is None:
-                tjail, tslot = await self._template_jail()
-            else:
-                tjail = Jail()
-            vm.guest = await self._start_guest(vm, tjail, spec, pol)
+            pooled = self.pool.take(machine)
+            if pooled is not None:
+                meta["slot"] = pooled.slot
+                try:
+                    vm.guest = await self._from_pool(vm, pooled, spec, pol)
+                except BaseException as exc:
+                    _close_port(pooled.vm)
+                    await pooled.vm.kill()
+                    with contextlib.suppress(Exception):
+                        await self._teardown(sid, None)  # the cgroups if claimed, the dirs
+                    await self._pool_remove(pooled.slot, pooled.cg)
+                    vm.slot = vm.cg = None
+                    meta.pop("slot", None)
+                    if not isinstance(exc, BackendError | OSError):
+                        raise
+                    self.pool.replaced += 1  # e.g. its VMM died as it was taken
+                    log.warning("sandbox %s: its clone from the pool failed (%s); cloning "
+                                "afresh", sid, exc)
+                    run_dir.mkdir(mode=0o700)
+            if vm.guest is None:
+                vm.slot = await asyncio.to_thread(self._claim_slot, sid)
+                meta["slot"] = vm.slot
+                self._write_meta(vm)
+                # normal CPU class while it starts, the sandbox's once it runs (_settle)
+                vm.cg = await asyncio.to_thread(
+                    self.cgroups.create, sid, self._vmm_resources(machine, spec.resources),
+                    0, qos=STARTING_QOS)
+                if self.templates.find(machine) is None:
+                    tjail, tslot = await self._template_jail()
+                else:
+                    tjail = Jail()
+                vm.guest = await self._start_guest(vm, tjail, spec, pol)
             vm.disks = vm.guest.disks
             meta.update(pid=vm.guest.vm.pid, starttime=starttime(vm.guest.vm.pid),
                         state="running",
                         disks=[[d.path, d.serial, d.read_only] for d in vm.disks])
             self._write_meta(vm)
+            assert vm.slot is not None
             await asyncio.to_thread(self.uid_slots.bind, vm.slot, sid, vm.guest.vm.pid)
             await self._settle(vm, spec.qos)
             self._drop_qmp(vm.guest)
             self._vms[sid] = vm
             self._watch(vm)
+            self.pool.want(machine)  # its template exists now: keep clones of it ready
         except BaseException as exc:
             if vm is not None and vm.guest is not None:
                 with contextlib.suppress(Exception):
@@ -500,6 +670,8 @@ class MicroVmBackend:
         finally:
             self._busy.discard(sid)
             self._free_slot(tslot)
+            if pooled is not None:
+                self.pool.done()
 
     async def _settle(self, vm: _Vm, qos: str) -> None:
         """Move the VMM's CPU cgroup to class ``qos``. A VMM starts (and is snapshotted) in
@@ -769,13 +941,18 @@ class MicroVmBackend:
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Tear down every sandbox found in the run or data directories or our cgroups that
         is neither in ``keep`` nor attached here: dead, half-made, or unwanted live ones;
-        and templates' half-made directories. Returns the ids removed."""
+        and templates' half-made directories. Returns the ids removed. Clones of an earlier
+        daemon's pool are ended and removed too (never adopted)."""
         metas = self._metas()
-        found = set(metas) | self.cgroups.existing()
+        found = set(metas) | {n for n in self.cgroups.existing()
+                              if not n.startswith(POOL_PREFIX)}
         with contextlib.suppress(FileNotFoundError):
             found |= {e.name for e in os.scandir(self.vms_dir)}
         ids = found - keep - set(self._vms) - self._busy
         removed = await remove_leftovers(ids, metas, self._teardown)
+        n = await self._pool_leftovers()  # never adopted: a pool's clone is no sandbox
+        if n:
+            log.info("microvm pool: removed %d clones of an earlier daemon", n)
         with contextlib.suppress(FileNotFoundError):
             for e in os.scandir(self.templates.root):
                 # ".<key>.<pid>": a template boot of a daemon that died before it finished
@@ -785,13 +962,15 @@ class MicroVmBackend:
         return removed
 
     async def warm(self) -> None:
-        """Nothing ahead of demand yet (the first create of a machine boots its
-        template)."""
+        """Nothing ahead of demand: the first create of a machine boots its template, and
+        the pool keeps clones of the machines of the last creates (:mod:`.pool`)."""
 
     async def close(self) -> None:
-        """Drop the control connections (the guests' sbx-init then end the execs of this
-        daemon, as a container's do) and the templates' memfds; VMs keep running for a
+        """End the pool's clones (no VMM, cgroup, socket or file of theirs left) and drop
+        the control connections (the guests' sbx-init then end the execs of this daemon,
+        as a container's do) and the templates' memfds; sandboxes' VMs keep running for a
         later adopt. With no sandbox left, also remove our (empty) parent cgroups."""
+        await self.pool.close()
         for vm in list(self._vms.values()):
             self._unwatch(vm)
             if vm.guest is not None:
@@ -813,6 +992,31 @@ async def _wait_readable(fd: int, timeout_s: float) -> None:
             await asyncio.wait_for(ended, timeout_s)
         except TimeoutError as exc:
             raise BackendError(f"VMM still running {timeout_s} s after SIGKILL") from exc
+
+
+def _close_port(vm: QemuVm) -> None:
+    """Close the control port connection a started-ahead clone holds (if any)."""
+    port = vm.take_port()
+    if port is not None:
+        with contextlib.suppress(RuntimeError):  # its loop closed (the process goes on)
+            port[1].close()
+
+
+async def _kill_recorded(meta: dict[str, Any]) -> None:
+    """SIGKILL the process a record names (pid and start time: not a reused pid) and wait
+    until it has ended."""
+    if not (meta and records.alive(meta)):
+        return
+    try:
+        pidfd = os.pidfd_open(int(meta["pid"]))
+    except ProcessLookupError:
+        return
+    try:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await _wait_readable(pidfd, 10.0)
+    finally:
+        os.close(pidfd)
 
 
 def _cause_text(cause: dict[str, object]) -> str:

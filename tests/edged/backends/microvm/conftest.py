@@ -155,7 +155,8 @@ def assert_left_clean(b: MicroVmBackend) -> None:
     for p in b.cgroups.all_parents():
         if p.exists():
             p.rmdir()
-    files = [str(p) for d in (b.sandboxes_dir, b.vms_dir) if d.exists() for p in d.rglob("*")]
+    files = [str(p) for d in (b.sandboxes_dir, b.vms_dir, b.pool_run, b.pool_data)
+             if d.exists() for p in d.rglob("*")]
     claims = [c for c in (b.uid_slots.read(int(e.name)) for e in os.scandir(b.uid_slots.dir)
                           if e.name.isdigit())
               if b.uid_slots.ours(c)] if b.uid_slots.dir.exists() else []
