@@ -16,6 +16,10 @@ working), one busybox EROFS layer disk + a 1 GiB sparse ext4 upper disk. What is
   placeholder disks: ``GuestVm.prestart``/``from_prestarted``) vs cold boot (the same with
   the kernel booted) vs the container backend on the same layer (mounted file-backed) with
   the daemon's default task profile;
+- the same through the backend (what the daemon's create does: policy, uid slot, cgroups,
+  meta, then a template clone), create→first exec→delete in a row, without the pool and
+  with its default 2 clones started ahead per machine (refilled in the background between
+  creates; ``hits``: creates that got one);
 - exec round trip: `true`, guest vs container, after the first;
 - host memory per idle microVM: MemAvailable before and after N clones are up and idle
   (each wrote 60 MiB to its tmpfs and removed it: memory the guest freed), divided by N, and
@@ -49,6 +53,7 @@ import edged
 from edged.backends.base import ExecEnd, ExecSpec, Resources, SandboxSpec
 from edged.backends.container import ContainerBackend
 from edged.backends.microvm import accel, boot, guestkit
+from edged.backends.microvm.backend import MicroVmBackend
 from edged.backends.microvm.guest import GuestVm
 from edged.backends.microvm.qemu import QemuVmm
 from edged.backends.microvm.template import Templates
@@ -170,6 +175,52 @@ async def bench_create(templates: Templates, machine: Machine, layer: Path, work
             "prestarted_qemu_cpu_p50_ms": statistics.median(pre_cpu) * 1e3,
             "cold": summary(cold_lat),
             "guest_exec_rt": summary(rt)}
+
+
+async def bench_backend(layer: Path, work: Path, n: int, accel_name: str,
+                        pools: tuple[int, ...] = (0, 2)) -> dict[str, Any]:
+    """create→first exec through the backend (what the daemon does: policy, uid slot,
+    cgroups, meta, template clone or a clone from the pool), then delete, ``n`` times in a
+    row per pool size in ``pools`` (0: no pool); the pool refills in the background
+    between creates as it would on a node. ``hits``: creates that got a pooled clone."""
+    out: dict[str, Any] = {}
+    for size in pools:
+        b = MicroVmBackend(work / f"b{size}" / "run", work / f"b{size}" / "state",
+                           cache_dir=work / "cache", accel=accel_name, pool=size)
+
+        def sb(sid: str) -> SandboxSpec:
+            return SandboxSpec(id=sid, lowers=(str(layer),), resources=Resources(
+                memory_bytes=160 << 20, disk_bytes=1 << 30), env=ENV, hostname=sid,
+                qos="latency_sensitive")
+
+        async def true(sid: str, b: MicroVmBackend = b) -> None:
+            h = await b.exec(sid, ExecSpec(argv=("true",), env=ENV))
+            async for ev in h.events():
+                if isinstance(ev, ExecEnd):
+                    assert ev.exit_code == 0, ev
+
+        lat: list[float] = []
+        hits = 0
+        try:
+            await b.create(sb("warm"))  # the template (booted once), the pool's machine
+            await true("warm")
+            await b.destroy("warm")
+            await asyncio.sleep(3.0 if size else 0.0)  # the pool fills once
+            for i in range(n):
+                sid = f"p{size}-{i}"
+                ready = {p.pid for p in b.pool.waiting()}
+                t0 = time.perf_counter()
+                await b.create(sb(sid))
+                await true(sid)
+                lat.append(time.perf_counter() - t0)
+                guest = b._get(sid).guest
+                hits += guest is not None and guest.vm.pid in ready
+                await b.destroy(sid)
+        finally:
+            await b.cleanup_leftovers(set())
+            await b.close()
+        out[f"pool_{size}"] = {**summary(lat), "hits": hits}
+    return out
 
 
 async def bench_container(layer: Path, work: Path, n: int) -> dict[str, Any]:
@@ -328,6 +379,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         if args.only != "memory":
             res["microvm"] = await bench_create(templates, machine, layer, tmp / "c", args.n,
                                                 args.cold)
+            res["backend"] = await bench_backend(layer, tmp / "b", args.n, probe.accel)
             res["container"] = await bench_container(layer, tmp / "k", args.n)
         if args.only != "speed":
             res["memory"] = await bench_memory(templates, machine, layer, tmp / "m",
@@ -342,6 +394,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             res["ratios"] = {
                 "clone_vs_cold_p50": mv["clone"]["p50_ms"] / mv["cold"]["p50_ms"],
                 "prestarted_vs_clone_p50": mv["prestarted"]["p50_ms"] / mv["clone"]["p50_ms"],
+                "backend_pool_vs_no_pool_p50": res["backend"]["pool_2"]["p50_ms"]
+                / res["backend"]["pool_0"]["p50_ms"],
                 "clone_vs_container_p50": mv["clone"]["p50_ms"] / ct["create"]["p50_ms"],
                 "guest_vs_container_exec_rt_p50":
                     mv["guest_exec_rt"]["p50_ms"] / ct["exec_rt"]["p50_ms"],
@@ -411,6 +465,9 @@ def print_speed(res: dict[str, Any]) -> None:
                     ("clone started ahead (a pool's)", mv["prestarted"]),
                     ("cold boot", mv["cold"]), ("container", ct["create"])):
         print(f"{name:32} {s['p50_ms']:9.1f} {s['p99_ms']:9.1f} {s['n']:4d}")
+    for name, s in res["backend"].items():
+        label = f"backend, {name.replace('_', ' ')} ({s['hits']} pooled)"
+        print(f"{label:32} {s['p50_ms']:9.1f} {s['p99_ms']:9.1f} {s['n']:4d}")
     print("clone phases p50 (ms): " + ", ".join(
         f"{k} {v:.1f}" for k, v in mv["clone_phases_p50_ms"].items()))
     print(f"QEMU CPU per create + first exec p50: clone "

@@ -20,7 +20,7 @@ from edged.backends.microvm.vmm import Machine
 from edged.errors import BackendError
 from edged.security.confine import WORKLOAD_CAPS
 
-from .conftest import VMM_UID, make_layer, qemu_pids, run
+from .conftest import VMM_UID, busy_loops, make_layer, qemu_pids, run
 
 
 def qemu_pids_of(d: Path) -> list[int]:
@@ -441,3 +441,24 @@ def test_free_page_reporting_cannot_punch_the_template(
             await a.destroy()
 
     run(go())
+
+
+
+def test_resume_again_and_again_beside_busy_loops(templates: Templates, machine: Machine,
+                                                  layer: Path, run_dir: Path) -> None:
+    """Pause and resume a guest over and over on a loaded host, an exec running across each
+    pause: every resume hears sbx-init again and the exec carries on to its end."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            for i in range(int(os.environ.get("I13_RESUME_ROUNDS", "6"))):
+                h = await g.start(["sh", "-c", f"sleep 0.3; echo round {i}"])
+                await g.pause()
+                await g.resume(templates.vmm, machine)
+                out = [ev async for ev in h.events()]
+                assert out[0] == ("stdout", f"round {i}\n".encode()), (i, out)
+        finally:
+            await g.destroy()
+
+    with busy_loops():
+        run(go())
