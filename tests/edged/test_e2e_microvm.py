@@ -124,7 +124,9 @@ def test_microvm_through_the_api(vm_node: Callable[..., RealNode],
         sbx.exec("echo kept > /work/state")
         sbx.pause()
         assert sbx.refresh()["state"] == "paused"
-        assert not qemu_pids(str(Path(node.server.config.runtime_dir) / "microvm"))
+        # (the pool's clones started ahead may run beside it, under microvm/pool/)
+        assert not qemu_pids(str(Path(node.server.config.runtime_dir) / "microvm"
+                                 / "sandboxes"))
         with pytest.raises(InvalidStateError):
             sbx.pause()
         assert sbx.exec("cat /work/state").stdout == "kept\n"
@@ -147,9 +149,11 @@ def test_a_restarted_daemon_adopts_the_vm(vm_node: Callable[..., RealNode],
     sbx = Sandbox.create(layers=[digest], id="mvm-keep", env=ENV, backend="microvm",
                          qos="latency_sensitive", socket=node.socket)
     sbx.exec("echo kept > /tmp/state")
-    pid = qemu_pids(node.server.config.runtime_dir)
+    microvm = Path(node.server.config.runtime_dir) / "microvm"
+    pid = qemu_pids(str(microvm / "sandboxes"))
     node.stop()
-    assert qemu_pids(node.server.config.runtime_dir) == pid  # the VM outlives its daemon
+    assert qemu_pids(str(microvm / "sandboxes")) == pid  # the VM outlives its daemon
+    assert qemu_pids(str(microvm)) == pid  # the pool's clones do not
     t0 = time.monotonic()
     node2 = vm_node(on_start="adopt", on_shutdown="stop")
     assert node2.server.recovered["adopted"] == ["mvm-keep"], time.monotonic() - t0
