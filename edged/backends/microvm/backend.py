@@ -526,6 +526,9 @@ class MicroVmBackend:
         os.rename(p.run_dir, vm.run_dir)  # over the empty dir made as the create's claim
         p.vm.run_dir = vm.run_dir
         vm.slot = p.slot
+        # its VMM named from now on: a daemon that dies before the create ends leaves a
+        # sandbox whose clean-up kills it
+        vm.meta.update(pid=p.vm.pid, starttime=starttime(p.vm.pid))
         self._write_meta(vm)
         vm.cg = await asyncio.to_thread(
             self.cgroups.claim, p.cg, vm.id, self._vmm_resources(vm.machine, spec.resources),

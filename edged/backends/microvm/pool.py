@@ -139,7 +139,8 @@ class VmPool(Generic[P]):
         return n
 
     async def close(self) -> None:
-        """End the worker and every waiting clone, and wait until they are gone."""
+        """End the worker and every waiting clone, and wait until they are gone. The pool
+        stays usable: the next :meth:`want` starts filling it again."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -153,6 +154,8 @@ class VmPool(Generic[P]):
         self._machines.clear()
         while self._stopping:
             await asyncio.gather(*list(self._stopping), return_exceptions=True)
+        self._hold_until = 0.0
+        self._closed = False
 
     # ---- the worker --------------------------------------------------------------------
 
