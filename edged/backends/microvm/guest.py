@@ -19,11 +19,13 @@ from pathlib import Path
 
 from edged.backends.base import EventSink, ExecEnd
 from edged.backends.microvm import boot, disks
+from edged.backends.microvm.qemu import QemuVm, qemu_log_tail
 from edged.backends.microvm.template import (
     BOOT_TIMEOUT_S,
     Template,
     Templates,
     boot_guest,
+    console_tail,
     open_port,
     read_exact,
 )
@@ -53,6 +55,21 @@ async def _hello(name: str, reader: asyncio.StreamReader, writer: asyncio.Stream
         await conn.close()
         raise
     return conn
+
+
+def vmm_state(vm: Vm) -> str:
+    """What a failed restore's VMM says of itself, for the error: whether it still runs
+    (else its exit status or signal, when it was our child), the end of QEMU's log and of
+    the guest's console (a guest that panicked, a state that did not load)."""
+    if vm.alive():
+        state = "the VMM still runs"
+    else:
+        code = vm.returncode() if isinstance(vm, QemuVm) else None
+        state = ("the VMM exited" if code is None else
+                 f"the VMM was killed by signal {-code}" if code < 0 else
+                 f"the VMM exited with status {code}")
+    return (f"{state}; qemu: {qemu_log_tail(vm.run_dir, 600)!r}; "
+            f"console: {console_tail(vm.run_dir, 600)!r}")
 
 
 @dataclass
@@ -291,6 +308,10 @@ class GuestVm:
                                snapshot or self.snapshot, jail)
         try:
             await self.conn.reattach(*await open_port(vm), HELLO_TIMEOUT_S)
+        except BackendError as exc:
+            why = vmm_state(vm)
+            await vm.kill()
+            raise BackendError(f"{exc}; {why}") from exc
         except BaseException:
             await vm.kill()
             raise
@@ -310,6 +331,10 @@ class GuestVm:
         try:
             reader, writer = await open_port(vm)
             conn = await _hello(sandbox_id, reader, writer, sink, on_end, new_client=True)
+        except BackendError as exc:
+            why = vmm_state(vm)
+            await vm.kill()
+            raise BackendError(f"{exc}; {why}") from exc
         except BaseException:
             await vm.kill()
             raise

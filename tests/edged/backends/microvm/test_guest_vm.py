@@ -462,3 +462,30 @@ def test_resume_again_and_again_beside_busy_loops(templates: Templates, machine:
 
     with busy_loops():
         run(go())
+
+
+def test_a_resume_whose_vmm_dies_says_why(templates: Templates, machine: Machine,
+                                          layer: Path, run_dir: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resume that got no HELLO said only "no hello" (seen once at load, cause unknown):
+    it now says what became of the VMM (here killed as soon as its state was loading) and
+    the ends of its log and the guest's console."""
+    async def go() -> None:
+        g = await _clone(templates, machine, layer, run_dir / "a")
+        try:
+            await g.pause()
+            real = templates.vmm.restore
+
+            async def restore_then_kill(*a: object, **kw: object) -> object:
+                vm = await real(*a, **kw)  # type: ignore[arg-type]
+                os.kill(vm.pid, 9)  # our child, started just now
+                await vm.wait_exit(10)
+                return vm
+
+            monkeypatch.setattr(templates.vmm, "restore", restore_then_kill)
+            with pytest.raises(BackendError, match=r"no hello.*killed by signal 9; qemu: "):
+                await g.resume(templates.vmm, machine)
+        finally:
+            await g.destroy()
+
+    run(go())
