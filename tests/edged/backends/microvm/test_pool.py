@@ -53,6 +53,14 @@ async def pooled(b: MicroVmBackend, n: int = 1, timeout: float = 120.0) -> list[
     return b.pool.waiting()
 
 
+async def end(b: MicroVmBackend, *sids: str) -> None:
+    """Delete ``sids`` and close ``b`` in this loop (its clones' connections are this
+    loop's)."""
+    for sid in sids:
+        await b.destroy(sid)
+    await b.close()
+
+
 def pool_cgroups(b: MicroVmBackend) -> list[Path]:
     return [d for p in b.cgroups.all_parents() if p.exists() for d in p.iterdir()
             if d.is_dir() and d.name.startswith(POOL_PREFIX)]
@@ -111,9 +119,7 @@ def test_a_create_takes_a_pooled_clone_that_becomes_the_sandbox_whole(
             out, _, _ = await sh(b, "second", "cat /w")
             assert out == b"w\n"
         finally:
-            await b.destroy("first")
-            await b.destroy("second")
-            await b.close()  # in this loop: its clones' connections are this loop's
+            await end(b, "first", "second")
 
     run(body())
 
@@ -146,9 +152,7 @@ def test_a_pooled_clone_that_died_is_replaced_and_never_handed_out(
                 await asyncio.sleep(0.05)
             assert b.pool.replaced >= 2
         finally:
-            await b.destroy("first")
-            await b.destroy("second")
-            await b.close()  # in this loop: its clones' connections are this loop's
+            await end(b, "first", "second")
 
     run(body())
 
@@ -201,8 +205,6 @@ def test_stop_ends_the_pool_and_a_restart_adopts_none_and_cleans_up(
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)
         assert b3.pool.count() == 0 and not vmm_processes(b3.pool_run)
-        for sid in ("kept", "other", "third"):
-            await b3.destroy(sid)
-        await b3.close()
+        await end(b3, "kept", "other", "third")
 
     run(restarted())
