@@ -53,7 +53,7 @@ async def pooled(b: MicroVmBackend, n: int = 1, timeout: float = 120.0) -> list[
     return b.pool.waiting()
 
 
-async def end(b: MicroVmBackend, *sids: str) -> None:
+async def finish(b: MicroVmBackend, *sids: str) -> None:
     """Delete ``sids`` and close ``b`` in this loop (its clones' connections are this
     loop's)."""
     for sid in sids:
@@ -119,7 +119,7 @@ def test_a_create_takes_a_pooled_clone_that_becomes_the_sandbox_whole(
             out, _, _ = await sh(b, "second", "cat /w")
             assert out == b"w\n"
         finally:
-            await end(b, "first", "second")
+            await finish(b, "first", "second")
 
     run(body())
 
@@ -152,7 +152,7 @@ def test_a_pooled_clone_that_died_is_replaced_and_never_handed_out(
                 await asyncio.sleep(0.05)
             assert b.pool.replaced >= 2
         finally:
-            await end(b, "first", "second")
+            await finish(b, "first", "second")
 
     run(body())
 
@@ -205,6 +205,6 @@ def test_stop_ends_the_pool_and_a_restart_adopts_none_and_cleans_up(
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)
         assert b3.pool.count() == 0 and not vmm_processes(b3.pool_run)
-        await end(b3, "kept", "other", "third")
+        await finish(b3, "kept", "other", "third")
 
     run(restarted())
