@@ -29,7 +29,7 @@ stdout+stderr passed), ``session_ended`` (the shell itself ended: ``exit``, kill
 memory; ``exit_code``/``signal`` are the shell's). A run that times out, overruns its output
 or loses its client is interrupted: SIGINT to the session's processes (the shell traps it
 while the command runs and goes on; the command's processes die), then SIGTERM
-(:data:`INTERRUPTS`, each :data:`INTERRUPT_GRACE_S` apart); a run that survives them (a
+(:data:`INTERRUPTS`, over ~10 s); a run that survives them (a
 busy builtin loop, a program that ignores them) costs the session, which is killed
 (``session_ended: true`` in the end). The session's own SIGINT/SIGTERM traps are the loop's.
 
@@ -59,11 +59,13 @@ from edged.node.sandbox import SandboxRecord
 
 log = logging.getLogger("edged.node")
 
-#: how an interrupted run is stopped: these signals to the session's processes, one every
-#: :data:`INTERRUPT_GRACE_S` until the run ends, then SIGKILL of the session (a signal that
-#: comes before the command starts is ignored by the loop: hence several)
-INTERRUPTS = (2, 2, 2, 2, 15, 15)
-INTERRUPT_GRACE_S = 0.5
+#: how an interrupted run is stopped: (signal, seconds to wait after it) to the session's
+#: processes until the run ends, then SIGKILL of the session. A signal that comes before the
+#: command starts is ignored by the loop, hence several, and spread over ~10 s: six 0.5 s
+#: apart (3 s in all) once reached a shell that a loaded host (load 36 on 2 cores) had not
+#: yet let start its command, and the session was killed for a client gone early.
+INTERRUPTS: tuple[tuple[int, float], ...] = (
+    (2, 0.5), (2, 0.5), (2, 1.0), (2, 2.0), (15, 2.0), (15, 4.0))
 MAX_SESSIONS = 64
 #: bytes of one command (it travels as one line through the shell's ``read``)
 MAX_COMMAND = 1 << 20
@@ -477,10 +479,10 @@ class Sessions:
                     await self._kill(s)
                     yield RunEnd(reason, None, 9, loop.time() - t0, session_ended=True)
                     return
-                sig = steps.pop(0)
+                sig, wait_s = steps.pop(0)
                 with contextlib.suppress(Exception):
                     await s.handle.signal(sig)
-                step_at = loop.time() + INTERRUPT_GRACE_S
+                step_at = loop.time() + wait_s
                 continue
             try:
                 ev = await asyncio.wait_for(run.queue.get(),

@@ -79,6 +79,14 @@ def test_timeout_output_limit_and_the_session_goes_on(deb_node, debian_layer) ->
         r = s.run("yes | head -c 1000000", output_limit=1000)
         assert r.reason == "output_limit" and len(r.stdout) == 1000
         assert s.run("echo ok").stdout == "ok\n"
+        # a run that outlives the first 3 s of interrupts (a shell a loaded host had not yet
+        # let start its command got all six within 3 s, and the session was killed) but ends
+        # within the ~10 s they last keeps its session
+        t0 = time.monotonic()
+        r = s.run("trap '' INT TERM; sleep 4; echo late", timeout=0.3)
+        assert r.reason == "timeout" and not r.raw_end.get("session_ended"), r.raw_end
+        assert time.monotonic() - t0 > 3.5
+        assert s.run("pwd").stdout == "/tmp\n"
         # a command that ignores SIGINT and SIGTERM costs the session, typed
         r = s.run("trap '' INT TERM; while :; do :; done", timeout=0.3)
         assert r.reason == "timeout" and r.raw_end["session_ended"] is True
