@@ -903,15 +903,23 @@ def test_reclaim_takes_the_upper_and_shared_pages_too(backend: ContainerBackend,
                                  "md5sum < /tmp/blob")
             use = await backend.memory("sb1")
             assert use.shmem_bytes >= 4 << 20, use
-            moved = await backend.reclaim("sb1")
+            sbx = backend._sandboxes["sb1"]
+            # sbx-init forks a new spare after an exec used the last: at load that came after
+            # the reclaim once (a process it did not see: 212 KiB anonymous); reclaim again
+            # then, as the reclaimer's next pass would
+            moved = 0
+            for _ in range(5):
+                seen = {sbx.pid, *sbx.cg.procs()}
+                moved += await backend.reclaim("sb1")
+                if {sbx.pid, *sbx.cg.procs()} == seen:
+                    break
             after = await backend.memory("sb1")
             assert moved >= 4 << 20 and after.shmem_bytes < 512 << 10, after
             assert after.resident_bytes < 2 << 20, after  # kernel objects, mostly
-            sbx = backend._sandboxes["sb1"]
             for pid in (sbx.pid, *sbx.cg.procs()):  # sbx-init and the spare
                 rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
                 anon = int(rollup.split("Anonymous:")[1].split()[0])
-                assert anon <= 64, (pid, rollup)  # KiB
+                assert anon <= 64, (pid, seen, rollup)  # KiB (252 before the reclaim)
             again, _, _ = await sh(backend, "sb1", "md5sum < /tmp/blob")
             assert again == out
         finally:
