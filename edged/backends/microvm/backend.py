@@ -94,6 +94,10 @@ VMM_OVERHEAD_BYTES = 160 << 20
 #: The CPU class a VMM starts, resumes and is snapshotted in (then its sandbox's):
 #: :meth:`MicroVmBackend._settle`.
 STARTING_QOS = "latency_sensitive"
+#: The CPU weight (v1 ``cpu.shares``; a sandbox's is 1024 per CPU) of a clone the pool
+#: starts: it runs beside the sandbox whose create took the last one, and at the normal
+#: weight its QEMU's start (~0.1 CPU-s) slowed that sandbox's first exec.
+POOL_CPU_SHARES = 2
 #: Tasks of one VMM (QEMU's main loop, vCPU, RCU and I/O worker threads).
 VMM_PIDS = 256
 #: QEMU's microvm machine has 8 virtio-mmio transports (hw/i386/microvm.c,
@@ -454,6 +458,10 @@ class MicroVmBackend:
                                   "cannot be handed to its sandbox (no rename)")
                 self.pool.size = 0
                 raise BackendError(f"microvm pool off: {self._pool_off}")
+            cpu = cg.dirs.get("cpu")
+            if cpu is not None:  # (v1) the sandbox's weight is set when one takes it
+                with contextlib.suppress(OSError):
+                    (cpu / "cpu.shares").write_text(f"{POOL_CPU_SHARES}\n")
             for d in (run_dir, data_dir):
                 await asyncio.to_thread(shutil.rmtree, d, True)
             self.pool_run.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -465,6 +473,9 @@ class MicroVmBackend:
                                              data_dir=data_dir, jail=self._jail(slot, cg))
             assert isinstance(started, QemuVm)
             vm = started
+            # ready once its state is loaded: a create must not wait for the rest of a
+            # start that runs at the pool's low CPU weight
+            await vm.wait_running()
             meta.update(pid=vm.pid, starttime=starttime(vm.pid))
             records.write(run_dir, meta)
             await asyncio.to_thread(self.uid_slots.bind, slot, POOL_PREFIX + str(slot),

@@ -260,6 +260,23 @@ class QemuVm:
                 raise BackendError(f"QEMU {self.pid}: save failed: {info.get('error-desc')}")
             await asyncio.sleep(0.005)
 
+    async def wait_running(self, timeout: float = QMP_TIMEOUT_S) -> None:
+        """Wait until the guest runs (a restore's state is loaded: ``query-status`` is
+        ``running``, not ``inmigrate``). Raises BackendError (QEMU's status, or none within
+        ``timeout`` seconds)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        qmp = await self.qmp()
+        while True:
+            status = (await qmp.execute("query-status")).get("status")
+            if status == "running":
+                return
+            if status not in ("inmigrate", "prelaunch", "restore-vm"):
+                raise BackendError(f"QEMU {self.pid}: guest {status} after its restore; "
+                                   f"qemu: {qemu_log_tail(self.run_dir)!r}")
+            if asyncio.get_running_loop().time() > deadline:
+                raise BackendError(f"QEMU {self.pid}: state not loaded within {timeout} s")
+            await asyncio.sleep(0.005)
+
     async def pause(self) -> None:
         await (await self.qmp()).execute("stop")
 
