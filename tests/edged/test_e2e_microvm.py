@@ -89,10 +89,16 @@ def test_microvm_through_the_api(vm_node: Callable[..., RealNode],
     mv = info["backends"]["microvm"]
     assert mv["layer_form"] == "image" and mv["features"]["available"] is True, mv
     assert mv["features"]["accel"] == "tcg"
+    assert mv["features"]["pool"]["size"] == 2  # microvm_pool's default
     with Sandbox.create(layers=[digest], id="mvm-1", env=ENV, backend="microvm",
                         memory_bytes=256 << 20, disk_bytes=128 << 20,
                         qos="latency_sensitive", socket=node.socket) as sbx:
         assert sbx.refresh()["backend"] == "microvm"
+        # clones of its machine are started ahead; their memory is in GET /v1/node
+        deadline = time.monotonic() + 120
+        while Transport(node.socket).json("GET", "/v1/node")["memory"]["spare_bytes"] <= 0:
+            assert time.monotonic() < deadline, "no memory held by the pool"
+            time.sleep(0.2)
         r = sbx.exec("echo out; echo err >&2; cat /etc/marker; hostname; exit 5")
         assert (r.exit_code, r.stdout, r.stderr) == (5, "out\nfrom the layer\nmvm-1\n",
                                                      "err\n")
