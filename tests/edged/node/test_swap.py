@@ -3,16 +3,18 @@ removed after a crash, gone after stop; the host's devices (zram0) never touched
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from edged.cgroups import fs
+from edged.backends.base import Resources
+from edged.cgroups import SandboxCgroup, probe
 from edged.errors import BackendError
 from edged.node import swap as swapmod
 from edged.node.swap import (
@@ -399,21 +401,61 @@ def test_a_ram_full_zram_is_full_though_it_has_slots(tmp_path: Path,
     assert added == [(32 * MiB, swapmod.ZRAM_PRIORITY + 1)]
 
 
-def _end(cg: Path, proc: subprocess.Popen[str] | None) -> None:
-    """Kill ``proc`` (ours) and remove memory cgroup ``cg`` (ours) once it is empty."""
-    if proc is not None:
+@contextlib.contextmanager
+def _memory_cgroups(tmp_path: Path, n: int) -> Iterator[list[SandboxCgroup]]:
+    """``n`` sandbox cgroups of the cgroups room (:func:`edged.cgroups.probe` beneath this
+    process's own, 256 MiB each, swap allowed), so that reclaim is the product's own: v1's
+    ``memory.force_empty`` or v2's ``memory.reclaim`` (pytest skips without either). Their
+    tasks killed and the cgroups removed at the end."""
+    hier = probe(subdir=f"i17-zram-{os.getpid()}-{tmp_path.name}")
+    if hier.version == "none" or not hier.features()["memory_reclaim"]:
+        pytest.skip(f"needs a memory cgroup with proactive reclaim (cgroups: {hier.version})")
+    cgs: list[SandboxCgroup] = []
+    try:
+        for i in range(n):
+            cgs.append(hier.create(f"hog{i}", Resources(memory_bytes=256 * MiB), os.getuid()))
+        yield cgs
+    finally:
+        for cg in cgs:
+            cg.remove()
+        hier.prune()
+        assert not any(p.exists() for p in hier.parents.values())
+
+
+def _hog(cg: SandboxCgroup, mib: int, procs: list[subprocess.Popen[str]]) -> None:
+    """A process of ``mib`` MiB of random (incompressible) bytes in sandbox cgroup ``cg``
+    (its memory cgroup: :meth:`SandboxCgroup.memory_join`), added to ``procs``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time\nsys.stdin.readline()\n"
+         f"b = bytearray(os.urandom({mib} << 20))\nprint('ok', flush=True)\ntime.sleep(120)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    procs.append(proc)
+    join = cg.memory_join()
+    assert join is not None
+    join.write_text(str(proc.pid))  # before it allocates: it waits for a line
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "ok\n"
+
+
+def _page_out(cg: SandboxCgroup) -> None:
+    """Everything of ``cg`` the kernel can page out, paged out (the product's reclaim)."""
+    assert cg.reclaim(256 * MiB)
+
+
+def _resident(cg: SandboxCgroup) -> int:
+    return cg.memory_usage().resident_bytes
+
+
+def _end(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill our processes ``procs`` and close their pipes."""
+    for proc in procs:
         proc.kill()
         proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-    for _ in range(100):
-        try:
-            cg.rmdir()
-            break
-        except FileNotFoundError:
-            break
-        except OSError:
-            time.sleep(0.05)
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                f.close()
 
 
 @pytest.mark.root
@@ -421,47 +463,38 @@ def _end(cg: Path, proc: subprocess.Popen[str] | None) -> None:
 def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A zram device of ours with 128 MiB of slots and 16 MiB of RAM, a process of 48 MiB of
-    random (incompressible) bytes paged out into it (``memory.force_empty`` of a memory
-    cgroup made beneath this process's own): the device fills its RAM limit with slots to
-    spare, says it is full, has (nearly) no room left; the pages that did not fit stay
-    resident (nothing is lost); at stop the device is gone."""
-    own = fs.self_cgroups().get("memory")
-    base = Path("/sys/fs/cgroup/memory") / (own or "").lstrip("/")
-    if own is None or not (base / "memory.force_empty").exists():
-        pytest.skip("needs a cgroup v1 memory controller (memory.force_empty)")
+    random (incompressible) bytes paged out into it (the cgroups room's reclaim: v1
+    ``memory.force_empty``, v2 ``memory.reclaim``, of a sandbox cgroup made beneath this
+    process's own): the device fills its RAM limit with slots to spare, says it is full, has
+    (nearly) no room left; the pages that did not fit stay resident (nothing is lost); at
+    stop the device is gone."""
     # above every other swap area (other helpers' daemons have zram at 100): ours fills
     monkeypatch.setattr(swapmod, "ZRAM_PRIORITY", 32000)
     zram0 = _zram_snapshot()
     m = SwapManager(tmp_path, mode="zram", zram_bytes=128 * MiB, zram_mem_limit_bytes=16 * MiB)
-    cg = base / f"i11-zramfill-{os.getpid()}-{tmp_path.name}"
-    proc: subprocess.Popen[str] | None = None
-    m.start()
-    try:
-        assert m.ensure() and m.zram is not None
-        dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
-        u0 = m.usage()
-        assert not u0["zram_full"] and 39 * MiB < u0["room_bytes"] <= 40 * MiB  # at 2.5:1
-        cg.mkdir()
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "import os, sys, time\n"
-             "b = bytearray(os.urandom(48 << 20))\nprint('ok', flush=True)\ntime.sleep(120)"],
-            stdout=subprocess.PIPE, text=True)
-        (cg / "cgroup.procs").write_text(str(proc.pid))
-        assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
-        (cg / "memory.force_empty").write_text("0")
-        z = m.zram_stats()
-        assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # its RAM limit: the wall
-        assert z["orig_bytes"] < 20 * MiB  # ~1:1, of 128 MiB of slots
-        u = m.usage()
-        assert u["zram_full"] and u["room_bytes"] < 2 * MiB, u
-        assert m.room()[0] < 2 * MiB
-        # what did not fit is resident still: nothing lost
-        assert int((cg / "memory.usage_in_bytes").read_text()) > 28 * MiB
-        assert proc.poll() is None
-    finally:
-        _end(cg, proc)
-        m.stop()
-    assert zram.gone(dev, ident) and not cg.exists()
+    procs: list[subprocess.Popen[str]] = []
+    with _memory_cgroups(tmp_path, 1) as (cg,):
+        m.start()
+        try:
+            assert m.ensure() and m.zram is not None
+            dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
+            u0 = m.usage()
+            assert not u0["zram_full"] and 39 * MiB < u0["room_bytes"] <= 40 * MiB  # 2.5:1
+            _hog(cg, 48, procs)
+            _page_out(cg)
+            z = m.zram_stats()
+            assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # its RAM limit: the wall
+            assert z["orig_bytes"] < 20 * MiB  # ~1:1, of 128 MiB of slots
+            u = m.usage()
+            assert u["zram_full"] and u["room_bytes"] < 2 * MiB, u
+            assert m.room()[0] < 2 * MiB
+            # what did not fit is resident still: nothing lost
+            assert _resident(cg) > 28 * MiB
+            assert procs[0].poll() is None
+        finally:
+            _end(procs)
+            m.stop()
+    assert zram.gone(dev, ident)
     assert _zram_snapshot() == zram0
 
 
@@ -514,70 +547,52 @@ def test_a_ram_full_zram_hides_the_swap_below_it(tmp_path: Path,
     assert len(calls) == 2  # f1 holds pages: left where it is
 
 
-def _hog(cg: Path, mib: int) -> subprocess.Popen[str]:
-    """A process of ``mib`` MiB of random (incompressible) bytes in memory cgroup ``cg``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import os, sys, time\n"
-         f"b = bytearray(os.urandom({mib} << 20))\nprint('ok', flush=True)\ntime.sleep(120)"],
-        stdout=subprocess.PIPE, text=True)
-    (cg / "cgroup.procs").write_text(str(proc.pid))
-    assert proc.stdout is not None and proc.stdout.readline() == "ok\n"
-    return proc
-
-
 @pytest.mark.root
 @needs_zram
 def test_a_real_file_below_a_ram_full_zram_is_moved_above_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A zram device of ours (128 MiB of slots, 16 MiB of RAM) and a swap file of ours
     added while the device had RAM left, so below it. 48 MiB of incompressible pages paged
-    out (``memory.force_empty``): the device fills its RAM, the rest stays resident and the
-    file below gets nothing (the kernel sends every page to the device and fails it), so
-    the file is no room. The next ensure moves the empty file above the device; pages paged
+    out (the cgroups room's reclaim, v1 or v2): the device fills its RAM, the rest stays
+    resident and the file below gets nothing (the kernel sends every page to the device and
+    fails it), so the file is no room. The next ensure moves the empty file above the device; pages paged
     out then go to the file. At stop both are gone."""
-    own = fs.self_cgroups().get("memory")
-    base = Path("/sys/fs/cgroup/memory") / (own or "").lstrip("/")
-    if own is None or not (base / "memory.force_empty").exists():
-        pytest.skip("needs a cgroup v1 memory controller (memory.force_empty)")
     monkeypatch.setattr(swapmod, "ZRAM_PRIORITY", 32000)  # above other helpers' devices
     zram0 = _zram_snapshot()
     m = SwapManager(tmp_path, mode="zram", zram_bytes=128 * MiB, zram_mem_limit_bytes=16 * MiB,
                     file_bytes=96 * MiB, file_step_bytes=128 * MiB, disk_reserve=0.0)
-    cgs = [base / f"i11-zrambelow-{os.getpid()}-{tmp_path.name}-{i}" for i in range(2)]
     procs: list[subprocess.Popen[str]] = []
-    m.start()
-    try:
-        assert m.ensure() and m.zram is not None and len(m.files) == 1
-        dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
-        f0 = str(m.files[0])
+    with _memory_cgroups(tmp_path, 2) as cgs:
+        m.start()
+        try:
+            assert m.ensure() and m.zram is not None and len(m.files) == 1
+            dev, ident = f"zram{m.zram}", zram.identity(f"zram{m.zram}")
+            f0 = str(m.files[0])
 
-        def area(path: str) -> swapmod.SwapArea:
-            return next(a for a in active_swaps() if os.path.realpath(a.path) ==
-                        os.path.realpath(path))
+            def area(path: str) -> swapmod.SwapArea:
+                return next(a for a in active_swaps() if os.path.realpath(a.path) ==
+                            os.path.realpath(path))
 
-        assert area(f0).priority == swapmod.FILE_PRIORITY  # below the device
-        for cg in cgs:
-            cg.mkdir()
-        procs.append(_hog(cgs[0], 48))
-        (cgs[0] / "memory.force_empty").write_text("0")
-        z = m.zram_stats()
-        assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # at its RAM limit
-        assert area(f0).used_bytes == 0  # never reached
-        assert int((cgs[0] / "memory.usage_in_bytes").read_text()) > 28 * MiB  # resident
-        assert sum(m._free(m.ratio())) < 2 * MiB  # the file behind it is no room
-        m.ensure()
-        assert area(f0).priority > 32000 and len(m.files) == 1  # moved above, not a new one
-        assert m.room()[1] > 90 * MiB
-        procs.append(_hog(cgs[1], 24))
-        (cgs[1] / "memory.force_empty").write_text("0")
-        assert area(f0).used_bytes >= 20 * MiB  # the new pages went to the file
-        assert int((cgs[1] / "memory.usage_in_bytes").read_text()) < 8 * MiB
-        assert all(p.poll() is None for p in procs)
-    finally:
-        for cg, p in zip(cgs, procs + [None] * (len(cgs) - len(procs)), strict=True):
-            _end(cg, p)
-        files = list(m.files)
-        m.stop()
-    assert zram.gone(dev, ident) and not any(cg.exists() for cg in cgs)
+            assert area(f0).priority == swapmod.FILE_PRIORITY  # below the device
+            _hog(cgs[0], 48, procs)
+            _page_out(cgs[0])
+            z = m.zram_stats()
+            assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # at its RAM limit
+            assert area(f0).used_bytes == 0  # never reached
+            assert _resident(cgs[0]) > 28 * MiB  # resident
+            assert sum(m._free(m.ratio())) < 2 * MiB  # the file behind it is no room
+            m.ensure()
+            assert area(f0).priority > 32000 and len(m.files) == 1  # moved above, not new
+            assert m.room()[1] > 90 * MiB
+            _hog(cgs[1], 24, procs)
+            _page_out(cgs[1])
+            assert area(f0).used_bytes >= 20 * MiB  # the new pages went to the file
+            assert _resident(cgs[1]) < 8 * MiB
+            assert all(p.poll() is None for p in procs)
+        finally:
+            _end(procs)
+            files = list(m.files)
+            m.stop()
+    assert zram.gone(dev, ident)
     assert not any(f.exists() or _ours(str(f)) for f in files)
     assert _zram_snapshot() == zram0
