@@ -54,6 +54,8 @@ import logging
 import os
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,9 @@ _LABEL_OFF = 1024 + 4 + 4 + 4 + 16  # bootbits, version, last_page, nr_badpages,
 ZRAM_PRIORITY = 100
 FILE_PRIORITY = 10
 MODES = ("auto", "zram", "off")
+#: seconds a zram ``reset`` or ``hot_remove`` refused with EBUSY is retried (a device held
+#: open for a moment by udev's probe of it; see SwapManager._remove_zram)
+ZRAM_BUSY_WAIT_S = 10.0
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
@@ -90,6 +95,23 @@ def _syscall_path(name: str, path: str, *args: int) -> None:
     if fn(os.fsencode(path), *args) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"{name} `{path}`: {os.strerror(e)}")
+
+
+def _while_busy(what: str, fn: Callable[[], None]) -> None:
+    """Call ``fn`` until it does not fail with EBUSY, for at most :data:`ZRAM_BUSY_WAIT_S`
+    (then the last EBUSY is raised); other errors at once."""
+    deadline = time.monotonic() + ZRAM_BUSY_WAIT_S
+    delay = 0.01
+    while True:
+        try:
+            fn()
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+            log.debug("swap: %s: busy (held open, e.g. udev probing it); retrying", what)
+        time.sleep(delay)
+        delay = min(0.2, delay * 2)
 
 
 def zram_sizing(ram_bytes: int, ratio: float = EXPECTED_RATIO,
@@ -274,17 +296,28 @@ class SwapManager:
         return None
 
     def _remove_zram(self, n: int) -> None:
-        """swapoff (if active), reset and hot_remove zram device ``n``."""
+        """swapoff (if active), reset and hot_remove zram device ``n``. Both refuse with
+        EBUSY while anything has the device open (drivers/block/zram/zram_drv.c
+        ``reset_store``, ``zram_remove``), and on a node with udev something briefly does:
+        a new device or a swapoff raises a uevent and udev's rules open the device to probe
+        it (blkid), so an EBUSY is retried for up to :data:`ZRAM_BUSY_WAIT_S`. Raises
+        OSError (EBUSY after that)."""
         if self._active(self._zdev(n)) is not None:
             _syscall_path("swapoff", self._zdev(n))
-        with contextlib.suppress(FileNotFoundError):
-            (self._zdir(n) / "reset").write_text("1")
+        _while_busy(f"zram{n}: reset", lambda: self._sysfs_write(self._zdir(n) / "reset", "1"))
+        _while_busy(f"zram{n}: hot_remove", lambda: self._sysfs_write(
+            self.sys / "class/zram-control/hot_remove", str(n), errno.ENODEV))
+
+    @staticmethod
+    def _sysfs_write(path: Path, value: str, *gone: int) -> None:
+        """Write ``value`` to ``path``; a missing file or an errno in ``gone`` is no error
+        (the device is gone already)."""
         try:
-            (self.sys / "class/zram-control/hot_remove").write_text(str(n))
+            path.write_text(value)
         except FileNotFoundError:
             pass
         except OSError as e:
-            if e.errno != errno.ENODEV:
+            if e.errno not in gone:
                 raise
 
     def _add_zram(self) -> int:
