@@ -78,8 +78,10 @@ ABI_FEATURES: dict[int, tuple[str, str]] = {
         "the sandbox's /dev holds only null, zero, full, random, urandom, tty, pts; seccomp "
         "filters ioctl numbers"),
     6: ("scoping of signals and abstract unix sockets (6.12)",
-        "signals to sbx-init and between profiles are AppArmor's (where loaded); abstract "
-        "sockets are per network namespace, and each sandbox has its own"),
+        "signals to sbx-init and between profiles are AppArmor's (where loaded); the "
+        "workload's execs share one profile, so they can signal each other and reach each "
+        "other's abstract sockets; abstract sockets are per network namespace, and each "
+        "sandbox has its own"),
     7: ("audit logging of denials (6.15)", "Landlock denials are not recorded"),
 }
 
