@@ -830,6 +830,16 @@ static int detach_clone(int *fd, const char *path, struct lfs_error *e)
 	return 0;
 }
 
+/* A detached mount tree's propagation made private (all of it). */
+static int make_private(int fd, struct lfs_error *e)
+{
+	struct mount_attr attr = {.propagation = MS_PRIVATE};
+
+	if (mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof(attr)) < 0)
+		return lfs_error_set(e, errno, "staged rootfs: make a detached mount private");
+	return 0;
+}
+
 /* The rootfs overlay for kernels before 6.15 (returned; build_rootfs's
  * detached-mount way needs open_tree to clone from a detached mount, 6.15, and
  * overlayfs's "lowerdir+" taking an fd, 6.8; the 6.1 LTS has neither): in a
@@ -854,6 +864,16 @@ static int staged_rootfs(int n_lowers, int lowers[], int *scratch, int *dev, int
 		return lfs_error_set(e, errno, "staged rootfs: make `/` private");
 	if (mount("edged-stage", STAGE, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0700") < 0)
 		return lfs_error_set(e, errno, "staged rootfs: tmpfs on `%s`", STAGE);
+	/* The detached clones are no part of the tree made private above: a
+	 * clone of a shared mount (a systemd host's scratch filesystem) stays in
+	 * its peer group, and so would the dev/ and shm/ clones taken from it,
+	 * so the sandbox's mounts on /dev appeared on the host's scratch dir
+	 * (its upper then could not be removed, nor the filesystem unmounted). */
+	if (make_private(*scratch, e) < 0)
+		return -1;
+	for (i = 0; i < n_lowers; i++)
+		if (make_private(lowers[i], e) < 0)
+			return -1;
 	if (mkdir(STAGE "/s", 0700) < 0 ||
 	    move_mount(*scratch, "", AT_FDCWD, STAGE "/s", MOVE_MOUNT_F_EMPTY_PATH) < 0)
 		return lfs_error_set(e, errno, "staged rootfs: attach the scratch dir");

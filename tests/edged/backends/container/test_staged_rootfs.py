@@ -6,6 +6,7 @@ from the scratch tmpfs, the grader's exec, nothing of the staging left on the ho
 from __future__ import annotations
 
 import asyncio
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,42 @@ def test_a_sandbox_on_a_staged_rootfs(backend: ContainerBackend, busybox_tree: P
         assert "edged-stage" not in Path("/proc/self/mountinfo").read_text()
 
     asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_staged_sandbox_on_a_shared_scratch_filesystem_leaves_it_clean(
+        state_dir: Path, busybox_tree: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node's scratch filesystem shared, as every mount of a systemd host is (the node
+    VM: XFS scratch, 6.1): the staged rootfs's detached clones of it were no part of the
+    namespace made private, so they stayed in its peer group, and the sandbox's mounts on
+    /dev (its device binds, pts) appeared on the host's ``<scratch>/<id>/dev``: the upper
+    could not be removed at destroy, nor the filesystem unmounted. Now nothing of the
+    sandbox is mounted on the host, and its directory goes with it."""
+    monkeypatch.setenv("EDGED_SPAWNER_STAGED", "1")
+    fs = tmp_path / "scratchfs"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "i17-scratch", str(fs)],
+                   check=True)
+    try:
+        subprocess.run(["mount", "--make-shared", str(fs)], check=True)
+        backend = ContainerBackend(state_dir, scratch_dir=fs)
+        spec = SandboxSpec(id="shared", lowers=(str(busybox_tree),),
+                           resources=Resources(disk_bytes=8 << 20), env=ENV,
+                           hostname="shared")
+
+        async def body() -> list[str]:
+            await backend.create(spec)
+            try:
+                h = await backend.exec("shared", ExecSpec(argv=("ls", "/dev"), env=ENV))
+                out, _err, end = await collect(h)
+                assert end.exit_code == 0 and b"null" in out, out
+                return [m.split()[1] for m in Path("/proc/self/mounts").read_text().splitlines()
+                        if m.split()[1].startswith(str(fs) + "/")]
+            finally:
+                await backend.destroy("shared")
+
+        seen = asyncio.run(asyncio.wait_for(body(), 120))
+        assert seen == [], f"the sandbox's mounts appeared on the host: {seen}"
+        assert not (fs / "shared").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=True)
