@@ -27,6 +27,7 @@ from edged.client._http import Transport
 from edged.net import bpf, libbpf
 from tests.edged.net.servers import NET4, NET6, FakeUpstream, ServerNetns
 from tests.edged.test_e2e_container import RealNode, layer_store, real_node  # noqa: F401
+from tests.timing import bound
 
 pytestmark = [pytest.mark.root, pytest.mark.mount]
 
@@ -169,7 +170,8 @@ def test_cidr_and_udp_rules(net: Net) -> None:
             assert f"hi-{NET4}.{a}:8080" in sh(sbx, f"nc -w 3 {NET4}.{a} 8080 </dev/null")
         refused_fast(sbx, f"nc -w 20 {NET4}.2 9000 </dev/null")
         # UDP (busybox's tftp: unconnected sendto, the sendmsg hook)
-        sh(sbx, f"tftp -g -r x -l /dev/null {NET4}.2 5353 & sleep 1; kill $!")
+        # (its first datagram within the sleep: emulated, the node VM needs longer)
+        sh(sbx, f"tftp -g -r x -l /dev/null {NET4}.2 5353 & sleep {bound(1):g}; kill $!")
         wait_for(lambda: [d for d in net.srv.datagrams if d[0] == f"{NET4}.2"], "a datagram")
         out = refused_fast(sbx, f"tftp -g -r x -l /dev/null {NET4}.3 5353")
         assert "not permitted" in out, out
