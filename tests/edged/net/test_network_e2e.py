@@ -101,7 +101,7 @@ def net(real_node, layer_store, tmp_path) -> Iterator[Net]:  # noqa: F811
 
 
 def sh(sbx: Sandbox, cmd: str, timeout: float = 20) -> str:
-    r = sbx.exec(cmd, timeout=timeout)
+    r = sbx.exec(cmd, timeout=bound(timeout))
     return r.stdout + r.stderr
 
 
@@ -127,7 +127,9 @@ def refused_fast(sbx: Sandbox, cmd: str, *, closed: bool = False) -> str:
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 8.0) -> None:
-    deadline = time.monotonic() + timeout
+    """Poll ``cond`` until it holds, for at most ``timeout`` seconds (scaled:
+    tests.timing.bound; the node VM's emulation timed out waiting for three connections)."""
+    deadline = time.monotonic() + bound(timeout)
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
@@ -182,11 +184,12 @@ def test_phase_switch_cuts_what_the_new_policy_forbids(net: Net) -> None:
     with net.create("net-phase", {"allow": ["ok.test", f"{NET4}.3:9000"]}) as sbx:
         sh(sbx, "nslookup ok.test")
         outs: dict[str, str] = {}
+        hold = f"{bound(4):g}"  # the cut comes while they wait (scaled: emulated it is slow)
         cmds = {
-            "direct": f"(echo a; sleep 4; echo bye) | nc {NET4}.2 9000; echo rc=$?",
-            "kept": f"(echo a; sleep 4; echo bye) | nc {NET4}.3 9000; echo rc=$?",
-            "proxied": ("(printf 'GET /hold HTTP/1.0\\r\\nHost: ok.test\\r\\n\\r\\n'; sleep 4; "
-                        "echo bye) | nc ok.test 80; echo rc=$?"),
+            "direct": f"(echo a; sleep {hold}; echo bye) | nc {NET4}.2 9000; echo rc=$?",
+            "kept": f"(echo a; sleep {hold}; echo bye) | nc {NET4}.3 9000; echo rc=$?",
+            "proxied": ("(printf 'GET /hold HTTP/1.0\\r\\nHost: ok.test\\r\\n\\r\\n'; "
+                        f"sleep {hold}; echo bye) | nc ok.test 80; echo rc=$?"),
         }
         threads = [threading.Thread(target=lambda k=k, c=c: outs.__setitem__(k, sh(sbx, c)))
                    for k, c in cmds.items()]
@@ -198,7 +201,7 @@ def test_phase_switch_cuts_what_the_new_policy_forbids(net: Net) -> None:
         out = sbx.set_network({"allow": [f"{NET4}.3:9000"]})
         assert out["generation"] == 1 and out["cut"] == 2, out
         for t in threads:
-            t.join(20)
+            t.join(bound(20))
         (direct,) = net.srv.conns(9000, f"{NET4}.2")
         (kept,) = net.srv.conns(9000, f"{NET4}.3")
         (proxied,) = net.srv.conns(80)
