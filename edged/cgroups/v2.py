@@ -25,6 +25,18 @@ from edged.cgroups.base import (
 from edged.datatypes import MemoryUsage, Resources
 from edged.errors import BackendError
 
+#: The leaf of its own cgroup a daemon moves its cgroup's processes into before it enables
+#: controllers for the sandboxes ("no internal processes").
+DAEMON_LEAF = "daemon"
+
+
+def _controls(d: Path) -> list[str]:
+    """The controllers cgroup ``d`` enables for its children ([] if unreadable)."""
+    try:
+        return fs.read(d / "cgroup.subtree_control").split()
+    except OSError:
+        return []
+
 
 class V2Cgroup(SandboxCgroup):
     """A sandbox's directory in the unified hierarchy (``dirs["v2"]``, also its
@@ -157,6 +169,13 @@ class V2Hierarchy(Hierarchy):
         if not (root / "cgroup.controllers").exists() or set(own) != {""}:
             return None
         base = root / own[""].lstrip("/")
+        if base.name == DAEMON_LEAF and "memory" in _controls(base.parent):
+            # our own leaf, made by an earlier daemon in this process (or one that moved
+            # this process with it): its sandboxes are beside it, under the same base. Taken
+            # for a base of its own, each daemon started in the process nested one level
+            # deeper (the node VM's test run reached 45 levels) and a restarted daemon
+            # looked for its predecessor's sandboxes in the wrong place (none adopted)
+            base = base.parent
         if not {"memory", "pids", "cpu"} <= set(fs.read(base / "cgroup.controllers").split()):
             return None
         return cls(base / subdir, root=root, subdir=subdir, swap_share=swap_share)
@@ -172,7 +191,7 @@ class V2Hierarchy(Hierarchy):
         base = p.parent
         # "no internal processes": the daemon moves into a leaf of its own (delegated)
         # cgroup before controllers are enabled for sandboxes.
-        leaf = base / "daemon"
+        leaf = base / DAEMON_LEAF
         leaf.mkdir(exist_ok=True)
         for pid in fs.read(base / "cgroup.procs").split():
             with contextlib.suppress(ProcessLookupError, OSError):

@@ -18,7 +18,7 @@ from edged.backends.base import Resources
 from edged.cgroups import Hierarchy, SandboxCgroup, fs, probe
 from edged.cgroups.none import NoCgroup
 from edged.cgroups.v1 import V1Hierarchy
-from edged.cgroups.v2 import V2Cgroup
+from edged.cgroups.v2 import V2Cgroup, V2Hierarchy
 from edged.errors import BackendError
 
 pytestmark = pytest.mark.root
@@ -265,3 +265,26 @@ def test_v1_cpu_wait_is_the_threads_run_delay(tmp_path: Path) -> None:
     got = fs.run_delay_ns(tasks)
     assert want <= got <= want + 10**9
     assert fs.run_delay_ns(tmp_path / "missing") == 0
+
+
+def test_v2_a_daemon_in_its_predecessors_leaf_shares_its_base(tmp_path: Path) -> None:
+    """A daemon moves its cgroup's processes into a ``daemon`` leaf before enabling the
+    controllers for sandboxes. A later daemon in that process (a restart in place, the
+    tests' daemons) took the leaf for a base of its own: each nested one level deeper (45
+    in the node VM's run) and a restarted daemon looked for its predecessor's sandboxes
+    beneath the leaf, adopting none. Both now share the base (a fake cgroupfs)."""
+    root = tmp_path / "cg"
+    unit = root / "system.slice" / "edged.service"
+    leaf = unit / "daemon"
+    leaf.mkdir(parents=True)
+    for d in (root, unit, leaf):
+        (d / "cgroup.controllers").write_text("cpu memory pids\n")
+    (unit / "cgroup.subtree_control").write_text("")
+    fresh = V2Hierarchy.probe(root, "edged", {"": "/system.slice/edged.service"})
+    assert fresh is not None and fresh.parents["v2"] == unit / "edged"
+    # before our first daemon enabled the controllers, a leaf named so is nobody's
+    assert V2Hierarchy.probe(root, "edged", {"": "/system.slice/edged.service/daemon"}
+                             ).parents["v2"] == leaf / "edged"
+    (unit / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    again = V2Hierarchy.probe(root, "edged", {"": "/system.slice/edged.service/daemon"})
+    assert again is not None and again.parents["v2"] == unit / "edged"
