@@ -502,11 +502,26 @@ def _hog(cg: SandboxCgroup, mib: int, procs: list[subprocess.Popen[str]]) -> Non
 
 def _page_out(cg: SandboxCgroup, mib: float) -> None:
     """``mib`` MiB of ``cg`` paged out (v2 ``memory.reclaim``), or all the kernel can (v1
-    ``memory.force_empty``): the product's reclaim. Into a RAM-full zram a v2 request the
-    swap cannot take whole retries until 16 passes free nothing, each failing every write:
-    ~3 min under the node VM's emulation (849k failed writes on 6.1), so the tests ask v2
-    for just under the device's RAM limit (the hogs sleep past it all the same)."""
+    ``memory.force_empty``): the product's reclaim."""
     assert cg.reclaim(int(mib * MiB))
+
+
+def _fill(m: SwapManager, cg: SandboxCgroup) -> None:
+    """Page ``cg`` out until our zram device is at its RAM limit. v1: ``memory.force_empty``
+    once (all of it: the device takes what fits, the rest is refused). v2: ``memory.reclaim``
+    in steps of 512 KiB until less than 1 MiB of the limit is left, since a request the
+    device cannot take whole retries until 16 passes free nothing, each failing every write
+    (~3 min under the node VM's emulation, 849k failed writes on 6.1)."""
+    if cg.version != "v2":
+        _page_out(cg, 256)
+        return
+    for _ in range(64):
+        z = m.zram_stats()
+        assert z is not None
+        if z["mem_limit_bytes"] - z["mem_used_bytes"] < MiB:
+            return
+        _page_out(cg, 0.5)
+    raise AssertionError(f"the device did not fill: {m.zram_stats()}")
 
 
 def _resident(cg: SandboxCgroup) -> int:
@@ -530,7 +545,7 @@ def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
     """A zram device of ours with 128 MiB of slots and 16 MiB of RAM, a process of 48 MiB of
     random (incompressible) bytes paged out into it (the cgroups room's reclaim of a sandbox
     cgroup made beneath this process's own: v1 ``memory.force_empty``, all of it; v2
-    ``memory.reclaim``, just under the RAM limit: see :func:`_page_out`): the device fills
+    ``memory.reclaim``, up to its RAM limit: see :func:`_fill`): the device fills
     its RAM limit with slots to spare, says it is full, has (nearly) no room left; the pages
     that did not fit stay resident (nothing is lost); at stop the device is gone."""
     # above every other swap area (other helpers' daemons have zram at 100): ours fills
@@ -546,7 +561,7 @@ def test_a_real_zram_device_fills_to_its_ram_limit(tmp_path: Path,
             u0 = m.usage()
             assert not u0["zram_full"] and 39 * MiB < u0["room_bytes"] <= 40 * MiB  # 2.5:1
             _hog(cg, 48, procs)
-            _page_out(cg, 15.5)  # v1: all 48 MiB, the rest refused
+            _fill(m, cg)
             z = m.zram_stats()
             assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # its RAM limit: the wall
             assert z["orig_bytes"] < 20 * MiB  # ~1:1, of 128 MiB of slots
@@ -640,7 +655,7 @@ def test_a_real_file_below_a_ram_full_zram_is_moved_above_it(
 
             assert area(f0).priority == swapmod.FILE_PRIORITY  # below the device
             _hog(cgs[0], 48, procs)
-            _page_out(cgs[0], 15.5)  # v1: all 48 MiB, the rest refused
+            _fill(m, cgs[0])
             z = m.zram_stats()
             assert z is not None and z["mem_used_bytes"] >= 15 * MiB  # at its RAM limit
             assert area(f0).used_bytes == 0  # never reached
