@@ -509,18 +509,18 @@ def _page_out(cg: SandboxCgroup, mib: float) -> None:
 def _fill(m: SwapManager, cg: SandboxCgroup) -> None:
     """Page ``cg`` out until our zram device is at its RAM limit. v1: ``memory.force_empty``
     once (all of it: the device takes what fits, the rest is refused). v2: ``memory.reclaim``
-    in steps of 512 KiB until less than 1 MiB of the limit is left, since a request the
+    in steps of 256 KiB until less than 512 KiB of the limit is left, since a request the
     device cannot take whole retries until 16 passes free nothing, each failing every write
     (~3 min under the node VM's emulation, 849k failed writes on 6.1)."""
     if cg.version != "v2":
         _page_out(cg, 256)
         return
-    for _ in range(64):
+    for _ in range(128):
         z = m.zram_stats()
         assert z is not None
-        if z["mem_limit_bytes"] - z["mem_used_bytes"] < MiB:
+        if z["mem_limit_bytes"] - z["mem_used_bytes"] < MiB // 2:
             return
-        _page_out(cg, 0.5)
+        _page_out(cg, 0.25)
     raise AssertionError(f"the device did not fill: {m.zram_stats()}")
 
 
