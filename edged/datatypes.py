@@ -65,7 +65,9 @@ class ExecEnd:
     ``reason``: ``"exited" | "signalled" | "timeout" | "oom" | "output_limit" | "killed"``.
     ``exit_code``: set when reason is ``exited``, None otherwise (enforced here); ``signal``:
     the signal that killed the exec's main process, when one did. ``duration_s``: wall time.
-    ``peak_memory_bytes``: when known.
+    ``peak_memory_bytes``: when known. ``message``: what more there is to say of this end,
+    when there is something (None otherwise): e.g. a ``timeout`` ended by the daemon because
+    the killed process could not be reaped (see :data:`edged.sbxinit.client.END_GRACE_S`).
     """
 
     reason: str
@@ -73,6 +75,7 @@ class ExecEnd:
     signal: int | None
     duration_s: float
     peak_memory_bytes: int | None
+    message: str | None = None
 
     def __post_init__(self) -> None:
         # The contract, whoever reports the end: an exec that did not end by its own exit

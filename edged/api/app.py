@@ -182,8 +182,10 @@ async def sandbox_stats(request: web.Request) -> web.Response:
 
 
 def end_json(end: ExecEnd, exec_id: int) -> dict[str, Any]:
-    """The ``end`` event's object."""
+    """The ``end`` event's object (``message`` only when the end has one)."""
     d = asdict(end)
+    if d["message"] is None:
+        del d["message"]
     d["exec_id"] = exec_id
     return d
 

@@ -101,7 +101,9 @@ class ExecResult:
     (a session run: ``session_ended`` too). ``stdout``/``stderr``: text (UTF-8, invalid
     bytes replaced); ``stdout_bytes``/``stderr_bytes``: the bytes as written; ``output``:
     ``(stream, text)`` chunks in the order they came (``combined``: their text joined).
-    Partial output is kept on timeout or limit. ``duration``: seconds.
+    Partial output is kept on timeout or limit. ``duration``: seconds. ``message``: what the
+    daemon says more of this end, when it does (e.g. a timeout whose process could not be
+    reaped), else None.
     """
 
     exit_code: int | None
@@ -112,6 +114,7 @@ class ExecResult:
     signal: int | None = None
     exec_id: int | None = None
     peak_memory_bytes: int | None = None
+    message: str | None = None
     raw_end: dict[str, Any] = field(default_factory=dict, repr=False)
     stdout_bytes: bytes = field(default=b"", repr=False)
     stderr_bytes: bytes = field(default=b"", repr=False)
@@ -201,6 +204,7 @@ class ExecCollector:
             signal=e.get("signal"),
             exec_id=self.exec_id,
             peak_memory_bytes=e.get("peak_memory_bytes"),
+            message=e.get("message"),
             raw_end=e,
             stdout_bytes=out,
             stderr_bytes=err,

@@ -20,6 +20,7 @@ import signal
 import socket
 import stat
 import struct
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +35,16 @@ log = logging.getLogger("edged.sbxinit")
 CREDIT_BATCH = 32 << 10
 #: Bytes the reader buffers (a frame's payload is at most protocol.MAX_PAYLOAD).
 READ_LIMIT = 1 << 20
+#: Seconds after an exec's timeout by which its END must have come from sbx-init; past
+#: them the exec ends here, ``timeout`` with a message saying why (:meth:`SbxClient._overdue`).
+#: sbx-init kills the tree at the timeout and sends END once the main process is reaped and
+#: its output read: a process in uninterruptible sleep is never reaped while it sleeps (a
+#: FUSE read its server has taken and not answered: a stopped or wedged lazy layer server,
+#: or a remote slower than the fetch timeout, ``fuse/dev.c`` request_wait_answer waits
+#: uninterruptibly for a request already sent), and a trainer must get every exec's end
+#: within its timeout however the sandbox's filesystem behaves. Wide enough for a sbx-init
+#: throttled by its sandbox's CPU quota to read the last output and report.
+END_GRACE_S = 20.0
 #: errno values of an exec that cannot start because of what was asked (a missing program, a
 #: bad cwd...): a BadRequest, not a backend failure. ENOENT EACCES ENOTDIR EISDIR E2BIG
 #: ENOEXEC EINVAL ENAMETOOLONG ELOOP.
@@ -65,18 +76,27 @@ class SbxExec:
         self.ended = False
         #: its consumer went away (:meth:`abandon`)
         self.abandoned = False
+        #: ended here, its END from sbx-init overdue (see :data:`END_GRACE_S`); sbx-init
+        #: still has it until its process is reaped
+        self.overdue = False
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
-        if self.ended:
+        if isinstance(item, ExecEnd):
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
+            if not self.ended:
+                self._q.put_nowait(item)
+                self.ended = True
             return
-        if self.abandoned and not isinstance(item, ExecEnd):
-            # nobody reads it: give the window back at once, so sbx-init reads on to the
-            # end instead of waiting for credit
+        if self.ended or self.abandoned:
+            # nobody reads it (gone, or its end given already): give the window back at
+            # once, so sbx-init reads on to the end instead of waiting for credit
             self._client.write_now(P.frame(P.CREDIT, self.exec_id,
                                            P.CREDIT_S.pack(len(item[1]), 0)))
             return
         self._q.put_nowait(item)
-        self.ended = isinstance(item, ExecEnd)
 
     async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
         """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
@@ -341,11 +361,15 @@ class SbxClient:
         except ValueError as exc:
             raise BadRequest(str(exc)) from exc
         h = SbxExec(self, eid, pty)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
         if not self.write_now(data):
             raise InvalidState(f"sandbox {self.sandbox_id}: control connection closed")
         self.handles[eid] = h
         self.pending[eid] = fut
+        if timeout_s:
+            h._watchdog = loop.call_later(timeout_s + END_GRACE_S, self._overdue, eid,
+                                          timeout_s, time.monotonic())
         try:
             async with self._lock:
                 await self.writer.drain()
@@ -361,6 +385,31 @@ class SbxClient:
                 h.abandon()
             raise
         return h
+
+    def _overdue(self, eid: int, timeout_s: float, t0: float) -> None:
+        """Exec ``eid``'s END has not come :data:`END_GRACE_S` after its timeout: end it here
+        (``timeout``, with a message), SIGKILL its tree again, and let sbx-init's late END
+        (or ERROR) only free the handle. An exec whose program had not even started (its
+        execve blocked in the same way) ends so too: :meth:`exec` returns its handle."""
+        h = self.handles.get(eid)
+        if h is None or h.ended or h.abandoned:  # ended, or nobody waits for its end
+            return
+        h.overdue = True
+        started = eid not in self.pending
+        fut = self.pending.pop(eid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(0)
+        self.write_now(P.frame(P.KILL, eid))
+        msg = (f"timed out after {timeout_s:g} s; its process "
+               f"{'was killed but could not be reaped' if started else 'could not be started'}"
+               f" within {END_GRACE_S:g} s (no end from sbx-init: a process in uninterruptible"
+               f" sleep, e.g. a read of a layer whose server does not answer, or a stalled "
+               f"sbx-init); ended by the daemon, output after this point is dropped")
+        log.warning("sandbox %s: exec %d: %s", self.sandbox_id, eid, msg)
+        end = ExecEnd(reason="timeout", exit_code=None, signal=None,
+                      duration_s=time.monotonic() - t0, peak_memory_bytes=None, message=msg)
+        h._push(end)
+        events.record_end(self.sink, self.sandbox_id, eid, end)
 
     def _request_id(self) -> int:
         """A nonzero id for an exec or a request, none of the ones running."""
@@ -501,9 +550,13 @@ class SbxClient:
                           exit_code=code if code >= 0 else None,
                           signal=sig or None, duration_s=dur_ns / 1e9,
                           peak_memory_bytes=peak or None)
-            if h:
-                h._push(end)
-            events.record_end(self.sink, self.sandbox_id, f.exec_id, end)
+            if h is not None and h.overdue:  # ended here already, and recorded
+                log.info("sandbox %s: exec %d reaped at last, %.1f s after it started",
+                         self.sandbox_id, f.exec_id, end.duration_s)
+            else:
+                if h is not None:
+                    h._push(end)
+                events.record_end(self.sink, self.sandbox_id, f.exec_id, end)
             if self.on_end is not None:
                 self.on_end()
         elif f.type == P.EVENT:
@@ -549,8 +602,8 @@ class SbxClient:
                 req.chunks.put_nowait(None)
             return
         h = self.handles.get(f.exec_id)
-        if h is not None and h.abandoned and f.exec_id not in self.pending:
-            self.handles.pop(f.exec_id)  # an abandoned exec that could not start
+        if h is not None and (h.abandoned or h.overdue) and f.exec_id not in self.pending:
+            self.handles.pop(f.exec_id)  # an abandoned (or overdue) exec that could not start
             return
         fut = self.pending.pop(f.exec_id, None)
         if fut and not fut.done():

@@ -499,14 +499,16 @@ class ContainerBackend:
                 except TimeoutError as exc:
                     now = loop.time()
                     if now > progress or now > start + EXIT_TIMEOUT_S:
-                        left = 0 if cg is None else len(await asyncio.to_thread(cg.procs))
+                        left = [] if cg is None else await asyncio.to_thread(cg.procs)
+                        why = await asyncio.to_thread(_left_text, left)
                         if now > start + EXIT_TIMEOUT_S:
                             raise BackendError(
                                 f"sbx-init did not exit {EXIT_TIMEOUT_S:.0f} s after SIGKILL "
-                                f"({left} processes left)") from exc
+                                f"({why}; a later delete finishes the removal once they "
+                                f"are gone)") from exc
                         progress = now + EXIT_PROGRESS_S
                         log.warning("sandbox %s: sbx-init not gone %.0f s after SIGKILL "
-                                    "(%d processes left)", sandbox_id, now - start, left)
+                                    "(%s)", sandbox_id, now - start, why)
                 # A dying PID 1 waits for every task of its namespace; one that sbx-init
                 # froze (killing an exec's tree) just before its own SIGKILL stays frozen
                 # until thawed; one forked since the last pass is still throttled.
@@ -1032,6 +1034,32 @@ def _death_cause(sbx: _Sandbox) -> dict[str, object]:
         if lines:
             cause["log"] = lines[-1][-300:]
     return cause
+
+
+def _left_text(pids: list[int]) -> str:
+    """``pids`` (host pids of a sandbox's processes still there after SIGKILL) in words:
+    how many, and those in uninterruptible sleep (``D`` in ``/proc/PID/stat``) with the
+    kernel function they wait in (``/proc/PID/wchan``): a SIGKILLed process dies only when
+    that wait ends, e.g. ``request_wait_answer``, a FUSE read its server took and has not
+    answered (a stopped or wedged lazy layer server)."""
+    stuck: list[str] = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                comm, rest = f.read().rsplit(")", 1)
+            if rest.split()[0] != "D":
+                continue
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read().strip() or "?"
+        except (OSError, IndexError):
+            continue
+        stuck.append(f"{comm.split('(', 1)[-1]}[{pid}] in {wchan}")
+    text = f"{len(pids)} processes left"
+    if stuck:
+        text += (f", in uninterruptible sleep: {', '.join(stuck[:4])}"
+                 f"{' ...' if len(stuck) > 4 else ''} (a read its filesystem has not "
+                 f"answered, e.g. of a layer whose lazy server is stopped or wedged)")
+    return text
 
 
 def _unthrottle_and_kill(cg: SandboxCgroup, leave_idle: bool = False) -> None:

@@ -15,17 +15,26 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from edged.client import InvalidStateError, LayersUnavailableError, Sandbox
+from edged.client import (
+    BackendError,
+    InvalidStateError,
+    LayersUnavailableError,
+    NotFoundError,
+    Sandbox,
+)
 from tests.busybox import install_busybox
 from tests.edged.test_e2e_container import real_node  # noqa: F401 - fixture
+from tests.timing import bound
 
 pytestmark = [pytest.mark.root, pytest.mark.mount, pytest.mark.fuse]
 
 DATA = ("r1", "r2", "r3")
+STALLS = 12  # small files /data/sN, each looked up by at most one test exec
 _SUMS: dict[str, str] = {}
 
 
@@ -36,9 +45,11 @@ def layer_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     from layerfs.build import build_layer
     from layerfs.store import Store
 
-    root = install_busybox(tmp_path_factory.mktemp("svcroot"), ("sh", "md5sum", "cat"))
+    root = install_busybox(tmp_path_factory.mktemp("svcroot"), ("sh", "md5sum", "cat", "stat"))
     for d in ("etc", "tmp", "data"):
         (root / d).mkdir()
+    for i in range(STALLS):
+        (root / "data" / f"s{i}").write_text(f"{i}\n")
     for name in DATA:
         data = os.urandom(8 << 20)
         (root / "data" / name).write_bytes(data)
@@ -302,3 +313,155 @@ def test_a_test_stopped_after_the_kill_leaves_no_dead_mount(real_node, layer_sto
     assert _mounts_under(cache) == []
     kept = Path(started[0].server.config.runtime_dir) / "sandboxes"
     assert not (kept.is_dir() and list(kept.iterdir()))
+
+
+
+@pytest.fixture
+def slow_remote(layer_store):
+    """The test's layer store served over HTTP on loopback; ``delay``: seconds each chunk
+    GET waits first (a remote slower than anything the test waits for)."""
+    from layerfs.store import Store
+    from tests.layerfs.lazy_helpers import RemoteThread
+
+    remote = RemoteThread(Store(layer_store[0]))
+    remote.start()
+    yield remote
+    remote.close()
+
+
+def _chunk_gets(remote) -> int:
+    return sum(remote.gets.values())
+
+
+def _forget_chunks(cache: Path) -> None:
+    """Make the next read of any layer block a FUSE request the server must fetch for:
+    every cached chunk evicted, the layer files' page cache dropped (the inodes EROFS has
+    not read yet are then read through it, with a synchronous FUSE read)."""
+    from layerfs.lazy.client import LazyClient
+
+    LazyClient(str(cache)).evict(0)
+    for img in (cache / "fuse").glob("*.erofs"):
+        fd = os.open(img, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _blocked_exec(a: Sandbox, cache: Path, remote, srv: int, files: Iterator[int],
+                  timeout: float = 2.0):
+    """Run ``stat /data/sN`` in ``a`` (``timeout`` s; N from ``files``: one no exec has
+    looked up) with its read taken by the lazy server ``srv`` (every chunk forgotten, the
+    remote slow) and the server then stopped (SIGSTOP; the caller sends SIGCONT): the
+    process is left waiting in request_wait_answer (EROFS reads the file's inode through
+    the layer file's page cache, a synchronous FUSE read), where SIGKILL cannot end it.
+    A stat answered without the server (the page still cached) is tried again with the
+    next file. Returns the exec's result and the seconds it took; AssertionError if it
+    did not end within a minute."""
+    remote.delay = 25.0
+    for n in files:
+        _forget_chunks(cache)
+        before = _chunk_gets(remote)
+        got: list = []
+        t0 = time.monotonic()
+        reader = threading.Thread(target=lambda: got.append(  # noqa: B023 - joined here
+            a.exec(f"stat /data/s{n}", timeout=timeout)), daemon=True)  # noqa: B023
+        reader.start()
+        _wait(lambda: _chunk_gets(remote) > before or got)  # noqa: B023
+        if got:
+            continue  # not through the server
+        os.kill(srv, signal.SIGSTOP)
+        reader.join(bound(60))
+        assert got, f"the exec did not end within 60 s of its {timeout:g} s timeout"
+        return got[0], time.monotonic() - t0
+    raise AssertionError("no stat of a file needed the server")
+
+
+def _resume(remote, srv: int) -> None:
+    remote.delay = 0.0
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(srv, signal.SIGCONT)
+
+
+def test_an_exec_blocked_on_a_stopped_server_ends_at_its_timeout(
+        node_of, layer_store, sums, slow_remote, monkeypatch) -> None:
+    """Bug (CI 22:46 on 26f4bb2: an exec with ``timeout=150`` still running after 5 min):
+    a process whose read the lazy server has taken (a FUSE request sent: here EROFS reading
+    an inode through the layer file's page cache) and not answered cannot die
+    (fs/fuse/dev.c, request_wait_answer waits uninterruptibly once a request is sent), so
+    sbx-init, which kills it at the timeout and reports the end once it has reaped it,
+    never did while the server was stopped, and the daemon waited with it. Now the exec
+    ends at its timeout plus a bounded grace, ``timeout`` with a message saying that its
+    process could not be reaped; once the server answers again the process dies, its exec
+    slot is freed and the sandbox runs on. A delete meanwhile is bounded and typed (and
+    says why), and the next one, once the server is back, leaves nothing."""
+    import edged.backends.container.backend as container
+    import edged.sbxinit.client as sbxclient
+
+    monkeypatch.setattr(sbxclient, "END_GRACE_S", 3.0, raising=False)
+    monkeypatch.setattr(container, "EXIT_TIMEOUT_S", 5.0)
+    _, d = layer_store
+    node = node_of(layers_check_interval_s=3600, layers_remote=slow_remote.url)
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="stall-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    srv = _pid(cache, "server")
+    files = iter(range(STALLS))
+    try:
+        r, took = _blocked_exec(a, cache, slow_remote, srv, files)
+        assert r.reason == "timeout" and r.exit_code is None, r
+        assert r.message and "could not be reaped" in r.message, r
+        assert took < bound(20), took
+    finally:
+        _resume(slow_remote, srv)
+    # the server answers again (its fetch retried): the killed process dies, sbx-init's
+    # late end frees the exec's slot, and the sandbox runs on
+    conn = node.server.manager.backend_of("stall-a")._sandboxes["stall-a"].conn
+    _wait(lambda: not conn.handles, bound(60))
+    assert a.exec("md5sum /data/r3").stdout.split()[0] == sums["r3"]
+    try:
+        _blocked_exec(a, cache, slow_remote, srv, files)
+        for _ in range(2):  # and again: still bounded, still saying why
+            t0 = time.monotonic()
+            with pytest.raises(BackendError) as ei:
+                a.kill()
+            assert time.monotonic() - t0 < bound(30)
+            assert "uninterruptible sleep" in str(ei.value) and \
+                "request_wait_answer" in str(ei.value), ei.value
+            assert a.refresh()["state"] == "failed"
+    finally:
+        _resume(slow_remote, srv)
+    a.kill()  # the process gone with the server's answer: the delete finishes
+    with pytest.raises(NotFoundError):
+        a.refresh()
+    node.stop()
+    assert _mounts_under(cache) == []
+
+
+def test_a_delete_while_the_server_is_stopped_is_bounded(node_of, layer_store, sums,
+                                                        monkeypatch) -> None:
+    """Bug: a sandbox deleted while the lazy server was stopped (nothing of it blocked)
+    took over 60 s: the layer's last user saved its access trace with the server's 60 s
+    request timeout, holding the layer manager's lock (which the health check's restart
+    needs), and the SDK gave up first (DaemonUnavailableError). The trace is best effort:
+    now a short wait, and the delete removes everything."""
+    _, d = layer_store
+    node = node_of(layers_check_interval_s=3600)
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="del-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    srv = _pid(cache, "server")
+    os.kill(srv, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        a.kill()
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(srv, signal.SIGCONT)
+    assert took < bound(20), took
+    with pytest.raises(NotFoundError):
+        a.refresh()
+    assert not os.path.ismount(node.server.manager.layer_service.layers.mountpoint(d))
+    node.stop()
+    assert _mounts_under(cache) == []

@@ -6,6 +6,7 @@ misbehaving peer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -349,3 +350,95 @@ def test_quiesce_keeps_execs_across_a_transport_that_goes_and_comes_back() -> No
         proc.kill()
         proc.wait(10)
         init_side.close()
+
+
+class _Peer:
+    """The sbx-init end of a socketpair, driven by hand: what frames came, and frames sent
+    at will (a sbx-init whose exec never ends, then ends late)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.got: list[tuple[int, int, bytes]] = []  # (type, exec id, payload)
+
+    async def start(self) -> None:
+        self.reader, self.writer = await asyncio.open_unix_connection(sock=self.sock)
+        self._task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:
+                n, type_, _f, eid, _r = P.HDR.unpack(await self.reader.readexactly(P.HDR.size))
+                self.got.append((type_, eid, await self.reader.readexactly(n)))
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def wait_for(self, type_: int, eid: int | None = None) -> bytes:
+        for _ in range(500):
+            for t, e, payload in self.got:
+                if t == type_ and eid in (None, e):
+                    return payload
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no frame {type_:#x} for exec {eid}")
+
+    def close(self) -> None:
+        self._task.cancel()
+        self.writer.close()
+
+
+def test_an_exec_whose_end_never_comes_ends_at_its_timeout_plus_the_grace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bug (CI 22:46: an exec with timeout 150 s still running after 5 min): sbx-init sends
+    an exec's END once it has reaped the killed process, and a process in uninterruptible
+    sleep (a FUSE read its server took and does not answer) is never reaped; the client
+    waited with it for ever. Now the exec ends END_GRACE_S after its timeout, ``timeout``
+    with a message, whether it had started or not; its tree is sent KILL again, output
+    that comes after is credited back (sbx-init's slot is freed by its late END, which is
+    not recorded twice), and the exec's id is not reused before that."""
+    from edged.sbxinit import client as sbxclient
+
+    monkeypatch.setattr(sbxclient, "END_GRACE_S", 0.2, raising=False)
+    led = Ledger(None)
+
+    async def body() -> None:
+        a, b = socket.socketpair()
+        peer = _Peer(b)
+        await peer.start()
+        c = SbxClient("stuck", *await asyncio.open_unix_connection(sock=a), led.record)
+        # started, some output, never an end
+        run = asyncio.create_task(c.exec(("stat", "/x"), ENV, timeout_s=0.1, **IDS))
+        await peer.wait_for(P.EXEC_T, 1)
+        peer.send(P.frame(P.STARTED, 1, P.STARTED_S.pack(42, 0)) + P.frame(P.STDOUT, 1, b"a"))
+        h = await run
+        out, _, end = await asyncio.wait_for(collect(h), 5)
+        assert out == b"a" and (end.reason, end.exit_code) == ("timeout", None)
+        assert end.message and "could not be reaped" in end.message, end
+        assert 0.3 <= end.duration_s < 3, end
+        await peer.wait_for(P.KILL, 1)
+        # the late output is credited back; the late end frees the handle, unrecorded
+        peer.send(P.frame(P.STDOUT, 1, b"bcd"))
+        assert P.CREDIT_S.unpack(await peer.wait_for(P.CREDIT, 1)) == (3, 0)
+        assert c._request_id() != 1  # still sbx-init's
+        peer.send(P.frame(P.END, 1, P.END_S.pack(3, -1, 9, 0, 10**9, 0)))
+        for _ in range(100):
+            if not c.handles:
+                break
+            await asyncio.sleep(0.01)
+        assert not c.handles
+        # never started (its execve blocked): exec() returns a handle that ends so too
+        run = asyncio.create_task(c.exec(("stat", "/y"), ENV, timeout_s=0.1, **IDS))
+        for _ in range(500):
+            execs = [e for t, e, _ in peer.got if t == P.EXEC_T]
+            if len(execs) == 2:
+                break
+            await asyncio.sleep(0.01)
+        eid = execs[-1]
+        h = await asyncio.wait_for(run, 5)
+        _, _, end = await asyncio.wait_for(collect(h), 5)
+        assert end.reason == "timeout" and "could not be started" in (end.message or ""), end
+        await peer.wait_for(P.KILL, eid)
+        await c.close()
+        peer.close()
+
+    asyncio.run(asyncio.wait_for(body(), 30))
+    assert [e.kind for e in led.events("stuck")] == ["timeout", "timeout"]
