@@ -42,6 +42,10 @@ from layerfs.lazy import client
 from layerfs.manifest import check_digest
 from layerfs.mount import mount_erofs, mount_overlay, mount_tmpfs, umount
 
+#: Seconds a layer's access trace (saved as its last user lets it go) may wait for the
+#: lazy server: the trace only speeds up the next start's prefetch.
+TRACE_TIMEOUT_S = 5.0
+
 
 @dataclass
 class _Mounted:
@@ -88,6 +92,10 @@ class LayerManager:
         self._proc = client.start(cache, fetch_timeout=fetch_timeout, cache_limit=cache_limit)
         self.client = client.LazyClient(cache)
         self._probe = client.LazyClient(cache, timeout=5.0)  # health: a wedged one is down
+        # What is only worth a short wait: the access traces saved as layers are let go
+        # (best effort: a stopped or wedged server had held every delete 60 s here, with
+        # the lock that the restart which would end the wedge needs)
+        self._aside = client.LazyClient(cache, timeout=TRACE_TIMEOUT_S)
         self._lock = threading.Lock()
         self._layers: dict[str, _Mounted] = {}
         self._roots: dict[str, Rootfs] = {}
@@ -278,7 +286,7 @@ class LayerManager:
             if m is None or m.refs:
                 return False
             with contextlib.suppress(LayerfsError):
-                self.client.trace(digest, save=True)
+                self._aside.trace(digest, save=True)
             self._unmount(m)
             if len(self._unmounted) > self.keep_registered:
                 self._trim()
@@ -303,7 +311,7 @@ class LayerManager:
                 if m.refs == 0:
                     m.idle_since = time.monotonic()
                     with contextlib.suppress(LayerfsError):
-                        self.client.trace(d, save=True)
+                        self._aside.trace(d, save=True)
 
     def reap(self, idle_seconds: float | None = None) -> list[str]:
         """Unmount layers unused for ``idle_seconds`` (default: the manager's); returns
