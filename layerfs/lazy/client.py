@@ -219,8 +219,12 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     it is left serving (ending it would abort the connection).
 
     A server that runs under its supervisor and does not answer for ``wait`` seconds is
-    wedged (stopped, deadlocked): it is killed (SIGKILL) and its supervisor's next one
-    waited for, ``wait`` seconds more.
+    wedged (stopped, deadlocked) if it started :data:`START_WAIT_S` or more ago: it is
+    killed (SIGKILL) and its supervisor's next one waited for, ``wait`` seconds more; a
+    younger one is still starting, and is left to start (LazyServerError meanwhile). A
+    supervisor started here on the caller's connection (``fuse_fd``) whose server does
+    not answer within ``wait`` is left running too (LazyServerError): the next call
+    waits for its server.
 
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
     within ``wait`` seconds (None: :data:`START_WAIT_S`)."""
@@ -237,6 +241,14 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
         # another FUSE mount on fuse/ and the first would outlive every stop().
         answer = _await_supervised(client, wait)
         if answer == "timeout" and (wedged := _running_server(client.cache)) is not None:
+            age = _age(wedged)
+            if age < START_WAIT_S:
+                # Still starting (an interpreter start on a loaded or swapping node can
+                # take longer than a restart's wait): killing it would kill its
+                # successors too, each as young, and reads would wait for ever.
+                raise LazyServerError(0, f"lazy server of {client.cache}: pid {wedged} "
+                                         f"started {age:.0f} s ago and does not answer "
+                                         f"yet (waited {wait:g} s)")
             # A server that runs and does not answer for so long is wedged (stopped,
             # deadlocked): nothing else would end it. Killed, its supervisor starts
             # another on the same connection (reads waiting on it are answered then).
@@ -283,6 +295,13 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
         if proc.poll() is not None:
             break
         time.sleep(0.05)
+    if adopt and proc.poll() is None:
+        # Ours, on the caller's connection, and still starting its server (slow on a
+        # loaded node): ending it would only start the next attempt from scratch, as
+        # slowly. The next call finds it running and waits for its server.
+        raise LazyServerError(0, f"lazy server of {client.cache}: supervisor pid {proc.pid} "
+                                 f"started; its server does not answer within {wait:g} s "
+                                 f"yet: {_log_tail(client.cache)}")
     # The supervisor unmounts its FUSE mount on SIGTERM; a stale one would fail every
     # later start.
     with contextlib.suppress(ProcessLookupError):
@@ -412,6 +431,19 @@ def stop(cache: str | None = None, *, proc: subprocess.Popen[bytes] | None = Non
     if proc is not None:
         proc.wait()
     return True
+
+
+def _age(pid: int) -> float:
+    """Seconds since process ``pid`` started (``/proc/PID/stat`` field 22, in clock ticks
+    since boot, against ``/proc/uptime``); infinity if that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("inf")
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _zombie(pid: int) -> bool:

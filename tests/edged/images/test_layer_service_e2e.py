@@ -465,3 +465,66 @@ def test_a_delete_while_the_server_is_stopped_is_bounded(node_of, layer_store, s
     assert not os.path.ismount(node.server.manager.layer_service.layers.mountpoint(d))
     node.stop()
     assert _mounts_under(cache) == []
+
+
+SLOW_START = '''\
+import os, time
+_on = os.path.join(os.path.dirname(os.path.abspath(__file__)), "on")
+if os.path.exists(_on):
+    with open("/proc/self/cmdline", "rb") as _f:
+        if b"layerfs.lazy.server" in _f.read():
+            with open(_on) as _g:
+                time.sleep(float(_g.read()))
+'''
+
+
+def test_a_server_slow_to_start_is_waited_for_not_killed(
+        node_of, layer_store, sums, tmp_path, monkeypatch) -> None:
+    """Bug (issue 9; seen as the orphan-supervisor test failing in CI at load): a lazy
+    server slower to start than the restart's 10 s wait (an interpreter start on a
+    loaded or swapping node) was taken for wedged and SIGKILLed, and so was each one its
+    supervisor started after it: reads waited for ever; a server left by a killed
+    supervisor was replaced under a new supervisor that was ended when its server was as
+    slow, and so was the next. A server started less than START_WAIT_S ago is starting,
+    not wedged, and a new supervisor is left to start its server: both are waited for,
+    and answer. (Slow here:
+    a ``sitecustomize`` that sleeps 12 s in each lazy server while ``on`` exists.)"""
+    slow = tmp_path / "slow-start"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_START)
+    monkeypatch.setenv("PYTHONPATH", str(slow))  # what the daemon starts inherits it
+    _, d = layer_store
+    node = node_of(layers_check_interval_s=0.2)
+    cache = _cache(node)
+    a = Sandbox.create(layers=[d], id="slow-a", env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    (slow / "on").write_text("12")
+    log = cache / "server.log"
+
+    def count() -> tuple[int, int]:  # servers started, servers that ended
+        text = log.read_text()
+        return text.count(" bytes cached"), text.count(" ended with status ")
+
+    before = count()
+    _kill(_pid(cache, "server"))
+    try:
+        r = a.exec("md5sum /data/r2", timeout=bound(90))
+    finally:
+        (slow / "on").unlink()
+    assert r.stdout.split()[0] == sums["r2"], r
+    # one server started after the kill, and none ended since (none killed as wedged)
+    assert count() == (before[0] + 1, before[1] + 1), log.read_text()[-3000:]
+    # the supervisor killed: its server is replaced under a new supervisor, which was
+    # ended in its turn when its server took longer than the wait to answer
+    (slow / "on").write_text("12")
+    before = count()
+    _kill(_pid(cache, "supervisor"))
+    try:
+        r = a.exec("md5sum /data/r3", timeout=bound(90))
+    finally:
+        (slow / "on").unlink()
+    assert r.stdout.split()[0] == sums["r3"], r
+    assert count()[0] == before[0] + 1, log.read_text()[-3000:]
+    a.kill()
+    node.stop()
+    assert _mounts_under(cache) == []
