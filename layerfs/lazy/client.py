@@ -198,6 +198,11 @@ def take_fd(cache: str | None = None, *, timeout: float = 5.0) -> int | None:
 START_WAIT_S = float(os.environ.get("LAYERFS_LAZY_START_WAIT_S") or 20.0)
 
 
+#: cache -> a supervisor :func:`start` left starting its server (on the caller's
+#: connection), handed to the caller of the call that finds its server answering
+_STARTING: dict[str, subprocess.Popen[bytes]] = {}
+
+
 def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
           attempt_timeout: float = 10.0, cache_limit: int | None = None,
           speculate: int | None = None, fuse_fd: int | None = None,
@@ -224,7 +229,7 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     younger one is still starting, and is left to start (LazyServerError meanwhile). A
     supervisor started here on the caller's connection (``fuse_fd``) whose server does
     not answer within ``wait`` is left running too (LazyServerError): the next call
-    waits for its server.
+    waits for its server and returns that supervisor's Popen.
 
     Raises :class:`LazyServerError` (with the end of its log) if it does not come up
     within ``wait`` seconds (None: :data:`START_WAIT_S`)."""
@@ -233,7 +238,7 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     client = LazyClient(cache, timeout=min(5.0, wait))  # a wedged one must not hold us
     if client.alive():
         if fuse_fd is None or _running_supervisor(client.cache) is not None:
-            return None
+            return _STARTING.pop(client.cache, None)
         _end_orphan_server(client.cache)
     running = _running_supervisor(client.cache)
     if running is not None:
@@ -258,7 +263,7 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
                 os.kill(wedged, signal.SIGKILL)
             answer = _await_supervised(client, wait)
         if answer == "alive":
-            return None
+            return _STARTING.pop(client.cache, None)
         if answer == "timeout":
             raise LazyServerError(0, f"lazy server of {client.cache}: supervisor pid "
                                      f"{running} runs but its server does not answer "
@@ -298,7 +303,8 @@ def start(cache: str | None = None, *, fetch_timeout: float = 30.0,
     if adopt and proc.poll() is None:
         # Ours, on the caller's connection, and still starting its server (slow on a
         # loaded node): ending it would only start the next attempt from scratch, as
-        # slowly. The next call finds it running and waits for its server.
+        # slowly. The next call finds it running, waits for its server and returns it.
+        _STARTING[client.cache] = proc
         raise LazyServerError(0, f"lazy server of {client.cache}: supervisor pid {proc.pid} "
                                  f"started; its server does not answer within {wait:g} s "
                                  f"yet: {_log_tail(client.cache)}")

@@ -148,6 +148,16 @@ def node_of(real_node):  # noqa: F811
     _sweep(real_node, started)
 
 
+def _one_sandbox(node_of, layer_store, sums, sid: str, **overrides):
+    """A daemon (``overrides`` of its config) and a sandbox ``sid`` over the test layer
+    that has read ``/data/r1``: (node, its layer cache, the sandbox)."""
+    _, d = layer_store
+    node = node_of(**overrides)
+    a = Sandbox.create(layers=[d], id=sid, env={"PATH": "/bin"}, socket=node.socket)
+    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    return node, _cache(node), a
+
+
 def _wait(pred, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -245,11 +255,8 @@ def test_a_server_left_without_its_supervisor_is_put_under_a_new_one(
     """kill -9 of the supervisor alone: its server serves on, but nothing would restart it
     if it died too, and a daemon's stop (which stops the supervisor) would leave it
     running. The daemon replaces it under a new supervisor on the same connection."""
-    _, d = layer_store
-    node = node_of(layers_check_interval_s=0.2)
-    cache = _cache(node)
-    a = Sandbox.create(layers=[d], id="orph-a", env={"PATH": "/bin"}, socket=node.socket)
-    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    node, cache, a = _one_sandbox(node_of, layer_store, sums, "orph-a",
+                                  layers_check_interval_s=0.2)
     sup, srv = _pid(cache, "supervisor"), _pid(cache, "server")
     _kill(sup)
     _wait(lambda: _gone(srv) and (cache / "supervisor.pid").exists()
@@ -272,11 +279,8 @@ def test_a_wedged_server_is_killed_and_replaced(node_of, layer_store, sums) -> N
     answer"), creates were refused and reads in running sandboxes waited for ever. The
     health check's restart kills it; its supervisor starts another on the same connection
     and the waiting read is answered."""
-    _, d = layer_store
-    node = node_of(layers_check_interval_s=0.2)
-    cache = _cache(node)
-    a = Sandbox.create(layers=[d], id="wedge-a", env={"PATH": "/bin"}, socket=node.socket)
-    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    node, cache, a = _one_sandbox(node_of, layer_store, sums, "wedge-a",
+                                  layers_check_interval_s=0.2)
     srv = _pid(cache, "server")
     os.kill(srv, signal.SIGSTOP)
     try:
@@ -400,11 +404,8 @@ def test_an_exec_blocked_on_a_stopped_server_ends_at_its_timeout(
 
     monkeypatch.setattr(sbxclient, "END_GRACE_S", 3.0, raising=False)
     monkeypatch.setattr(container, "EXIT_TIMEOUT_S", 5.0)
-    _, d = layer_store
-    node = node_of(layers_check_interval_s=3600, layers_remote=slow_remote.url)
-    cache = _cache(node)
-    a = Sandbox.create(layers=[d], id="stall-a", env={"PATH": "/bin"}, socket=node.socket)
-    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    node, cache, a = _one_sandbox(node_of, layer_store, sums, "stall-a",
+                                  layers_check_interval_s=3600, layers_remote=slow_remote.url)
     srv = _pid(cache, "server")
     files = iter(range(STALLS))
     try:
@@ -438,18 +439,14 @@ def test_an_exec_blocked_on_a_stopped_server_ends_at_its_timeout(
     assert _mounts_under(cache) == []
 
 
-def test_a_delete_while_the_server_is_stopped_is_bounded(node_of, layer_store, sums,
-                                                        monkeypatch) -> None:
+def test_a_delete_while_the_server_is_stopped_is_bounded(node_of, layer_store, sums) -> None:
     """Bug: a sandbox deleted while the lazy server was stopped (nothing of it blocked)
     took over 60 s: the layer's last user saved its access trace with the server's 60 s
     request timeout, holding the layer manager's lock (which the health check's restart
     needs), and the SDK gave up first (DaemonUnavailableError). The trace is best effort:
     now a short wait, and the delete removes everything."""
-    _, d = layer_store
-    node = node_of(layers_check_interval_s=3600)
-    cache = _cache(node)
-    a = Sandbox.create(layers=[d], id="del-a", env={"PATH": "/bin"}, socket=node.socket)
-    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
+    node, cache, a = _one_sandbox(node_of, layer_store, sums, "del-a",
+                                  layers_check_interval_s=3600)
     srv = _pid(cache, "server")
     os.kill(srv, signal.SIGSTOP)
     try:
@@ -462,7 +459,8 @@ def test_a_delete_while_the_server_is_stopped_is_bounded(node_of, layer_store, s
     assert took < bound(20), took
     with pytest.raises(NotFoundError):
         a.refresh()
-    assert not os.path.ismount(node.server.manager.layer_service.layers.mountpoint(d))
+    digest = layer_store[1]
+    assert not os.path.ismount(node.server.manager.layer_service.layers.mountpoint(digest))
     node.stop()
     assert _mounts_under(cache) == []
 
@@ -493,38 +491,37 @@ def test_a_server_slow_to_start_is_waited_for_not_killed(
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(SLOW_START)
     monkeypatch.setenv("PYTHONPATH", str(slow))  # what the daemon starts inherits it
-    _, d = layer_store
-    node = node_of(layers_check_interval_s=0.2)
-    cache = _cache(node)
-    a = Sandbox.create(layers=[d], id="slow-a", env={"PATH": "/bin"}, socket=node.socket)
-    assert a.exec("md5sum /data/r1").stdout.split()[0] == sums["r1"]
-    (slow / "on").write_text("12")
+    node, cache, a = _one_sandbox(node_of, layer_store, sums, "slow-a",
+                                  layers_check_interval_s=0.2)
     log = cache / "server.log"
 
     def count() -> tuple[int, int]:  # servers started, servers that ended
         text = log.read_text()
         return text.count(" bytes cached"), text.count(" ended with status ")
 
-    before = count()
-    _kill(_pid(cache, "server"))
-    try:
-        r = a.exec("md5sum /data/r2", timeout=bound(90))
-    finally:
-        (slow / "on").unlink()
-    assert r.stdout.split()[0] == sums["r2"], r
+    def slowly(kill: str, read: str) -> tuple[int, int]:
+        """kill -9 ``kill`` (server or supervisor) with every server start slow, then read
+        ``read``: the servers started and ended since."""
+        before = count()
+        (slow / "on").write_text("12")
+        sup, srv = _pid(cache, "supervisor"), _pid(cache, "server")
+        _kill(_pid(cache, kill))
+        try:
+            if kill == "supervisor":  # its server serves on until the daemon replaces it
+                _wait(lambda: _gone(srv) and (cache / "supervisor.pid").exists()
+                      and int((cache / "supervisor.pid").read_text()) != sup, bound(60))
+            r = a.exec(f"md5sum /data/{read}", timeout=bound(90))
+        finally:
+            (slow / "on").unlink()
+        assert r.stdout.split()[0] == sums[read], (r, log.read_text()[-3000:])
+        now = count()
+        return now[0] - before[0], now[1] - before[1]
+
     # one server started after the kill, and none ended since (none killed as wedged)
-    assert count() == (before[0] + 1, before[1] + 1), log.read_text()[-3000:]
-    # the supervisor killed: its server is replaced under a new supervisor, which was
+    assert slowly("server", "r2") == (1, 1), log.read_text()[-3000:]
+    # the supervisor killed: its server replaced under a new supervisor, which had been
     # ended in its turn when its server took longer than the wait to answer
-    (slow / "on").write_text("12")
-    before = count()
-    _kill(_pid(cache, "supervisor"))
-    try:
-        r = a.exec("md5sum /data/r3", timeout=bound(90))
-    finally:
-        (slow / "on").unlink()
-    assert r.stdout.split()[0] == sums["r3"], r
-    assert count()[0] == before[0] + 1, log.read_text()[-3000:]
+    assert slowly("supervisor", "r3")[0] == 1, log.read_text()[-3000:]
     a.kill()
     node.stop()
     assert _mounts_under(cache) == []
