@@ -307,7 +307,7 @@ _HELP = {
     "swap": "'auto': the host's swap, else a zram device of ours; 'zram'; 'off'",
     "zram_bytes": "uncompressed size of our zram device (0 = its RAM limit x 3)",
     "zram_mem_limit_bytes": "RAM our zram device may take, slot table included "
-                            "(0 = 3/4 of capacity)",
+                            "(0 = 3/4 of capacity, at most of MemTotal less the reserve)",
     "zram_algorithm": "zram compression (one the kernel offers: lzo-rle, lz4, ...)",
     "swap_files": "add swap files on disk behind the zram device as swap fills",
     "swap_file_bytes": "most bytes of those swap files in all (0 = 2 x capacity)",

@@ -42,7 +42,7 @@ from edged.logutil import RateLimitFilter
 from edged.metrics import Metrics
 from edged.node.fds import raise_nofile
 from edged.node.manager import SandboxManager
-from edged.node.swap import SwapManager, zram_sizing
+from edged.node.swap import SwapManager, zram_budget, zram_sizing
 from edged.security.apikeys import ApiKeys
 from edged.security.ledger import Ledger
 
@@ -131,8 +131,10 @@ class Server:
         cfg = self.config
         cap = cfg.capacity_memory()
         # zram: its RAM limit, not its slots, is the wall (sized for 3:1, its slot table
-        # within the RAM it may take; edged.node.swap.zram_sizing)
-        zram_ram = cfg.zram_mem_limit_bytes or cap * 3 // 4
+        # within the RAM it may take, which the node's real RAM bounds;
+        # edged.node.swap.zram_sizing, zram_budget)
+        zram_ram = cfg.zram_mem_limit_bytes or zram_budget(cap, mem_total(),
+                                                           cfg.memory_reserve())
         disksize, mem_limit = zram_sizing(zram_ram)
         if cfg.zram_bytes:
             disksize, mem_limit = cfg.zram_bytes, zram_ram

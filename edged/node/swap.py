@@ -114,6 +114,21 @@ def _while_busy(what: str, fn: Callable[[], None]) -> None:
         delay = min(0.2, delay * 2)
 
 
+def zram_budget(capacity_bytes: int, mem_total_bytes: int, reserve_bytes: int) -> int:
+    """The RAM in bytes our zram device may take by default: 3/4 of the sandboxes' memory
+    capacity (``capacity_bytes``, configured or MemTotal), but never more than 3/4 of what
+    the node really has for sandboxes: MemTotal less the host's reserve (the bound
+    sandboxes' memory together gets too), at least a quarter of MemTotal (a node smaller
+    than its reserve still gets a device). A capacity configured above the RAM
+    (``--memory-bytes 256G`` on a 4 GiB node, as tests/edged/test_nofile_e2e.py does) had
+    sized a 567 GiB device, whose slot table, vmalloc'd at ``disksize`` (16-24 B a page:
+    24 with CONFIG_ZRAM_MEMORY_TRACKING, as Debian's 6.1 has) and at ``swapon`` (3 B a
+    page), took ~3.5 GiB of the 4 GiB node VM at its first reclaim: a global OOM with the
+    memory in none of the OOM report's counters (vmalloc is not among them)."""
+    node = max(mem_total_bytes - reserve_bytes, mem_total_bytes // 4)
+    return max(0, min(capacity_bytes, node)) * 3 // 4
+
+
 def zram_sizing(ram_bytes: int, ratio: float = EXPECTED_RATIO,
                 page: int = 4096) -> tuple[int, int]:
     """``(disksize, mem_limit)`` in bytes for a zram device that may take ``ram_bytes`` of

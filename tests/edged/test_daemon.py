@@ -292,3 +292,27 @@ def test_a_stop_waits_for_slow_destroys_and_leaves_nothing(make_node, tmp_path) 
     assert be.live == {} and sorted(be.destroyed) == ["slow0", "slow1", "slow2"]
     assert node.layer_ops.mounted == {}  # the layer source closed too
     assert not list(Path(node.server.config.state_dir, "sandboxes").glob("*.json"))
+
+
+def test_zram_sized_by_the_nodes_ram_not_a_larger_capacity(tmp_path) -> None:
+    """A capacity configured above the node's RAM (``--memory-bytes 256G``, as
+    test_nofile_e2e's daemon has) must not size the zram device by it: the 567 GiB device
+    it gave had a slot table (vmalloc'd, 16-24 B a page, +3 B at swapon) of ~3.5 GiB, which
+    at the first reclaim in the 4 GiB node VM was a global OOM."""
+    from edged.backends.registry import Backends
+    from edged.config import mem_total
+    from edged.node.swap import zram_budget
+
+    cfg = Config(state_dir=str(tmp_path / "st"), runtime_dir=str(tmp_path / "rt"),
+                 cpus=1, memory_bytes=256 << 30)
+    be = FakeBackend(tmp_path / "sbx")
+    swap = Server(cfg, backend=be)._start_swap(Backends({"fake": be}, "fake"))
+    total = mem_total()
+    assert swap.zram_mem_limit_bytes <= (total - cfg.memory_reserve()) * 3 // 4
+    assert swap.zram_bytes <= 3 * swap.zram_mem_limit_bytes + 4096
+    assert swap.zram_bytes // 4096 * 27 < total // 30  # the slot table: under ~3.3% of RAM
+    # a capacity within the RAM is the budget's base; a node below its reserve gets 1/4
+    gib = 1 << 30
+    assert zram_budget(2 * gib, 24 * gib, gib) == 3 * gib // 2
+    assert zram_budget(256 * gib, 4 * gib, gib) == 3 * gib * 3 // 4
+    assert zram_budget(256 * gib, gib, gib) == gib // 4 * 3 // 4
