@@ -233,7 +233,8 @@ class Guest:
         new = [w.decode(errors="replace").rstrip("\r") for w in whole]
         for line in new:
             print(f"guest| {line}", file=sys.stderr, flush=True)
-        cases = [line for line in new if report.STREAM_PREFIX in line]
+        cases = [line for line in new
+                 if report.STREAM_PREFIX in line or report.MEM_PREFIX in line]
         if cases and self.stream is not None:
             with open(self.stream, "a") as f:  # kept as it comes: a killed run keeps it
                 f.write("".join(f"{line}\n" for line in cases))
@@ -357,6 +358,10 @@ async def run(ns: argparse.Namespace) -> int:
         slow = sorted(outcome.cases, key=lambda c: -c.seconds)[:10]
         print("node-vm: slowest inside: " + ", ".join(
             f"{c.nodeid.rsplit('::', 1)[-1]} {c.seconds:.0f}s" for c in slow), file=sys.stderr)
+        mem = [line for line in guest.lines if report.MEM_PREFIX in line]
+        if mem:
+            print("node-vm: guest memory (MiB) after the last test: "
+                  + mem[-1].split(report.MEM_PREFIX, 1)[1].strip(), file=sys.stderr)
         for n in outcome.unfinished:
             print(f"node-vm: UNFINISHED {n}", file=sys.stderr)
         for c in outcome.cases:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 #: What starts each streamed line (:mod:`tests.nodevm.stream`).
 STREAM_PREFIX = "nodevm-case:"
+#: the memory line after each test (tests.nodevm.stream.memory_line)
+MEM_PREFIX = "nodevm-mem:"
 
 #: (test id pattern, skip reason pattern, why that skip is right on the node VM). The test id
 #: is ``file::name`` as pytest prints it (class names folded in), matched with re.search.

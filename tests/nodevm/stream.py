@@ -15,6 +15,12 @@ split it); in the test id ``%`` and spaces are written ``%25`` and ``%20`` (:fun
 so it ends at the first space; the rest of an outcome's line is the first line of the
 failure's or skip's text, at most :data:`MESSAGE_MAX` characters. The host side reads them back with
 :func:`tests.nodevm.report.parse_stream`.
+
+After each test a second line says where the guest's memory is (:func:`memory_line`: what
+a global OOM report's counters leave out, vmalloc and per-cpu memory, dying cgroups and
+zram's compressed pages among it)::
+
+    nodevm-mem: tests/x/test_y.py::test_z MemAvailable=3012 VmallocUsed=40 Percpu=6 ...
 """
 
 from __future__ import annotations
@@ -25,9 +31,14 @@ from typing import Any
 
 import pytest
 
+from tests.nodevm.report import MEM_PREFIX
 from tests.nodevm.report import STREAM_PREFIX as PREFIX
 
 MESSAGE_MAX = 300
+#: /proc/meminfo fields in the memory line (MiB)
+MEMINFO_FIELDS = ("MemAvailable", "MemFree", "Cached", "Shmem", "AnonPages", "Slab",
+                  "SUnreclaim", "KernelStack", "PageTables", "VmallocUsed", "Percpu",
+                  "SwapTotal", "SwapFree")
 
 _fds: list[int] = []
 _reports: dict[str, list[pytest.TestReport]] = {}
@@ -94,6 +105,35 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _reports.setdefault(report.nodeid, []).append(report)
 
 
+def memory_line(nodeid: str, proc: str = "/proc", sysfs: str = "/sys") -> str:
+    """One line of where the memory is: :data:`MEMINFO_FIELDS` in MiB, the cgroup tree's
+    live and dying descendants (``cgroup.stat``: a dying memory cgroup keeps its per-cpu
+    counters and the pages charged to it) and zram's RAM in use (MiB, all devices, from
+    ``mm_stat``). What cannot be read is left out."""
+    fields: dict[str, str] = {}
+    with contextlib.suppress(OSError), open(f"{proc}/meminfo") as f:
+        for row in f:
+            name, _, rest = row.partition(":")
+            if name in MEMINFO_FIELDS:
+                fields[name] = str(int(rest.split()[0]) >> 10)
+    with contextlib.suppress(OSError, ValueError), open(f"{sysfs}/fs/cgroup/cgroup.stat") as f:
+        names = {"nr_descendants": "cgroups", "nr_dying_descendants": "dying"}
+        for row in f:
+            k, v = row.split()
+            if k in names:
+                fields[names[k]] = v
+    zram = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(f"{sysfs}/block"):
+            if name.startswith("zram"):
+                with contextlib.suppress(OSError, ValueError, IndexError), \
+                        open(f"{sysfs}/block/{name}/mm_stat") as f:
+                    zram += int(f.read().split()[2])  # mem_used_total, bytes
+    fields["zram"] = str(zram >> 20)
+    return f"{MEM_PREFIX} {quote_id(nodeid)} " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
 def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
     outcome, seconds, message = outcome_of(_reports.pop(nodeid, []))
     _emit(f"{PREFIX} {outcome} {seconds:.2f} {quote_id(nodeid)} {message}".rstrip())
+    _emit(memory_line(nodeid))

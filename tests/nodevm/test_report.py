@@ -161,3 +161,30 @@ def test_guest_pytest_args_keep_the_markers_and_the_selection() -> None:
         "-m", driver.MARKERS, "-x", "tests/security/test_apparmor.py"]
     assert driver.guest_pytest_args(["-m", "slow", "tests/edged/node"]) == [
         "-m", "slow", "tests/edged/node"]
+
+
+def test_memory_line_says_what_an_oom_report_leaves_out(tmp_path: Path) -> None:
+    """The line after each test: meminfo in MiB (vmalloc and per-cpu memory included, which
+    a global OOM's report has no counter for), live and dying cgroups, zram's RAM."""
+    from tests.nodevm.stream import memory_line
+
+    (tmp_path / "proc").mkdir()
+    (tmp_path / "proc" / "meminfo").write_text(
+        "MemTotal:        4015000 kB\nMemAvailable:     204800 kB\n"
+        "VmallocUsed:     3670016 kB\nPercpu:            10240 kB\nHugePages_Total: 0\n")
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    cg.mkdir(parents=True)
+    (cg / "cgroup.stat").write_text("nr_descendants 120\nnr_dying_descendants 7\n"
+                                    "nr_subsys_memory 40\n")
+    z = tmp_path / "sys" / "block" / "zram1"
+    z.mkdir(parents=True)
+    (z / "mm_stat").write_text(f"{1 << 30} {300 << 20} {310 << 20} 0 {320 << 20} 5 0 0 0\n")
+    (tmp_path / "sys" / "block" / "vda").mkdir()
+    line = memory_line("tests/a.py::t b", str(tmp_path / "proc"), str(tmp_path / "sys"))
+    assert line == ("nodevm-mem: tests/a.py::t%20b MemAvailable=200 VmallocUsed=3584 "
+                    "Percpu=10 cgroups=120 dying=7 zram=310")
+    # nothing readable: just the zram sum
+    assert memory_line("t", str(tmp_path / "none"), str(tmp_path / "none")) == \
+        "nodevm-mem: t zram=0"
+    # not a case line: the stream's reader skips it
+    assert report.parse_stream([line]).cases == []

@@ -24,6 +24,13 @@ finish() {
   journalctl -b --no-pager -u edged > "$R/edged.journal.txt" 2>&1
   dmesg > "$R/dmesg.txt" 2>&1
   cp /proc/loadavg "$R/loadavg.txt"
+  # where the memory is (a global OOM's report leaves vmalloc, per-cpu memory and zram out)
+  { echo "## meminfo"; cat /proc/meminfo; echo "## cgroup.stat"; cat /sys/fs/cgroup/cgroup.stat
+    echo "## zram mm_stat"; grep -H . /sys/block/zram*/mm_stat /sys/block/zram*/disksize
+    echo "## vmalloc by caller (KiB)"
+    awk '{ s[$3] += $2 } END { for (c in s) printf "%d %s\n", s[c] / 1024, c }' \
+      /proc/vmallocinfo | sort -rn | head -20
+  } > "$R/memory.txt" 2>&1
   echo "${1:-0}" > "$R/run-status"
   tar -C "$R" -cf "$RESULTS_DEV" . && sync
   say "done $1"
