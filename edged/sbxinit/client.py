@@ -80,6 +80,8 @@ class SbxExec:
         #: still has it until its process is reaped
         self.overdue = False
         self._watchdog: asyncio.TimerHandle | None = None
+        #: the consumer's callback (:meth:`tap`), None while it reads :meth:`events`
+        self._tap: Callable[[tuple[str, bytes] | ExecEnd], None] | None = None
 
     def _push(self, item: tuple[str, bytes] | ExecEnd) -> None:
         if isinstance(item, ExecEnd):
@@ -87,8 +89,11 @@ class SbxExec:
                 self._watchdog.cancel()
                 self._watchdog = None
             if not self.ended:
-                self._q.put_nowait(item)
                 self.ended = True
+                if self._tap is not None:
+                    self._tap(item)
+                else:
+                    self._q.put_nowait(item)
             return
         if self.ended or self.abandoned:
             # nobody reads it (gone, or its end given already): give the window back at
@@ -96,7 +101,32 @@ class SbxExec:
             self._client.write_now(P.frame(P.CREDIT, self.exec_id,
                                            P.CREDIT_S.pack(len(item[1]), 0)))
             return
+        if self._tap is not None:
+            self._tap(item)
+            self._credit(len(item[1]))
+            return
         self._q.put_nowait(item)
+
+    def _credit(self, n: int) -> None:
+        """``n`` more bytes consumed by a tap: credited back in batches, at once."""
+        self._uncredited += n
+        if self._uncredited >= CREDIT_BATCH:
+            n, self._uncredited = self._uncredited, 0
+            self._client.write_now(P.frame(P.CREDIT, self.exec_id, P.CREDIT_S.pack(n, 0)))
+
+    def tap(self, fn: Callable[[tuple[str, bytes] | ExecEnd], None]) -> None:
+        """Have every item :meth:`events` would yield given to ``fn`` as it arrives, from
+        the connection's reader (what came already first), instead of queued for
+        :meth:`events` (not to be used then): no task hop per chunk for a consumer that
+        keeps all of it anyway. ``fn`` must not block or raise. Output is credited back
+        as it is given (the consumer holds it, so no backpressure is left to it); the
+        :class:`ExecEnd` comes last, once."""
+        while not self._q.empty():
+            item = self._q.get_nowait()
+            fn(item)
+            if not isinstance(item, ExecEnd):
+                self._credit(len(item[1]))
+        self._tap = fn
 
     async def events(self) -> AsyncIterator[tuple[str, bytes] | ExecEnd]:
         """Output chunks in order, then one :class:`ExecEnd`. Output is credited back to
