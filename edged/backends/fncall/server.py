@@ -194,6 +194,7 @@ def _serve(opts: dict[str, Any]) -> None:
     present = [p for p in opts["probe"].split(",") if p and os.path.exists(p)]
     #: the server's own processes (and sbx-init), never a call's: not read for leftovers
     servers = frozenset(str(p) for p in (1, os.getpid(), pid, spawn_pid) if p)
+    _private()
     out.line({"ready": True, "preload_failed": failed, "zygote": pid, "spawner": spawn_pid,
               "spawner_error": spawn_error, "present": present})
     while True:
@@ -315,13 +316,12 @@ def _safe_rel(rel: object) -> str | None:
 
 def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.socket | None,
           servers: frozenset[str] = frozenset()) -> tuple[dict[str, Any], list[bytes]]:
-    import contextlib
     import json
     import marshal
 
     uid, gid = int(req.get("uid", 65534)), int(req.get("gid", 65534))
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(PRIVATE, 0o700)  # wiped after every call
+    if _kept is None:  # the wipe found it not the one made (see _private)
+        _private()
     os.mkdir(WORK, 0o755)
     os.chown(WORK, uid, gid)
     err = None
@@ -332,7 +332,7 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
             err = err or f"file {rel!r}: not a path inside the working directory"
             continue
         parent = os.path.dirname(path)
-        if not os.path.isdir(parent):
+        if parent != WORK and not os.path.isdir(parent):
             os.makedirs(parent, 0o755, exist_ok=True)
             p = parent
             while p != WORK:
@@ -346,7 +346,9 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
         finally:
             os.close(fd)
     stdin = os.path.join(PRIVATE, "stdin")
+    own = ["stdout", "stderr"]  # the server's files of this call in PRIVATE
     if req.get("stdin") is not None:
+        own.append("stdin")
         fd = os.open(stdin, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             _write_all(fd, inp.exactly(int(req["stdin"])))
@@ -374,6 +376,7 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
             if not msg:
                 msg = marshal.dumps(job)
                 if len(msg) > ZYGOTE_MSG_MAX:
+                    own.append("job")
                     path = os.path.join(PRIVATE, "job")
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
                                  0o600)
@@ -407,10 +410,48 @@ def _call(req: dict[str, Any], inp: _In, zy: socket.socket, spawner: socket.sock
     rep["leftovers"] = _leftovers(uid, servers)
     rep["ipc"] = _ipc_left()
     try:
+        for name in own:  # PRIVATE itself is kept (see _private)
+            try:  # noqa: SIM105 - no context manager per file in the per-call path
+                os.unlink(os.path.join(PRIVATE, name))
+            except FileNotFoundError:
+                pass
         _wipe()
     except OSError as e:
         raise _Fatal(f"wipe: {e}") from e
     return rep, blobs
+
+
+#: the inode number of the directory PRIVATE the server made as its parent's listing gives it
+#: (``d_ino``: on an overlay root it is not ``st_ino``), kept across calls (see
+#: :func:`_private`); None until made, and again once a wipe found another in its place
+_kept: int | None = None
+
+
+def _private() -> None:
+    """Make :data:`PRIVATE` (the sandbox root's, mode 0700: no call, as uid 65534 without
+    capabilities, can enter, change or, /tmp being sticky, rename it) and remember which
+    directory it is: kept across calls, so a call's wipe removes only the server's files
+    in it (:func:`_call`), and :func:`_wipe` spares that directory alone, by the inode
+    number its parent's listing gives (what the wipe compares), never an entry of the same
+    name a call could have made. Raises _Fatal if what is there is not a directory of the
+    server's with that mode."""
+    import stat
+
+    global _kept
+    try:  # noqa: SIM105 - contextlib is not imported for this
+        os.mkdir(PRIVATE, 0o700)
+    except FileExistsError:
+        pass  # the spawner's start made it
+    st = os.lstat(PRIVATE)
+    if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
+            or stat.S_IMODE(st.st_mode) != 0o700):
+        raise _Fatal(f"{PRIVATE}: not the server's directory (mode {st.st_mode:o}, "
+                     f"uid {st.st_uid})")
+    with os.scandir(_PRIVATE_TOP) as it:
+        ino = [e.inode() for e in it if e.name == _PRIVATE_NAME]
+    if len(ino) != 1:
+        raise _Fatal(f"{PRIVATE}: not in the listing of {_PRIVATE_TOP}")
+    _kept = ino[0]
 
 
 def _expand(fetch: list[Any]) -> list[Any]:
@@ -536,34 +577,48 @@ def _ipc_left() -> bool:
 
 
 def _wipe() -> None:
-    """Remove everything beneath the scratch paths (/tmp, /dev/shm): what a call left.
-    Symlinks are removed, never followed: every directory is opened with ``O_NOFOLLOW``
-    relative to its parent's descriptor and emptied through its own (:func:`_rmtree_at`)."""
+    """Remove everything beneath the scratch paths (/tmp, /dev/shm): what a call left,
+    but the server's own directory :data:`PRIVATE` (that inode, see :func:`_private`;
+    emptied of the server's files by :func:`_call`). Symlinks are removed, never
+    followed: every directory is opened with ``O_NOFOLLOW`` relative to its parent's
+    descriptor and emptied through its own (:func:`_rmtree_at`)."""
+    global _kept
     if not _guarded:  # never on a host: see main()
         raise RuntimeError("fncall server: wipe outside a sandbox")
+    kept, _kept = _kept, None
     for top in SCRATCH:
         try:  # the tops are the sandbox's mounts, not a call's to replace: followed
             fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
             continue
         try:
-            _empty_at(fd)
+            if _empty_at(fd, kept if top == _PRIVATE_TOP else None):
+                _kept = kept  # spared: still the server's
         finally:
             os.close(fd)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PRIVATE_TOP, _, _PRIVATE_NAME = PRIVATE.rpartition("/")
 
 
-def _empty_at(fd: int) -> None:
-    """Remove every entry of the directory open at ``fd``."""
+def _empty_at(fd: int, keep: int | None = None) -> bool:
+    """Remove every entry of the directory open at ``fd`` but the directory named as
+    :data:`PRIVATE` whose inode is ``keep``, if given; whether that one was there and
+    spared. (An entry is on its directory's file system: nothing is mounted in the
+    scratch paths but by the sandbox's making, and a call cannot mount.)"""
+    spared = False
     with os.scandir(fd) as it:
-        entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-    for name, is_dir in entries:
+        entries = [(e.name, e.is_dir(follow_symlinks=False), e.inode()) for e in it]
+    for name, is_dir, ino in entries:
+        if is_dir and ino == keep and name == _PRIVATE_NAME:
+            spared = True
+            continue
         if is_dir:
             _rmtree_at(fd, name)
         else:
             os.unlink(name, dir_fd=fd)
+    return spared
 
 
 def _rmtree_at(parent: int, name: str) -> None:
