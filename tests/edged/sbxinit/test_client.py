@@ -98,6 +98,39 @@ def test_flow_control_carries_more_than_the_window(init: tuple[int, int]) -> Non
     run(init, body)
 
 
+def test_a_tap_gets_everything_in_order_past_the_window_then_the_end(
+        init: tuple[int, int]) -> None:
+    """An exec tapped (``SbxExec.tap``, what a FnCall pool member uses) gets what came before
+    the tap and what comes after it, in order, beyond the credit window (credited back as
+    it is given), then its end once, last."""
+    async def body(c: SbxClient) -> None:
+        n = 4 * P.WINDOW + 777
+        h = await c.exec(("/bin/sh", "-c", f"echo first; read x; head -c {n} /dev/zero; "
+                          "echo err >&2; exit 4"), ENV, stdin=True, **IDS)
+        got: list[object] = []
+        done = asyncio.Event()
+
+        def take(item: object) -> None:
+            got.append(item)
+            if not isinstance(item, tuple):
+                done.set()
+
+        for _ in range(100):  # "first" queued before the tap
+            if not h._q.empty():
+                break
+            await asyncio.sleep(0.01)
+        h.tap(take)
+        await h.write_stdin(b"go\n")
+        await asyncio.wait_for(done.wait(), 30)
+        out = b"".join(i[1] for i in got if isinstance(i, tuple) and i[0] == "stdout")
+        err = b"".join(i[1] for i in got if isinstance(i, tuple) and i[0] == "stderr")
+        assert out == b"first\n" + bytes(n) and err == b"err\n"
+        ends = [i for i in got if not isinstance(i, tuple)]
+        assert ends == [got[-1]] and getattr(ends[0], "exit_code", None) == 4
+
+    run(init, body)
+
+
 def test_signal_kill_and_closing_the_client_ends_execs(init: tuple[int, int]) -> None:
     pids: list[int] = []
 
