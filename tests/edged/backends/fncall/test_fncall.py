@@ -216,7 +216,7 @@ def test_the_wipe_removes_links_not_what_they_point_to(fn_node) -> None:
         assert r["stdout"] == "planted\n", r
     for _ in range(4):
         r = fn_node.run({"language": "python", "source": look})
-        assert r["stdout"] == "['.fncall', 'work'] [] True True\n", r  # the server's
+        assert r["stdout"] == "['work'] ['.fncall'] True True\n", r  # the server's
 
 
 def test_system_v_ipc_left_replaces_the_sandbox(fn_node) -> None:

@@ -20,25 +20,27 @@ SCRIPT = r"""
 import importlib.util, os, subprocess, sys
 def sh(*argv):
     subprocess.run(argv, check=True)
-# /tmp as a sandbox has it: a directory of an overlay root whose upper is a tmpfs and whose
+# /tmp as a sandbox has it, and /dev/shm so too (in a sandbox a tmpfs of its own; here held
+# to the harder case): directories of an overlay root whose upper is a tmpfs and whose
 # lower another file system (there an entry's inode number in a listing is not its st_ino)
 sh("mount", "-t", "tmpfs", "tmpfs", "/tmp")
-os.makedirs("/tmp/lower/tmp"); os.makedirs("/tmp/scratch")
+os.makedirs("/tmp/lower/tmp"); os.makedirs("/tmp/lower/shm"); os.makedirs("/tmp/scratch")
 sh("mount", "-t", "tmpfs", "tmpfs", "/tmp/scratch")
 os.makedirs("/tmp/scratch/upper"); os.makedirs("/tmp/scratch/work"); os.makedirs("/tmp/root")
 sh("mount", "-t", "overlay", "overlay", "-o", "lowerdir=/tmp/lower,upperdir=/tmp/scratch/upper,"
    "workdir=/tmp/scratch/work", "/tmp/root")
-os.chmod("/tmp/root/tmp", 0o1777)
+for d in ("tmp", "shm"):
+    os.chmod("/tmp/root/" + d, 0o1777)
+sh("mount", "--bind", "/tmp/root/shm", "/dev/shm")
 sh("mount", "--bind", "/tmp/root/tmp", "/tmp")
-sh("mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/dev/shm")
 spec = importlib.util.spec_from_file_location("server", sys.argv[1])
 server = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(server)
 server._guarded = True  # this namespace is the sandbox here: its /tmp is its own tmpfs
 P = server.PRIVATE
 
-def dino():  # the directory's inode number as /tmp's listing gives it (what the wipe reads)
-    return [e.inode() for e in os.scandir("/tmp") if e.name == ".fncall"][0]
+def dino():  # the directory's inode number as its parent's listing gives it (what the wipe reads)
+    return [e.inode() for e in os.scandir("/dev/shm") if e.name == ".fncall"][0]
 
 def tree():
     out = []
@@ -51,12 +53,13 @@ server._wipe(); server._private()
 ino = os.lstat(P).st_ino
 # what a call leaves: files, a directory, a symlink out of the scratch
 os.makedirs("/tmp/work/a/b"); open("/tmp/work/a/b/f", "w").close()
-open("/dev/shm/x", "w").close(); os.symlink("/etc", "/tmp/link")
+open("/dev/shm/x", "w").close(); os.symlink("/etc", "/tmp/link"); os.mkdir("/dev/shm/d")
 open(P + "/stdout", "w").close()  # the server's own: _call removes it, not the wipe
 server._wipe()
 print("1", tree(), os.lstat(P).st_ino == ino, server._kept == dino())
 os.unlink(P + "/stdout")
-# another directory of that name in its place (what a call could do were /tmp not sticky)
+# another directory of that name in its place (what a call could do were its parent not
+# sticky)
 os.rmdir(P); os.mkdir(P, 0o777); open(P + "/planted", "w").close()
 server._wipe()
 print("2", tree(), server._kept)
@@ -83,7 +86,7 @@ def test_the_wipe_spares_the_servers_directory_and_nothing_else() -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "1 ['/tmp/.fncall', '/tmp/.fncall/stdout'] True True", r.stdout
+    assert lines[0] == "1 ['/dev/shm/.fncall', '/dev/shm/.fncall/stdout'] True True", r.stdout
     assert lines[1] == "2 [] None", r.stdout
-    assert lines[2] == "3 ['/tmp/.fncall'] True 0o700", r.stdout
+    assert lines[2] == "3 ['/dev/shm/.fncall'] True 0o700", r.stdout
     assert lines[3] == "4 refused", r.stdout
