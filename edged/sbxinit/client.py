@@ -23,7 +23,6 @@ import struct
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from edged.datatypes import EventSink, ExecEnd
 from edged.errors import BackendError, BadRequest, InvalidState, NotFound, PidsExhausted
@@ -238,10 +237,6 @@ class SbxClient:
         self._held: list[bytes] | None = None
         self._attached = asyncio.Event()
         self._attached.set()
-        #: a frame that broke the protocol, seen by a directly fed reader (:meth:`_direct`)
-        self._broken: ValueError | None = None
-        self._dec = P.Decoder()
-        self._direct()
         self._task = asyncio.create_task(self._read_loop())
 
     # -- sending ---------------------------------------------------------------------------
@@ -336,8 +331,6 @@ class SbxClient:
             raise InvalidState(f"sandbox {self.sandbox_id}: reattach without quiesce")
         self.reader, self.writer = reader, writer
         self._hello = asyncio.get_running_loop().create_future()
-        self._dec = P.Decoder()
-        self._direct()
         self._task = asyncio.create_task(self._read_loop())
         held, self._held = self._held, None
         writer.write(b"".join([P.frame(P.HELLO), *held]))
@@ -546,48 +539,19 @@ class SbxClient:
 
     # -- receiving -------------------------------------------------------------------------
 
-    def _decode(self, dec: P.Decoder, data: bytes) -> None:
-        for f in dec.feed(data):
-            try:
-                self._dispatch(f)
-            except struct.error as exc:
-                raise ValueError(f"frame type {f.type:#x}: bad payload ({exc})") from exc
-
-    def _direct(self) -> bool:
-        """Have the frames dispatched as the bytes arrive, from the transport's
-        ``data_received`` (the reader's ``feed_data``), instead of by this loop once the
-        reader wakes it: one event-loop turn less for every frame from sbx-init (an exec's
-        output reaches its consumer in the same turn). Only for asyncio's own
-        :class:`asyncio.StreamReader` with nothing buffered; EOF and errors still come
-        through the reader to :meth:`_read_loop`; a frame that breaks the protocol ends the
-        connection as there (held in ``_broken``, then EOF). False if not done."""
-        reader, dec = self.reader, self._dec
-        if type(reader) is not asyncio.StreamReader or len(getattr(reader, "_buffer", b"x")):
-            return False
-        feed_eof = reader.feed_eof
-
-        def feed_data(data: Any) -> None:
-            if self._broken is not None:
-                return
-            try:
-                self._decode(dec, data)
-            except ValueError as exc:
-                self._broken = exc
-                feed_eof()
-
-        reader.feed_data = feed_data  # type: ignore[method-assign]
-        return True
-
     async def _read_loop(self) -> None:
+        dec = P.Decoder()
         broken = False
         try:
             while True:
-                data = await self.reader.read(1 << 18)  # all of it, unless fed directly
+                data = await self.reader.read(1 << 18)
                 if not data:
-                    if self._broken is not None:
-                        raise self._broken
                     break
-                self._decode(self._dec, data)
+                for f in dec.feed(data):
+                    try:
+                        self._dispatch(f)
+                    except struct.error as exc:
+                        raise ValueError(f"frame type {f.type:#x}: bad payload ({exc})") from exc
         except ConnectionError as exc:
             log.warning("sandbox %s: control connection: %s", self.sandbox_id, exc)
         except ValueError as exc:

@@ -131,37 +131,6 @@ def test_a_tap_gets_everything_in_order_past_the_window_then_the_end(
     run(init, body)
 
 
-def test_frames_are_dispatched_as_their_bytes_arrive() -> None:
-    """The reader is fed by the transport (``feed_data``, from ``data_received``); a frame
-    is dispatched right there, not one event-loop turn later by the read loop: sbx-init's
-    answer to HELLO is taken before anything else runs, a frame split across two feeds
-    once its second half comes, and a frame that breaks the protocol ends the connection
-    (a recorded violation, as from the read loop)."""
-    async def main() -> None:
-        ours, theirs = socket.socketpair()
-        reader, writer = await asyncio.open_connection(sock=ours)
-        ledger = Ledger()
-        c = SbxClient("t", reader, writer, ledger.record)
-        try:
-            hello = P.frame(P.HELLO_OK, 0, P.HELLO_S.pack(P.VERSION, 0, 0, 0))
-            reader.feed_data(hello[:5])
-            assert not c._hello.done()
-            reader.feed_data(hello[5:])
-            assert c._hello.done() and c._hello.result()[0] == P.VERSION
-            reader.feed_data(P.frame(0x7F, 0))  # no such frame type
-            for _ in range(100):
-                if c.closed:
-                    break
-                await asyncio.sleep(0.01)
-            assert c.closed
-            assert [e.kind for e in ledger.events("t")] == ["protocol_violation"]
-        finally:
-            await c.close()
-            theirs.close()
-
-    asyncio.run(asyncio.wait_for(main(), 30))
-
-
 def test_signal_kill_and_closing_the_client_ends_execs(init: tuple[int, int]) -> None:
     pids: list[int] = []
 
