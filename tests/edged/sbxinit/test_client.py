@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -475,3 +476,18 @@ def test_an_exec_whose_end_never_comes_ends_at_its_timeout_plus_the_grace(
 
     asyncio.run(asyncio.wait_for(body(), 30))
     assert [e.kind for e in led.events("stuck")] == ["timeout", "timeout"]
+
+
+def test_the_end_grace_comes_from_the_environment_on_a_slow_machine() -> None:
+    """``EDGED_EXEC_END_GRACE_S`` sets END_GRACE_S (the node VM's run sets 120: at 20 s a
+    sbx-init at 5% of an emulated CPU had its execs ended before it had read their output);
+    without it, 20 s."""
+    code = "from edged.sbxinit import client; print(client.END_GRACE_S)"
+    env = {k: v for k, v in os.environ.items() if k != "EDGED_EXEC_END_GRACE_S"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert float(out) == 20.0
+    out = subprocess.run([sys.executable, "-c", code],
+                         env={**env, "EDGED_EXEC_END_GRACE_S": "120"}, capture_output=True,
+                         text=True, check=True).stdout
+    assert float(out) == 120.0
