@@ -13,6 +13,8 @@ say() { echo "nodevm: $*"; }
 # Bounds for an emulated node (tests/timing.py, layerfs.lazy.client.START_WAIT_S): only
 # bounds, every wait still ends as soon as what it waits for is there.
 TIME_SCALE=6
+# (pytest-timeout's 600 s a test, pyproject.toml, scaled as well: the fork-bomb test's own
+# bound is 600 s scaled, and its 160 attempts took past 600 s in the whole run at 02:0x)
 LAZY_START_WAIT_S=120
 # edged.sbxinit.client.END_GRACE_S: an exec's end may come this long after its timeout
 # before the daemon ends it (a throttled sbx-init in an emulated guest drains slowly)
@@ -116,7 +118,7 @@ t0=$(date +%s)
 NODEVM_GUEST=1 EDGED_TEST_TIME_SCALE=$TIME_SCALE LAYERFS_LAZY_START_WAIT_S=$LAZY_START_WAIT_S \
   EDGED_EXEC_END_GRACE_S=$EXEC_END_GRACE_S EDGED_TEST_REPEATS=$REPEATS NODEVM_STREAM="/dev/ttyS0:$R/stream.txt" \
   /opt/edged/bin/python -m pytest -p no:cacheprovider -p tests.nodevm.stream \
-  -o console_output_style=count \
+  -o console_output_style=count --timeout=$((600 * TIME_SCALE)) \
   --junitxml="$R/junit.xml" "${SELECTION[@]}" 2>&1 | tee "$R/pytest.txt"
 rc=${PIPESTATUS[0]}
 say "pytest exit $rc after $(( $(date +%s) - t0 )) s"
