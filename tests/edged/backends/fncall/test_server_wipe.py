@@ -20,6 +20,10 @@ SCRIPT = r"""
 import importlib.util, os, subprocess, sys
 def sh(*argv):
     subprocess.run(argv, check=True)
+# loaded before /tmp is mounted over: the checkout may be under /tmp (a CI clone there)
+spec = importlib.util.spec_from_file_location("server", sys.argv[1])
+server = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(server)
 # /tmp as a sandbox has it, and /dev/shm so too (in a sandbox a tmpfs of its own; here held
 # to the harder case): directories of an overlay root whose upper is a tmpfs and whose
 # lower another file system (there an entry's inode number in a listing is not its st_ino)
@@ -33,9 +37,6 @@ for d in ("tmp", "shm"):
     os.chmod("/tmp/root/" + d, 0o1777)
 sh("mount", "--bind", "/tmp/root/shm", "/dev/shm")
 sh("mount", "--bind", "/tmp/root/tmp", "/tmp")
-spec = importlib.util.spec_from_file_location("server", sys.argv[1])
-server = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(server)
 server._guarded = True  # this namespace is the sandbox here: its /tmp is its own tmpfs
 P = server.PRIVATE
 
